@@ -1,0 +1,63 @@
+"""Capability card: what one node advertises to the fleet (DESIGN.md "Capability card").
+
+Frozen dataclasses inside the process; protobuf on the wire (transport/convert.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NewType
+
+NodeId = NewType("NodeId", str)
+
+
+class Role(str, Enum):
+    STAGE = "stage"
+    VERIFIER = "verifier"
+    PROPOSER = "proposer"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOnDisk:
+    model_id: str  # name a user asks for, e.g. "SmolLM2-135M-Instruct"
+    fingerprint: str  # weights fingerprint (model/weights.py)
+    num_layers: int
+    path: str = ""  # local path on that node; informational for other nodes
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedShard:
+    model_id: str
+    fingerprint: str
+    first_layer: int  # inclusive
+    last_layer: int  # exclusive
+    queue_depth: int = 0
+    max_streams: int = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    node_id: NodeId
+    grpc_address: str  # host:port
+    platform: str  # "linux-x86_64", "darwin-arm64"; informational
+    device: str  # "cpu", "cuda:0", "mps"
+    memory_total_bytes: int
+    memory_free_bytes: int
+    memory_bandwidth_gbps: float  # measured at start-up, GB/s
+    matmul_gflops: float  # measured at start-up
+    models: tuple[ModelOnDisk, ...] = ()
+    shards: tuple[LoadedShard, ...] = ()
+    roles: tuple[Role, ...] = (Role.STAGE,)
+    collective_endpoint: str | None = None  # tensor-parallel backend address, when any
+    api_address: str | None = None  # host:port of the OpenAI-compatible HTTP API, when served
+    announced_at: float = field(default_factory=time.time)  # unix seconds; last writer wins
+    ttl_seconds: float = 30.0
+
+    @property
+    def expires_at(self) -> float:
+        return self.announced_at + self.ttl_seconds
+
+    def is_expired(self, now: float) -> bool:
+        return now >= self.expires_at

@@ -1,0 +1,109 @@
+"""KV cache of one stage: per sequence, the keys and values of the stage's layers.
+
+Each sequence owns contiguous tensors that grow by doubling, so attention reads
+one strided view per layer with no gather. `length` counts committed tokens;
+rolling back (speculative decoding, failover re-prefill) is `truncate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NewType
+
+import torch
+from torch import Tensor
+
+SeqId = NewType("SeqId", int)
+
+_MIN_CAPACITY = 64
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    num_layers: int
+    num_key_value_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_key_value_heads * self.head_dim * self.dtype.itemsize
+
+
+class SequenceKV:
+    """Keys and values of one sequence for a contiguous range of layers.
+
+    k, v: [num_layers, num_key_value_heads, capacity, head_dim]
+    """
+
+    def __init__(self, layout: KVLayout, capacity: int = _MIN_CAPACITY):
+        self.layout = layout
+        self.length = 0
+        self.k = self._empty(capacity)
+        self.v = self._empty(capacity)
+
+    def _empty(self, capacity: int) -> Tensor:
+        lay = self.layout
+        return torch.empty(lay.num_layers, lay.num_key_value_heads, capacity, lay.head_dim,
+                           dtype=lay.dtype, device=lay.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, num_tokens: int) -> None:
+        """Make room for `num_tokens` in total; called before a forward writes them."""
+        if num_tokens <= self.capacity:
+            return
+        capacity = max(num_tokens, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = self._empty(capacity)
+            new[:, :, : self.length].copy_(old[:, :, : self.length])
+            setattr(self, name, new)
+
+    def truncate(self, length: int) -> None:
+        """Forget every token at position >= length (rollback)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a {self.length}-token sequence to {length}")
+        self.length = length
+
+    def copy_prefix_from(self, k: Tensor, v: Tensor) -> None:
+        """Start this sequence from cached prefix keys/values ([layers, heads, n, dim])."""
+        n = k.shape[2]
+        self.reserve(n)
+        self.k[:, :, :n].copy_(k)
+        self.v[:, :, :n].copy_(v)
+        self.length = n
+
+    @property
+    def num_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class KVCache:
+    """All sequences of one stage, keyed by sequence id; lifetime set by the leader."""
+
+    def __init__(self, layout: KVLayout):
+        self.layout = layout
+        self.sequences: dict[SeqId, SequenceKV] = {}
+
+    def get_or_allocate(self, seq_id: SeqId) -> SequenceKV:
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            seq = self.sequences[seq_id] = SequenceKV(self.layout)
+        return seq
+
+    def release(self, seq_id: SeqId) -> bool:
+        return self.sequences.pop(seq_id, None) is not None
+
+    def __contains__(self, seq_id: SeqId) -> bool:
+        return seq_id in self.sequences
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.num_bytes for s in self.sequences.values())

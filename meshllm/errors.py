@@ -1,0 +1,71 @@
+"""Named errors for everything a user, a peer or a file can get wrong.
+
+Each carries a stable `code` (the reference designs' error codes) so the API,
+the CLI and the wire protocol can report it without string matching.
+"""
+
+
+class MeshError(Exception):
+    """Base for errors meant for a user: the message says what and how to fix it."""
+
+    code = "internal"
+
+
+class ModelLoadError(MeshError):
+    """A model folder or file is missing, unreadable or inconsistent."""
+
+    code = "model_load_failed"
+
+
+class UnsupportedArchitecture(ModelLoadError):
+    code = "unsupported_architecture"
+
+
+class CorruptWeights(ModelLoadError):
+    code = "corrupt_weights"
+
+
+class ContextOverflow(MeshError):
+    """A prompt (plus requested tokens) does not fit the model's context."""
+
+    code = "context_length_exceeded"
+
+
+class ShardUnavailable(MeshError):
+    """No placement of the model fits the live fleet.
+
+    `missing_bytes` (when known) is how much more memory the fleet needs and
+    `part` names what does not fit ("layers 22-29", "embedding"), so a caller
+    can say more than the message without parsing it.
+    """
+
+    code = "shard_unavailable"
+
+    def __init__(self, message: str, *, missing_bytes: int | None = None, part: str | None = None):
+        super().__init__(message)
+        self.missing_bytes = missing_bytes
+        self.part = part
+
+
+class WeightsMismatch(MeshError):
+    code = "weights_mismatch"
+
+
+class ShardCorrupt(MeshError):
+    """A stage sent activations with NaN/Inf or the wrong shape/dtype."""
+
+    code = "shard_corrupt"
+
+
+class PipelineStalled(MeshError):
+    code = "pipeline_stalled"
+
+
+class AuthError(MeshError):
+    code = "unauthenticated"
+
+
+class BadRequest(MeshError):
+    """A request's parameters are malformed (non-positive context, batch, ...)."""
+
+    code = "bad_request"

@@ -1,0 +1,237 @@
+"""One decoder for the Llama family; variants are switches on ModelConfig.
+
+A Decoder holds layers [first_layer, last_layer) of a model: the embedding when
+it starts at layer 0, the final norm and LM head when it ends at the last layer.
+Tokens of many sequences travel flat as [num_tokens, hidden]; attention runs per
+sequence against that sequence's KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshllm.engine.kv_cache import KVLayout, SequenceKV
+from meshllm.model.config import ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class SeqSlice:
+    """One sequence's share of a flat batch: rows [row, row + num_tokens)."""
+
+    kv: SequenceKV
+    row: int
+    num_tokens: int
+
+    @property
+    def start(self) -> int:  # position of the first new token
+        return self.kv.length
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class Rotary:
+    """cos/sin tables indexed by absolute position; llama3 frequency scaling."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        self.dtype = dtype
+        self.inv_freq = _inv_freq(config)
+        self.cos = self.sin = torch.empty(0, config.head_dim, dtype=dtype)
+        self._grow(max(config.max_position_embeddings, 1))
+
+    def _grow(self, num_positions: int) -> None:
+        t = torch.arange(num_positions, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self.cos.shape[0]:
+            self._grow(max(needed, 2 * self.cos.shape[0]))
+        return self.cos[positions], self.sin[positions]
+
+
+def _inv_freq(config: ModelConfig) -> Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.sliding_window = config.sliding_window
+        h = config.hidden_size
+        # q, k and v fused into one matmul: one weight read, one dispatch.
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if len(slices) == 1:
+            out = self._attend(q, k, v, slices[0], layer)
+        else:
+            out = torch.cat([self._attend(q[s.row:s.row + s.num_tokens], k[s.row:s.row + s.num_tokens],
+                                          v[s.row:s.row + s.num_tokens], s, layer) for s in slices])
+        return self.o_proj(out.reshape(n, self.q_size))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, s: SeqSlice, layer: int) -> Tensor:
+        # q: [t, heads, dim]; k, v: [t, kv_heads, dim] -> [t, heads, dim]
+        start, t = s.start, s.num_tokens
+        end = start + t
+        s.kv.k[layer, :, start:end].copy_(k.transpose(0, 1))
+        s.kv.v[layer, :, start:end].copy_(v.transpose(0, 1))
+        keys, values = s.kv.k[layer, :, :end], s.kv.v[layer, :, :end]  # [kv_heads, end, dim]
+        group = self.num_heads // self.num_kv_heads
+        if t == 1 and (self.sliding_window is None or end <= self.sliding_window):
+            # Decode: fold the query heads of a group into the query axis; every key is visible.
+            qg = q.view(self.num_kv_heads, group, self.head_dim)
+            out = F.scaled_dot_product_attention(qg, keys, values)
+            return out.view(1, self.num_heads, self.head_dim)
+        qh = q.transpose(0, 1)  # [heads, t, dim]
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=0)
+            values = values.repeat_interleave(group, dim=0)
+        if start == 0 and (self.sliding_window is None or end <= self.sliding_window):
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._mask(start, t, q.device))
+        return out.transpose(0, 1)
+
+    def _mask(self, start: int, t: int, device: torch.device) -> Tensor:
+        q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
+        k_pos = torch.arange(0, start + t, device=device).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if self.sliding_window is not None:
+            visible &= k_pos > q_pos - self.sliding_window
+        return visible
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = Attention(config, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slices, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Layers [first_layer, last_layer) of a model, on one device, in one dtype."""
+
+    def __init__(self, config: ModelConfig, first_layer: int = 0, last_layer: int | None = None,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        last_layer = config.num_hidden_layers if last_layer is None else last_layer
+        if not 0 <= first_layer < last_layer <= config.num_hidden_layers:
+            raise ValueError(f"layer range [{first_layer}, {last_layer}) is not inside the model's "
+                             f"{config.num_hidden_layers} layers")
+        self.config = config
+        self.first_layer, self.last_layer = first_layer, last_layer
+        self.dtype = dtype
+        self.has_embedding = first_layer == 0
+        self.has_head = last_layer == config.num_hidden_layers
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h, dtype=dtype) if self.has_embedding else None
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(first_layer, last_layer))
+        self.norm = RMSNorm(h, config.rms_norm_eps, dtype) if self.has_head else None
+        self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype) if self.has_head else None
+        self.rotary = Rotary(config, dtype)
+        self.requires_grad_(False)
+
+    def kv_layout(self, kv_dtype: torch.dtype | None = None) -> KVLayout:
+        return KVLayout(len(self.layers), self.config.num_key_value_heads, self.config.head_dim,
+                        kv_dtype or self.dtype)
+
+    @torch.inference_mode()
+    def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice],
+                logit_rows: Tensor | None = None) -> Tensor:
+        """Run this part of the model on a flat batch and commit its tokens to the KV caches.
+
+        x: token ids [tokens] on the first stage, else hidden states [tokens, hidden].
+        Returns hidden states [tokens, hidden], or on the last stage fp32 logits for
+        `logit_rows` (all rows when None): [len(logit_rows), vocab].
+        """
+        for s in slices:
+            s.kv.reserve(s.start + s.num_tokens)
+        h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
+        cos, sin = self.rotary(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, slices, i)
+        for s in slices:
+            s.kv.length += s.num_tokens
+        if not self.has_head:
+            return h
+        if logit_rows is not None:
+            h = h.index_select(0, logit_rows)
+        return self.lm_head(self.norm(h)).float()
+
+    def forward_full(self, token_ids: Tensor) -> Tensor:
+        """Logits [tokens, vocab] for one sequence from scratch; a convenience for tests."""
+        assert self.has_embedding and self.has_head, "forward_full needs the whole model"
+        kv = SequenceKV(self.kv_layout(), capacity=max(token_ids.numel(), 1))
+        positions = torch.arange(token_ids.numel())
+        return self(token_ids, positions, [SeqSlice(kv, 0, token_ids.numel())])
