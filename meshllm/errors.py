@@ -69,3 +69,37 @@ class BadRequest(MeshError):
     """A request's parameters are malformed (non-positive context, batch, ...)."""
 
     code = "bad_request"
+
+
+class KeyFileError(AuthError):
+    """The cluster key file is missing, unreadable or not a key."""
+
+    code = "bad_key_file"
+
+
+class InvalidCard(MeshError):
+    """A capability card from a peer has absurd or oversized values; it is dropped."""
+
+    code = "invalid_card"
+
+
+class MalformedMessage(MeshError):
+    """A wire message is too large, has too many entries or cannot be decoded."""
+
+    code = "malformed_message"
+
+
+class MalformedTensor(ShardCorrupt):
+    """A tensor's bytes do not match its dtype and shape, or the dtype is unknown."""
+
+
+class PeerUnreachable(MeshError):
+    """A peer did not answer a gRPC call in time or refused the connection."""
+
+    code = "peer_unreachable"
+
+
+class BindFailed(MeshError):
+    """A node could not listen on the address it was given."""
+
+    code = "bind_failed"

@@ -59,22 +59,24 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"config field {name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelLoadError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ModelLoadError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelLoadError(f"config field sliding_window must be positive or null, got {self.sliding_window}")
 
     @property
     def num_parameters(self) -> int:
-        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
-        q = self.num_attention_heads * self.head_dim
-        kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        h, v = self.hidden_size, self.vocab_size
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * per_layer + h + head
+        return v * h + self.num_hidden_layers * self.layer_parameters() + h + head
 
     def layer_parameters(self) -> int:
         """Parameters of one decoder layer (all layers are the same size)."""
@@ -90,24 +92,23 @@ class ModelConfig:
         return 2 * layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        """Build from a config.json dict; rejects architectures we do not implement."""
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            archs = d.get("architectures") or []
-            model_type = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if model_type is None:
-            raise UnsupportedArchitecture(
-                f"model_type {d.get('model_type')!r} / architectures {d.get('architectures')} is not supported; "
-                f"meshllm runs {sorted(SUPPORTED_ARCHITECTURES)} (model_type {sorted(SUPPORTED_MODEL_TYPES)})")
+    def from_dict(cls, d: dict, origin: str = "config.json") -> "ModelConfig":
+        """Build from a config.json dict; rejects architectures we do not implement.
+
+        `origin` names where the dict came from, for error messages.
+        """
+        if not isinstance(d, dict):
+            raise ModelLoadError(f"{origin} must hold a JSON object, got {type(d).__name__}")
+        model_type = _model_type(d, origin)
         switches = SUPPORTED_MODEL_TYPES[model_type]
+        _reject_unsupported_switches(d, model_type, origin)
         try:
-            heads = int(d["num_attention_heads"])
-            hidden = int(d["hidden_size"])
+            heads = _positive_int(d, "num_attention_heads")
+            hidden = _positive_int(d, "hidden_size")
             eos = d.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             head_dim = d.get("head_dim") or hidden // heads
-            rope_scaling = _parse_rope_scaling(d.get("rope_scaling"))
+            rope_theta, rope_scaling = _parse_rope(d, origin)
             sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
             return cls(
                 model_type=model_type,
@@ -118,21 +119,23 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
-                max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+                max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", 10000.0)),
+                rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
                 attention_bias=bool(d.get("attention_bias", switches.get("attention_bias", False))),
                 qk_norm=switches.get("qk_norm", False),
                 sliding_window=int(sliding) if sliding else None,
-                bos_token_id=d.get("bos_token_id"),
+                bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
             )
         except KeyError as e:
-            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+            raise ModelLoadError(f"{origin} lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
-            raise ModelLoadError(f"config.json has a malformed field: {e}") from None
+            raise ModelLoadError(f"{origin} has a malformed field: {e}") from None
+        except ModelLoadError as e:
+            raise type(e)(f"{origin}: {e}") from None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -141,22 +144,76 @@ class ModelConfig:
             raise ModelLoadError(f"{path} not found: a Hugging Face model folder needs config.json")
         try:
             d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, origin=str(path))
 
 
-def _parse_rope_scaling(raw: dict | None) -> RopeScaling | None:
-    if not raw:
-        return None
+def _model_type(d: dict, origin: str) -> str:
+    model_type = d.get("model_type")
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return model_type
+    archs = d.get("architectures") or []
+    if isinstance(archs, list):
+        for arch in archs:
+            if arch in SUPPORTED_ARCHITECTURES:
+                return SUPPORTED_ARCHITECTURES[arch]
+    raise UnsupportedArchitecture(
+        f"{origin}: model_type {model_type!r} / architectures {archs} is not supported; meshllm runs "
+        f"{sorted(SUPPORTED_ARCHITECTURES)} (model_type {sorted(SUPPORTED_MODEL_TYPES)})")
+
+
+def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
+    # Each of these changes the computation; running without it would give silently wrong logits.
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise UnsupportedArchitecture(f"{origin}: hidden_act {act!r} is not supported (meshllm runs silu MLPs)")
+    if d.get("mlp_bias"):
+        raise UnsupportedArchitecture(f"{origin}: mlp_bias=true is not supported (meshllm runs bias-free MLPs)")
+    if model_type in ("llama", "qwen3") and d.get("attention_bias"):
+        # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
+        raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
+                                      f"is not supported")
+    if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+        raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
+                                      f"some layers only) is not supported; set it to false")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    partial = d.get("partial_rotary_factor", rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
+    if partial not in (None, 1, 1.0):
+        raise UnsupportedArchitecture(f"{origin}: partial_rotary_factor {partial} is not supported "
+                                      f"(meshllm rotates the whole head)")
+
+
+def _positive_int(d: dict, key: str) -> int:
+    value = int(d[key])
+    if value <= 0:
+        raise ModelLoadError(f"config field {key} must be positive, got {value}")
+    return value
+
+
+def _parse_rope(d: dict, origin: str) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from either layout of config.json.
+
+    transformers < 5 writes `rope_theta` and `rope_scaling` at the top level; transformers >= 5
+    writes one `rope_parameters` dict holding `rope_theta` and the scaling keys.
+    """
+    raw = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"rope_parameters / rope_scaling must be an object, got {raw!r}")
+    rope_theta = float(raw.get("rope_theta") or d.get("rope_theta") or 10000.0)
     rope_type = raw.get("rope_type", raw.get("type"))
     if rope_type in (None, "default"):
-        return None
+        return rope_theta, None
     if rope_type != "llama3":
-        raise UnsupportedArchitecture(f"rope_scaling type {rope_type!r} is not supported (supported: llama3)")
-    return RopeScaling(
-        factor=float(raw["factor"]),
-        low_freq_factor=float(raw["low_freq_factor"]),
-        high_freq_factor=float(raw["high_freq_factor"]),
-        original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-    )
+        raise UnsupportedArchitecture(f"rope scaling type {rope_type!r} is not supported (supported: llama3)")
+    try:
+        scaling = RopeScaling(
+            factor=float(raw["factor"]),
+            low_freq_factor=float(raw["low_freq_factor"]),
+            high_freq_factor=float(raw["high_freq_factor"]),
+            original_max_position_embeddings=int(raw.get("original_max_position_embeddings")
+                                                 or d["max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"llama3 rope scaling lacks required field {e.args[0]!r}") from None
+    return rope_theta, scaling

@@ -49,32 +49,70 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
                  progress: Callable[[int, int], None] | None = None) -> Decoder:
     """Load layers [first_layer, last_layer) (whole model by default) in `dtype`.
 
-    `progress(done, total)` is called as parameters load (the CLI draws a bar).
+    Reads only the tensors of that range from `source`. `progress(done, total)` is
+    called as parameters load (the CLI draws a bar).
     """
     last_layer = config.num_hidden_layers if last_layer is None else last_layer
+    if not 0 <= first_layer < last_layer <= config.num_hidden_layers:
+        raise ModelLoadError(f"{source.path}: layer range [{first_layer}, {last_layer}) is not inside the "
+                             f"model's {config.num_hidden_layers} layers")
     with torch.device("meta"):
         decoder = Decoder(config, first_layer, last_layer, dtype)
     names = name_map(config, first_layer, last_layer)
     expected = {name: p.shape for name, p in decoder.named_parameters()}
     assert set(expected) == set(names), set(expected) ^ set(names)
     available = set(source.tensor_names())
+    _reject_unused_layer_tensors(source, available, names, first_layer, last_layer)
+    # The tied LM head shares the embedding's storage when a stage holds both: read it once.
+    shares_embedding = config.tie_word_embeddings and "embed_tokens.weight" in names and "lm_head.weight" in names
     state: dict[str, Tensor] = {}
     for done, (ours, hf_names) in enumerate(names.items()):
-        missing = [n for n in hf_names if n not in available]
-        if missing:
-            raise ModelLoadError(f"{source.path}: tensor {missing[0]!r} is missing (needed for {ours}, "
-                                 f"layers [{first_layer}, {last_layer}))")
-        parts = source.read(hf_names, dtype)
-        tensor = parts[hf_names[0]] if len(hf_names) == 1 else torch.cat([parts[n] for n in hf_names])
-        if tensor.shape != expected[ours]:
-            raise ModelLoadError(f"{source.path}: {' + '.join(hf_names)} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(expected[ours])} for this config")
-        state[ours] = tensor.contiguous()
+        if shares_embedding and ours == "lm_head.weight":
+            state[ours] = state["embed_tokens.weight"]
+        else:
+            state[ours] = _load_one(source, available, config, ours, hf_names, expected[ours], dtype)
         if progress:
             progress(done + 1, len(names))
-    # The tied LM head shares the embedding's storage when a stage holds both.
-    if "embed_tokens.weight" in state and config.tie_word_embeddings and "lm_head.weight" in state:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
     decoder.load_state_dict(state, assign=True, strict=True)
     decoder.rotary = type(decoder.rotary)(config, dtype)  # built on meta above; rebuild on cpu
     return decoder
+
+
+def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ours: str, hf_names: list[str],
+              shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """One of our parameters: the HF tensors, each shape-checked, concatenated along dim 0."""
+    for hf in hf_names:
+        if hf not in available:
+            raise ModelLoadError(f"{source.path}: tensor {hf!r} is missing (needed for {ours}); "
+                                 f"the checkpoint does not match its config.json")
+    parts = source.read(hf_names, dtype)
+    for hf, rows in zip(hf_names, _part_rows(config, ours, shape)):
+        want = (rows, *shape[1:])
+        if tuple(parts[hf].shape) != want:
+            raise ModelLoadError(f"{source.path}: tensor {hf!r} has shape {tuple(parts[hf].shape)}, expected "
+                                 f"{want} from config.json; the checkpoint does not match its config")
+    tensor = parts[hf_names[0]] if len(hf_names) == 1 else torch.cat([parts[n] for n in hf_names])
+    return tensor.contiguous()
+
+
+def _part_rows(config: ModelConfig, ours: str, shape: torch.Size) -> list[int]:
+    """Rows each HF tensor contributes to our (possibly fused) parameter."""
+    if ".qkv_proj." in ours:
+        kv = config.num_key_value_heads * config.head_dim
+        return [config.num_attention_heads * config.head_dim, kv, kv]
+    if ".gate_up_proj." in ours:
+        return [config.intermediate_size, config.intermediate_size]
+    return [shape[0]]
+
+
+def _reject_unused_layer_tensors(source: TensorSource, available: set[str], names: NameMap,
+                                 first_layer: int, last_layer: int) -> None:
+    # A layer tensor we would not read (an o_proj or MLP bias, a new norm) means the checkpoint
+    # computes something the decoder does not: refuse rather than give silently wrong logits.
+    wanted = {hf for hf_names in names.values() for hf in hf_names}
+    prefixes = tuple(f"model.layers.{i}." for i in range(first_layer, last_layer))
+    for name in sorted(available):
+        # Old Llama checkpoints store the rotary table; we compute it from the config.
+        if name.startswith(prefixes) and name not in wanted and not name.endswith("rotary_emb.inv_freq"):
+            raise ModelLoadError(f"{source.path}: tensor {name!r} is not used by meshllm's Llama-family "
+                                 f"decoder; this checkpoint has parts meshllm does not implement")

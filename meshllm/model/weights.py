@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable
@@ -18,12 +19,17 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from meshllm.errors import CorruptWeights, ModelLoadError
 from meshllm.model.config import ModelConfig
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Bumped when the hashed content changes, so cached fingerprints of an older scheme are not reused.
+_FINGERPRINT_VERSION = "v1"
+# Bytes per element of the safetensors dtypes we check sizes for; others are left to safe_open.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 class TensorSource(Protocol):
@@ -78,15 +84,20 @@ class SafetensorsSource:
             by_file.setdefault(entry.file, []).append(name)
         out = {}
         for file, file_names in by_file.items():
-            with safe_open(file, framework="pt") as f:
-                for name in file_names:
-                    out[name] = f.get_tensor(name).to(dtype)
-                    self._bytes_read += self._entries[name].end - self._entries[name].begin
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in file_names:
+                        out[name] = f.get_tensor(name).to(dtype)
+                        self._bytes_read += self._entries[name].end - self._entries[name].begin
+            except SafetensorError as e:
+                raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
         return out
 
     def fingerprint(self) -> str:
         files = sorted({e.file for e in self._entries.values()})
-        key = "|".join(f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+        # Path, size and mtime of every file: rewriting any weight file invalidates the entry.
+        key = _FINGERPRINT_VERSION + "|" + "|".join(
+            f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
         cached = _fingerprint_cache_get(key)
         if cached:
             return cached
@@ -107,24 +118,37 @@ class SafetensorsSource:
 
 
 def _index(folder: Path) -> dict[str, _TensorEntry]:
+    files = _weight_files(folder)
+    entries: dict[str, _TensorEntry] = {}
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"{file} is listed in {folder / 'model.safetensors.index.json'} but missing")
+        for name, entry in _read_header(file).items():
+            if name in entries:
+                raise CorruptWeights(f"tensor {name!r} is in both {entries[name].file} and {file}; "
+                                     f"remove the stray file from {folder}")
+            entries[name] = entry
+    return entries
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of a model: the index's shards, else model.safetensors, else every *.safetensors."""
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
         try:
             weight_map = json.loads(index_file.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CorruptWeights(f"{index_file} is not a valid safetensors index: {e}") from None
-        files = sorted({folder / f for f in weight_map.values()})
-    else:
-        files = sorted(folder.glob("*.safetensors"))
+            return sorted({folder / str(f) for f in weight_map.values()})
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptWeights(f"{index_file} is not a valid safetensors index ({type(e).__name__}: {e}); "
+                                 f"it needs a \"weight_map\" object of tensor name -> file") from None
+    # Some repositories also ship consolidated.safetensors with other tensor names; model.safetensors wins.
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no *.safetensors files in {folder}: expected model.safetensors "
                              f"or shards listed in model.safetensors.index.json")
-    entries = {}
-    for file in files:
-        if not file.is_file():
-            raise ModelLoadError(f"{file} is listed in the index but missing")
-        entries.update(_read_header(file))
-    return entries
+    return files
 
 
 def _read_header(file: Path) -> dict[str, _TensorEntry]:
@@ -132,7 +156,7 @@ def _read_header(file: Path) -> dict[str, _TensorEntry]:
     with open(file, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) < 8:
-            raise CorruptWeights(f"{file} is too short to be a safetensors file ({size} bytes)")
+            raise CorruptWeights(f"{file} is too short to be a safetensors file ({size} bytes); re-download it")
         (header_len,) = struct.unpack("<Q", raw_len)
         if header_len > min(_MAX_HEADER_BYTES, size - 8):
             raise CorruptWeights(f"{file} has a corrupt safetensors header (claims {header_len} header bytes "
@@ -141,18 +165,26 @@ def _read_header(file: Path) -> dict[str, _TensorEntry]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CorruptWeights(f"{file} has a corrupt safetensors header: {e}; re-download the file") from None
+    if not isinstance(header, dict):
+        raise CorruptWeights(f"{file} has a corrupt safetensors header (not a JSON object); re-download the file")
     data_start = 8 + header_len
     entries = {}
     for name, meta in header.items():
         if name == "__metadata__":
             continue
         try:
-            begin, end = meta["data_offsets"]
-            entry = _TensorEntry(file, meta["dtype"], tuple(meta["shape"]), data_start + begin, data_start + end)
+            begin, end = (int(o) for o in meta["data_offsets"])
+            entry = _TensorEntry(file, str(meta["dtype"]), tuple(int(d) for d in meta["shape"]),
+                                 data_start + begin, data_start + end)
         except (KeyError, TypeError, ValueError):
-            raise CorruptWeights(f"{file}: header entry for {name!r} is malformed") from None
+            raise CorruptWeights(f"{file}: header entry for {name!r} is malformed; re-download the file") from None
         if entry.end > size or entry.begin > entry.end:
             raise CorruptWeights(f"{file}: tensor {name!r} points past the end of the file (truncated download?)")
+        itemsize = _DTYPE_BYTES.get(entry.dtype)
+        if itemsize is not None and math.prod(entry.shape) * itemsize != entry.end - entry.begin:
+            raise CorruptWeights(f"{file}: tensor {name!r} ({entry.dtype} {list(entry.shape)}) spans "
+                                 f"{entry.end - entry.begin} bytes, not {math.prod(entry.shape) * itemsize}; "
+                                 f"re-download the file")
         entries[name] = entry
     return entries
 

@@ -1,0 +1,192 @@
+"""Gossip: symmetric push-pull of capability cards between nodes.
+
+Each round a node sends its whole view to each peer (its --peer seeds, the
+nodes mDNS discovered, and one random node from its view); the peer merges it
+and answers with its own merged view, which the caller merges in turn. After
+one exchange both sides hold the union, so with a connected seed graph every
+view holds every live card within graph-diameter rounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from meshllm.cluster.card import Card
+from meshllm.cluster.registry import MergeResult, Registry
+from meshllm.errors import AuthError, MalformedMessage, MeshError, PeerUnreachable
+from meshllm.transport.auth import TlsFiles
+from meshllm.transport.channels import ChannelConfig, ChannelPool, open_channel
+from meshllm.transport.convert import (MAX_CARDS_PER_EXCHANGE, MAX_EXCHANGE_BYTES, card_to_pb,
+                                       cards_from_pb)
+from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def outgoing_cards(cards: Iterable[Card], own: Card) -> list[cluster_pb2.Card]:
+    """The cards to send, own card first; past the message limit the freshest win."""
+    others = sorted((c for c in cards if c.node_id != own.node_id), key=lambda c: -c.announced_at)
+    return [card_to_pb(c) for c in (own, *others[:MAX_CARDS_PER_EXCHANGE - 1])]
+
+
+def merge_reply(registry: Registry, cards: Iterable[cluster_pb2.Card], source: str, now: float) -> MergeResult:
+    valid, rejected = cards_from_pb(list(cards), now)
+    for rejection in rejected:
+        log.warning("dropped a card from %s: %s", source, rejection)
+    return registry.merge(valid)
+
+
+class ClusterServicer(cluster_pb2_grpc.ClusterServicer):
+    """Answers Exchange on gRPC server threads (the registry is thread-safe)."""
+
+    def __init__(self, registry: Registry, clock: Callable[[], float] = time.time):
+        self._registry = registry
+        self._clock = clock
+
+    def Exchange(self, request: cluster_pb2.ExchangeRequest, context: grpc.ServicerContext):
+        # The server's message limit is sized for activations; the control plane
+        # has its own, and an oversized or overfull exchange is refused whole.
+        if request.ByteSize() > MAX_EXCHANGE_BYTES:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"exchange of {request.ByteSize()} bytes exceeds {MAX_EXCHANGE_BYTES}")
+        try:
+            merge_reply(self._registry, request.cards, f"caller {context.peer()}", self._clock())
+        except MalformedMessage as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return cluster_pb2.ExchangeResponse(cards=outgoing_cards(self._registry.snapshot(),
+                                                                 self._registry.own_card()))
+
+
+class HealthServicer(cluster_pb2_grpc.HealthServicer):
+    def __init__(self, registry: Registry):
+        self._registry = registry
+
+    def Check(self, request, context):
+        return cluster_pb2.HealthResponse(node_id=self._registry.node_id, serving=True)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerError:
+    address: str
+    message: str
+    at: float  # unix seconds of the failed exchange
+
+
+class GossipLoop:
+    """Background thread: refresh own card, exchange with every peer, repeat.
+
+    `peers()` is called each round (seeds plus discovered addresses), so
+    discovery can add peers while the loop runs. A failing peer is recorded in
+    `errors()` and never stops the round for the others.
+    """
+
+    def __init__(self, registry: Registry, channels: ChannelPool, peers: Callable[[], set[str]],
+                 refresh_own: Callable[[], Card], interval_s: float, rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.time):
+        self._registry = registry
+        self._channels = channels
+        self._peers = peers
+        self._refresh_own = refresh_own
+        self._interval_s = interval_s
+        self._timeout_s = min(max(2 * interval_s, 1.0), 10.0)
+        self._rng = rng or random.Random()
+        self._clock = clock
+        self._errors: dict[str, PeerError] = {}
+        self._errors_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gossip")
+        self._thread = threading.Thread(target=self._run, name="gossip", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=self._timeout_s + 1)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._channels.close()
+
+    def errors(self) -> dict[str, PeerError]:
+        with self._errors_lock:
+            return dict(self._errors)
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self.run_round()
+            self._stopped.wait(self._interval_s)
+
+    def choose_peers(self) -> set[str]:
+        own = self._registry.own_card()
+        peers = set(self._peers())
+        # One random known node besides the seeds keeps the view connected when
+        # seeds leave, and speeds convergence on sparse seed graphs.
+        known = [c.grpc_address for c in self._registry.snapshot() if c.node_id != own.node_id]
+        extra = [a for a in known if a not in peers]
+        if extra:
+            peers.add(self._rng.choice(extra))
+        peers.discard(own.grpc_address)
+        return peers
+
+    def run_round(self) -> None:
+        """One round: refresh own card, exchange with all peers concurrently."""
+        self._registry.update_own(self._refresh_own())
+        peers = self.choose_peers()
+        for address in self._channels.addresses() - peers:
+            self._channels.discard(address)
+        list(self._pool.map(self._exchange_with, sorted(peers)))
+
+    def _exchange_with(self, address: str) -> None:
+        request = cluster_pb2.ExchangeRequest(cards=outgoing_cards(self._registry.snapshot(),
+                                                                   self._registry.own_card()))
+        try:
+            stub = cluster_pb2_grpc.ClusterStub(self._channels.get(address))
+            reply = stub.Exchange(request, timeout=self._timeout_s)
+            merge_reply(self._registry, reply.cards, address, self._clock())
+        except grpc.RpcError as e:
+            self._record_error(address, f"{e.code().name}: {e.details()}")
+        except MalformedMessage as e:
+            self._record_error(address, str(e))
+        else:
+            with self._errors_lock:
+                recovered = self._errors.pop(address, None)
+            if recovered is not None:
+                log.info("gossip with %s works again", address)
+
+    def _record_error(self, address: str, message: str) -> None:
+        with self._errors_lock:
+            first = address not in self._errors
+            self._errors[address] = PeerError(address, message, self._clock())
+        if first:
+            log.warning("gossip with %s failed (will keep trying): %s", address, message)
+
+
+def fetch_view(address: str, key: bytes, timeout: float = 5.0, *, tls: TlsFiles | None = None,
+               node_id: str = "meshllm-cli") -> list[Card]:
+    """The fleet as the node at `address` sees it: one authenticated Exchange that
+    sends no cards. Used by `meshllm status` and `meshllm plan`."""
+    channel = open_channel(address, ChannelConfig(node_id=node_id, key=key, tls=tls))
+    try:
+        reply = cluster_pb2_grpc.ClusterStub(channel).Exchange(cluster_pb2.ExchangeRequest(), timeout=timeout)
+    except grpc.RpcError as e:
+        code = e.code()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            raise AuthError(f"{address} refused the call: {e.details()}. Pass the cluster's key file "
+                            f"with --key-file.") from None
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise PeerUnreachable(f"no meshllm node answered at {address} within {timeout:.0f}s ({code.name}). "
+                                  f"Is `meshllm node` running there? Check --peer host:port.") from None
+        raise MeshError(f"{address} failed the Exchange call: {code.name}: {e.details()}") from None
+    finally:
+        channel.close()
+    cards, rejected = cards_from_pb(list(reply.cards), time.time())
+    for rejection in rejected:
+        log.warning("dropped a card from %s: %s", address, rejection)
+    return sorted(cards, key=lambda c: c.node_id)

@@ -1,0 +1,249 @@
+"""Placement planner: which node runs which contiguous range of a model's layers.
+
+A pure function of (request, fleet view): no I/O, no clock, no randomness, so
+every node derives the same plan from the same view and nobody negotiates.
+Per node it budgets weights + KV cache for the target context and batch +
+activation headroom within the node's free memory less a safety margin
+(high-context-cluster-notes: budget the full context up front, not what fits
+today). A plan first reuses shards already loaded (cover.py), else splits the
+layers over the fewest nodes that fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from meshllm.cluster.card import Card, NodeId, Role
+from meshllm.cluster.cover import cover_loaded_shards
+from meshllm.cluster.stage_budget import Footprint, split_layers, usable_bytes
+from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable
+from meshllm.model.config import ModelConfig
+
+# Per network hop per decode step: one small gRPC message on a LAN, (de)serialisation included.
+HOP_OVERHEAD_S = 0.002
+# Stands in for a card that reports no bandwidth (not measured yet): slow, so it is not favoured.
+UNMEASURED_BANDWIDTH_GBPS = 1.0
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    model_id: str
+    fingerprint: str  # weights fingerprint; only nodes with these exact weights are candidates
+    config: ModelConfig
+    context_length: int  # tokens per sequence; KV is budgeted for all of them
+    max_batch: int  # sequences decoding at once
+    weight_dtype_bytes: int = 2
+    kv_dtype_bytes: int = 2
+    num_stages: int | None = None  # None = the fewest stages that fit
+    safety_margin_fraction: float = 0.1  # of each node's free memory, never planned for
+    exclude: frozenset[NodeId] = frozenset()  # nodes to leave out (failed ones when re-planning)
+    prefill_chunk_tokens: int = 512  # tokens per prefill chunk; sizes the activation headroom
+
+    def __post_init__(self):
+        for name in ("context_length", "max_batch", "weight_dtype_bytes", "kv_dtype_bytes", "prefill_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise BadRequest(f"placement {name} must be at least 1, got {getattr(self, name)}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise BadRequest(f"--stages must be at least 1 (or left out for the fewest that fit), got {self.num_stages}")
+        if not 0.0 <= self.safety_margin_fraction < 1.0:
+            raise BadRequest(f"safety_margin_fraction must be in [0, 1), got {self.safety_margin_fraction}")
+        if self.context_length > self.config.max_position_embeddings:
+            raise ContextOverflow(
+                f"context {self.context_length} exceeds {self.model_id}'s max_position_embeddings "
+                f"{self.config.max_position_embeddings}; lower --context")
+
+
+@dataclass(frozen=True, slots=True)
+class StageAssignment:
+    node_id: NodeId
+    address: str  # the node's gRPC host:port
+    first_layer: int  # inclusive
+    last_layer: int  # exclusive
+    weight_bytes: int  # its layers, + embedding on the first stage, + final norm and LM head on the last
+    kv_bytes: int  # KV cache of its layers for context_length × max_batch
+    activation_bytes: int  # working memory of one step (prefill chunk or decode batch)
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    model_id: str
+    fingerprint: str
+    num_layers: int
+    context_length: int
+    max_batch: int
+    weight_dtype_bytes: int
+    kv_dtype_bytes: int
+    stages: tuple[StageAssignment, ...]  # in pipeline order; ranges are contiguous and cover all layers
+    # Decode tokens/s of one sequence while max_batch sequences at the full context decode together,
+    # without pipeline interleaving: a floor, not a promise (see _estimate_tokens_per_s).
+    est_tokens_per_s: float
+    reused_shards: bool  # True when every stage is a shard already loaded
+
+
+def plan_placement(request: PlacementRequest, fleet: Sequence[Card]) -> Plan:
+    """The plan for `request` on `fleet`; raises ShardUnavailable naming what does not fit.
+
+    Called by the leader on each (re)plan and by `meshllm plan`. Same request and
+    same set of cards (in any order) give the same plan on every node.
+    """
+    footprint = Footprint.of(request)
+    # Sort by node_id: every node must derive the same plan from the same view.
+    stage_nodes = [c for c in _unique_by_node(fleet) if Role.STAGE in c.roles and c.node_id not in request.exclude]
+    reused = _plan_on_loaded_shards(request, footprint, stage_nodes)
+    if reused is not None:
+        return reused
+    candidates = [c for c in stage_nodes if _has_weights(c, request)]
+    if not candidates:
+        raise _no_candidates(request, fleet)
+    return _plan_fresh(request, footprint, candidates)
+
+
+def bandwidth_gbps(card: Card) -> float:
+    return card.memory_bandwidth_gbps if card.memory_bandwidth_gbps > 0 else UNMEASURED_BANDWIDTH_GBPS
+
+
+def _unique_by_node(fleet: Sequence[Card]) -> list[Card]:
+    # A view should hold one card per node; if not, the newest card wins (as in the registry).
+    newest: dict[str, Card] = {}
+    for card in sorted(fleet, key=lambda c: (c.node_id, c.announced_at)):
+        newest[card.node_id] = card
+    return [newest[node_id] for node_id in sorted(newest)]
+
+
+def _has_weights(card: Card, request: PlacementRequest) -> bool:
+    # A node can only load weights it has on disk, and only identical weights may share a pipeline.
+    return any(m.fingerprint == request.fingerprint and m.num_layers == request.config.num_hidden_layers
+               for m in card.models)
+
+
+def _plan_on_loaded_shards(request: PlacementRequest, footprint: Footprint, stage_nodes: list[Card]) -> Plan | None:
+    num_layers = request.config.num_hidden_layers
+    cover = cover_loaded_shards(request.fingerprint, num_layers, stage_nodes)
+    if cover is None or (request.num_stages is not None and len(cover) != request.num_stages):
+        return None
+    stages = tuple(_assignment(c.card, footprint, i, len(cover), c.shard.first_layer, c.shard.last_layer)
+                   for i, c in enumerate(cover))
+    # The shard's weights already sit in memory (not in memory_free_bytes); KV and activations must still fit.
+    for stage, c in zip(stages, cover):
+        if stage.kv_bytes + stage.activation_bytes > usable_bytes(c.card, request.safety_margin_fraction):
+            return None
+    return _plan(request, footprint, stages, [c.card for c in cover], reused=True)
+
+
+def _plan_fresh(request: PlacementRequest, footprint: Footprint, candidates: list[Card]) -> Plan:
+    num_layers = request.config.num_hidden_layers
+    margin = request.safety_margin_fraction
+    # The fewest stages come from the nodes with the most free memory (faster first among equals).
+    ranked = sorted(candidates, key=lambda c: (-usable_bytes(c, margin), -bandwidth_gbps(c), c.node_id))
+    max_stages = min(len(ranked), num_layers)
+    if request.num_stages is not None and request.num_stages > max_stages:
+        raise ShardUnavailable(
+            f"--stages {request.num_stages} asks for more stages than {request.model_id} can use: "
+            f"{len(ranked)} candidate nodes have its weights and it has {num_layers} layers. Lower --stages.",
+            part="stages")
+    sizes = [request.num_stages] if request.num_stages is not None else range(1, max_stages + 1)
+    for num_stages in sizes:
+        nodes = sorted(ranked[:num_stages], key=lambda c: c.node_id)
+        caps = [footprint.capacity_layers(c, i, num_stages, margin) for i, c in enumerate(nodes)]
+        if min(caps) < 1 or sum(caps) < num_layers:
+            continue
+        # Weight by capacity × bandwidth: at equal speed layers go in proportion to memory (every
+        # node keeps the same share of headroom), at equal memory in proportion to speed, and a
+        # node strong in both takes more, which shortens the per-token sum over stages. Clamped
+        # to capacity, so a fast node never gets more layers than fit in its memory.
+        weights = [cap * bandwidth_gbps(c) for cap, c in zip(caps, nodes)]
+        counts = split_layers(num_layers, caps, weights)
+        stages, first = [], 0
+        for i, (card, count) in enumerate(zip(nodes, counts)):
+            stages.append(_assignment(card, footprint, i, num_stages, first, first + count))
+            first += count
+        return _plan(request, footprint, tuple(stages), nodes, reused=False)
+    raise _not_enough_memory(request, footprint, sorted(ranked[:sizes[-1]], key=lambda c: c.node_id), len(ranked))
+
+
+def _assignment(card: Card, footprint: Footprint, position: int, num_stages: int, first: int, last: int) -> StageAssignment:
+    count = last - first
+    return StageAssignment(
+        node_id=card.node_id, address=card.grpc_address, first_layer=first, last_layer=last,
+        weight_bytes=count * footprint.layer_weight + footprint.fixed_weights(position, num_stages),
+        kv_bytes=count * footprint.layer_kv,
+        activation_bytes=footprint.activations(position, num_stages))
+
+
+def _plan(request: PlacementRequest, footprint: Footprint, stages: tuple[StageAssignment, ...],
+          cards: list[Card], reused: bool) -> Plan:
+    return Plan(
+        model_id=request.model_id, fingerprint=request.fingerprint, num_layers=request.config.num_hidden_layers,
+        context_length=request.context_length, max_batch=request.max_batch,
+        weight_dtype_bytes=request.weight_dtype_bytes, kv_dtype_bytes=request.kv_dtype_bytes,
+        stages=stages, est_tokens_per_s=_estimate_tokens_per_s(footprint, stages, cards), reused_shards=reused)
+
+
+def _estimate_tokens_per_s(footprint: Footprint, stages: tuple[StageAssignment, ...], cards: list[Card]) -> float:
+    # Decode is memory bound: each step a stage reads its layers' weights and all its KV (every
+    # sequence attends to its whole context), the last stage the LM head too. Stages run one
+    # after another for a given token, and each adds one network hop; the hop back to the
+    # leader is the +1.
+    seconds = HOP_OVERHEAD_S * (len(stages) + 1)
+    for i, (stage, card) in enumerate(zip(stages, cards)):
+        read = footprint.bytes_read_per_step(i, len(stages), stage.num_layers)
+        seconds += read / (bandwidth_gbps(card) * 1e9)
+    return 1.0 / seconds
+
+
+def _no_candidates(request: PlacementRequest, fleet: Sequence[Card]) -> ShardUnavailable:
+    other_weights = sorted({c.node_id for c in fleet for m in c.models
+                            if m.model_id == request.model_id and m.fingerprint != request.fingerprint})
+    reasons = []
+    if other_weights:
+        reasons.append(f"{', '.join(other_weights)} have {request.model_id} with different weights "
+                       f"(fingerprint differs); only identical weights may share a pipeline")
+    if request.exclude:
+        reasons.append(f"{len(request.exclude)} nodes are excluded after failing")
+    detail = f" ({'; '.join(reasons)})" if reasons else ""
+    return ShardUnavailable(
+        f"no stage node in the fleet of {len(fleet)} has {request.model_id} (fingerprint "
+        f"{request.fingerprint[:12]}) on disk{detail}. Copy the same model files to a node and start it with "
+        f"--model, or check the other nodes are running.", part="all layers")
+
+
+def _not_enough_memory(request: PlacementRequest, footprint: Footprint, nodes: list[Card],
+                       num_candidates: int) -> ShardUnavailable:
+    num_layers, num_stages = request.config.num_hidden_layers, len(nodes)
+    margin = request.safety_margin_fraction
+    fixed = sum(footprint.fixed_weights(i, num_stages) + footprint.activations(i, num_stages) for i in range(num_stages))
+    need = fixed + num_layers * footprint.per_layer
+    hold = sum(usable_bytes(c, margin) for c in nodes)
+    caps = [footprint.capacity_layers(c, i, num_stages, margin) for i, c in enumerate(nodes)]
+    num_covered = min(num_layers, sum(max(cap, 0) for cap in caps))
+    if num_covered < num_layers:
+        part = f"layers {num_covered}-{num_layers - 1}"
+        # Bytes left over on each node after its whole layers; the best one could take more with less added.
+        leftovers = [usable_bytes(c, margin) - footprint.fixed_weights(i, num_stages) - footprint.activations(i, num_stages)
+                     - cap * footprint.per_layer for i, (c, cap) in enumerate(zip(nodes, caps)) if cap >= 0]
+        shortfall = (num_layers - num_covered) * footprint.per_layer - max(leftovers, default=0)
+    else:
+        # Enough in total, but some stage cannot hold its fixed part (embedding, LM head) plus one layer.
+        i = min(range(num_stages), key=lambda j: (caps[j], nodes[j].node_id))
+        part = f"stage {i} on {nodes[i].node_id} ({footprint.fixed_part_name(i, num_stages)} + 1 layer)"
+        shortfall = footprint.fixed_weights(i, num_stages) + footprint.activations(i, num_stages) \
+            + footprint.per_layer - usable_bytes(nodes[i], margin)
+    missing = max(need - hold, shortfall, 1)
+    which = (f"the fleet's {num_stages} candidate nodes" if num_stages == num_candidates
+             else f"the {num_stages} largest of the fleet's {num_candidates} candidate nodes")
+    way_out = "raise --stages, add a node or lower --context" if request.num_stages else "add a node or lower --context"
+    return ShardUnavailable(
+        f"{request.model_id} layers 0-{num_layers - 1} + KV for {request.context_length} tokens × batch "
+        f"{request.max_batch} need {need / GIB:.1f} GiB; {which} can hold {hold / GIB:.1f} GiB (free memory less "
+        f"the {margin:.0%} safety margin); {missing / GIB:.1f} GiB ({missing} bytes) missing for {part}. "
+        f"{way_out[0].upper()}{way_out[1:]}.", missing_bytes=missing, part=part)

@@ -1,0 +1,113 @@
+"""The fleet view: a last-writer-wins map of capability cards keyed by node_id.
+
+`merge_views` is the pure merge; `Registry` wraps it with a lock, a clock and
+this node's own card. Per node_id the card with the larger `announced_at`
+wins; expired cards are dropped on merge and on read. Merge is commutative,
+associative and idempotent (tests/cluster/test_registry.py checks it with
+hypothesis), so views converge whatever order exchanges happen in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Callable
+
+from meshllm.cluster.card import Card, NodeId
+
+View = Mapping[NodeId, Card]
+
+
+def _version(card: Card) -> tuple[float, str]:
+    # Equal timestamps with different contents need a deterministic winner, or
+    # merge(a, b) and merge(b, a) would disagree; repr orders on every field.
+    return card.announced_at, repr(card)
+
+
+def newer(a: Card, b: Card) -> Card:
+    """The card that wins between two versions of the same node's card."""
+    return a if _version(a) >= _version(b) else b
+
+
+def merge_views(a: View, b: Iterable[Card], now: float) -> dict[NodeId, Card]:
+    """Union of `a` and `b` keeping the newest card per node, minus expired ones."""
+    merged: dict[NodeId, Card] = {}
+    for card in (*a.values(), *b):
+        if card.is_expired(now):
+            continue
+        current = merged.get(card.node_id)
+        merged[card.node_id] = card if current is None else newer(current, card)
+    return merged
+
+
+@dataclass(frozen=True, slots=True)
+class MergeResult:
+    num_new: int  # nodes not in the view before
+    num_updated: int  # nodes whose card was replaced by a newer one
+    num_ignored: int  # stale, expired, or claiming this node's own id
+
+
+class Registry:
+    """This node's view of the fleet. Thread-safe: the gRPC Exchange handler,
+    the gossip loop and status readers call it from their own threads."""
+
+    def __init__(self, own: Card, clock: Callable[[], float] = time.time):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._own = own
+        self._others: dict[NodeId, Card] = {}
+
+    @property
+    def node_id(self) -> NodeId:
+        return self._own.node_id
+
+    def own_card(self) -> Card:
+        with self._lock:
+            return self._own
+
+    def update_own(self, card: Card) -> None:
+        if card.node_id != self._own.node_id:
+            raise ValueError(f"own card must keep node_id {self._own.node_id!r}, got {card.node_id!r}")
+        with self._lock:
+            self._own = card
+
+    def merge(self, cards: Iterable[Card]) -> MergeResult:
+        """Merge cards from gossip. Cards for this node's id are ignored: the
+        node is the only authority on its own card."""
+        now = self._clock()
+        num_new = num_updated = num_ignored = 0
+        with self._lock:
+            for card in cards:
+                if card.node_id == self._own.node_id or card.is_expired(now):
+                    num_ignored += 1
+                    continue
+                current = self._others.get(card.node_id)
+                if current is not None and current.is_expired(now):
+                    current = None
+                if current is None:
+                    num_new += 1
+                elif newer(current, card) is card and card != current:
+                    num_updated += 1
+                else:
+                    num_ignored += 1
+                    continue
+                self._others[card.node_id] = card
+            self._drop_expired(now)
+        return MergeResult(num_new, num_updated, num_ignored)
+
+    def _drop_expired(self, now: float) -> None:
+        for node_id in [n for n, c in self._others.items() if c.is_expired(now)]:
+            del self._others[node_id]
+
+    def snapshot(self) -> list[Card]:
+        """Live cards sorted by node_id, own card included (a running node is
+        live by definition, even if its refresh is late)."""
+        with self._lock:
+            self._drop_expired(self._clock())
+            cards = [self._own, *self._others.values()]
+        return sorted(cards, key=lambda c: c.node_id)
+
+    def get(self, node_id: NodeId) -> Card | None:
+        return next((c for c in self.snapshot() if c.node_id == node_id), None)

@@ -1,0 +1,135 @@
+"""What one pipeline stage costs in memory, and how layers are split over nodes.
+
+Used by placement.py; pure arithmetic on the model config and the request, so
+every node computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshllm.cluster.card import Card
+
+if TYPE_CHECKING:
+    from meshllm.cluster.placement import PlacementRequest
+
+# Working precision of a forward step's transient tensors. fp32 is what the CPU path computes
+# in; on fp16 devices this overestimates, which only leaves more headroom.
+ACTIVATION_DTYPE_BYTES = 4
+
+
+def usable_bytes(card: Card, safety_margin_fraction: float) -> int:
+    """Free memory a plan may use on this node: the margin is left for the OS and other programs."""
+    return max(0, int(card.memory_free_bytes * (1.0 - safety_margin_fraction)))
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """Bytes of each part of the model a stage may hold, for one placement request."""
+
+    layer_weight: int  # one decoder layer (all layers are the same size)
+    layer_kv: int  # one layer's KV cache for context_length × max_batch
+    embedding: int
+    final_norm: int
+    lm_head: int  # vocab × hidden; with tied embeddings a separate copy unless one stage holds both
+    tied: bool
+    step_activation: int  # working memory of one step on any stage
+    logits: int  # extra on the last stage: a row of logits per sequence
+
+    @classmethod
+    def of(cls, request: PlacementRequest) -> Footprint:
+        c = request.config
+        wb = request.weight_dtype_bytes
+        # A step is a prefill chunk or a decode batch, whichever holds more tokens.
+        step_tokens = max(min(request.prefill_chunk_tokens, request.context_length), request.max_batch)
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        # Per token: residual in and out, q/k/v, and the MLP's gate, up and product.
+        per_token = 2 * c.hidden_size + q + 2 * kv + 3 * c.intermediate_size
+        # One layer's attention scores if the kernel materialises them (no flash attention on
+        # every backend); layers run one at a time, so only one layer's worth is live.
+        scores = step_tokens * request.context_length * c.num_attention_heads
+        return cls(
+            layer_weight=c.layer_parameters() * wb,
+            layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1) * request.context_length * request.max_batch,
+            embedding=c.vocab_size * c.hidden_size * wb,
+            final_norm=c.hidden_size * wb,
+            lm_head=c.vocab_size * c.hidden_size * wb,
+            tied=c.tie_word_embeddings,
+            step_activation=(step_tokens * per_token + scores) * ACTIVATION_DTYPE_BYTES,
+            logits=request.max_batch * c.vocab_size * ACTIVATION_DTYPE_BYTES,
+        )
+
+    @property
+    def per_layer(self) -> int:
+        return self.layer_weight + self.layer_kv
+
+    def fixed_weights(self, position: int, num_stages: int) -> int:
+        """Weights a stage holds besides its layers: embedding first, final norm and LM head last."""
+        total = self.embedding if position == 0 else 0
+        if position == num_stages - 1:
+            shares_embedding = self.tied and num_stages == 1
+            total += self.final_norm + (0 if shares_embedding else self.lm_head)
+        return total
+
+    def activations(self, position: int, num_stages: int) -> int:
+        return self.step_activation + (self.logits if position == num_stages - 1 else 0)
+
+    def fixed_part_name(self, position: int, num_stages: int) -> str:
+        parts = (["embedding"] if position == 0 else []) + (["LM head"] if position == num_stages - 1 else [])
+        return " + ".join(parts + ["activations"])
+
+    def capacity_layers(self, card: Card, position: int, num_stages: int, safety_margin_fraction: float) -> int:
+        """Whole layers (weights + KV) that fit on `card` at this position; negative if not even the fixed part."""
+        room = usable_bytes(card, safety_margin_fraction) - self.fixed_weights(position, num_stages) \
+            - self.activations(position, num_stages)
+        return room // self.per_layer
+
+    def bytes_read_per_step(self, position: int, num_stages: int, num_layers: int) -> int:
+        """Memory a stage reads per decode step: its layers' weights and KV, plus the LM head if last.
+
+        The embedding lookup reads a few rows, so it does not count.
+        """
+        head = self.final_norm + self.lm_head if position == num_stages - 1 else 0
+        return num_layers * self.per_layer + head
+
+
+def split_layers(num_layers: int, caps: list[int], weights: list[float]) -> list[int]:
+    """Layer counts per node in proportion to `weights`, each in [1, cap], summing to num_layers.
+
+    Water-filling: share the layers by weight; a node whose share exceeds its cap
+    is pinned at the cap and the rest is shared again among the others. Then
+    whole layers by largest remainder, ties to the earlier node (deterministic).
+    Requires 1 <= caps[i], positive weights and len(caps) <= num_layers <= sum(caps).
+    """
+    assert len(caps) == len(weights) and len(caps) <= num_layers <= sum(caps) and min(caps) >= 1
+    shares = [0.0] * len(caps)
+    free = list(range(len(caps)))
+    remaining = float(num_layers)
+    while free:
+        total_weight = sum(weights[i] for i in free)
+        over = [i for i in free if remaining * weights[i] / total_weight > caps[i]]
+        if not over:
+            for i in free:
+                shares[i] = remaining * weights[i] / total_weight
+            break
+        for i in over:
+            shares[i] = float(caps[i])
+            remaining -= caps[i]
+        free = [i for i in free if i not in over]
+
+    counts = [min(caps[i], max(1, math.floor(s + 1e-9))) for i, s in enumerate(shares)]
+    order = sorted(range(len(caps)), key=lambda i: (-(shares[i] - counts[i]), i))
+    while sum(counts) < num_layers:  # hand out the remainders, largest fraction first
+        i = next(i for i in order if counts[i] < caps[i])
+        counts[i] += 1
+        order.remove(i)
+        order.append(i)
+    order = sorted(range(len(caps)), key=lambda i: (shares[i] - counts[i], i))
+    while sum(counts) > num_layers:  # the minimum of one layer pushed the sum over: take from the most over-served
+        i = next(i for i in order if counts[i] > 1)
+        counts[i] -= 1
+        order.remove(i)
+        order.append(i)
+    return counts

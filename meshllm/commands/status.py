@@ -1,0 +1,60 @@
+"""`meshllm status`: the fleet as one node sees it, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+from meshllm.cluster.card import Card
+from meshllm.cluster.gossip import fetch_view
+from meshllm.commands.node import resolve_key, tls_from_args
+from meshllm.node import KEY_FILE_NAME, NodeConfig, default_state_dir
+
+_DEFAULT_PEER = f"127.0.0.1:{NodeConfig(state_dir=Path('unused')).port}"
+GIB = 1024**3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--peer", default=_DEFAULT_PEER, metavar="HOST:PORT",
+                        help=f"node to ask (default {_DEFAULT_PEER})")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--key-file", type=Path, default=None,
+                        help=f"cluster key file (default <state-dir>/{KEY_FILE_NAME})")
+    parser.add_argument("--state-dir", type=Path, default=None, help=f"default {default_state_dir()}")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the node (default 5)")
+    parser.add_argument("--tls-cert", type=Path, help="PEM certificate (mTLS; with --tls-key, --tls-ca)")
+    parser.add_argument("--tls-key", type=Path, help="PEM private key")
+    parser.add_argument("--tls-ca", type=Path, help="PEM of the cluster's CA")
+
+
+def card_json(card: Card, now: float) -> dict:
+    data = dataclasses.asdict(card)
+    data["roles"] = [r.value for r in card.roles]
+    data["age_seconds"] = round(now - card.announced_at, 3)
+    return data
+
+
+def format_table(cards: list[Card], now: float) -> str:
+    header = ("NODE", "ADDRESS", "DEVICE", "MEMORY USED/TOTAL", "MODELS", "SHARDS", "AGE")
+    rows = [header]
+    for c in cards:
+        used = (c.memory_total_bytes - c.memory_free_bytes) / GIB
+        shards = ", ".join(f"{s.model_id}[{s.first_layer}:{s.last_layer}]" for s in c.shards) or "-"
+        rows.append((c.node_id, c.grpc_address, c.device, f"{used:.1f}/{c.memory_total_bytes / GIB:.1f} GiB",
+                     ", ".join(m.model_id for m in c.models) or "-", shards, f"{now - c.announced_at:.1f}s"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    key = resolve_key(args.key_file, args.state_dir or default_state_dir(), create=False)
+    cards = fetch_view(args.peer, key, args.timeout, tls=tls_from_args(args))
+    now = time.time()
+    if args.json:
+        print(json.dumps({"queried": args.peer, "nodes": [card_json(c, now) for c in cards]}, indent=2))
+    else:
+        print(format_table(cards, now))
+    return 0

@@ -1,0 +1,135 @@
+"""Turn a batch of logits into token ids, each row with its own sampling parameters.
+
+The last pipeline stage calls `sample` on the logits of a micro-batch that mixes
+sequences with different parameters. Determinism: every sequence owns a
+`torch.Generator` seeded from its seed, and each sampled token draws exactly one
+uniform number from it, so a sequence's tokens never depend on what else shares
+the batch (or on whether a row was greedy, filtered, or alone).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from meshllm.errors import BadRequest
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one sequence picks tokens and when it stops (OpenAI semantics).
+
+    temperature 0 is greedy (argmax, ties to the lowest id). top_k None keeps every
+    token; top_p 1.0 keeps the whole distribution. seed None draws a fresh seed.
+    logprobs None returns none; N returns the chosen token's logprob plus the N most
+    likely alternatives, from the unmodified model distribution.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None
+    ignore_eos: bool = False  # benchmarks generate exactly max_tokens
+
+    def __post_init__(self):
+        if not 0.0 <= self.temperature <= 100.0:
+            raise BadRequest(f"temperature must be in [0, 100], got {self.temperature}; use 0 for greedy")
+        if not 0.0 < self.top_p <= 1.0:
+            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}; use 1 to disable nucleus sampling")
+        if self.top_k is not None and self.top_k < 1:
+            raise BadRequest(f"top_k must be at least 1, got {self.top_k}; leave it unset to keep every token")
+        if self.max_tokens < 1:
+            raise BadRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise BadRequest(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The chosen token's log-probability and the `len(top_ids)` most likely tokens'."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SampleOutput:
+    token_ids: Tensor  # [n] int64
+    logprobs: tuple[TokenLogprobs | None, ...]  # per row; None where the row did not ask
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """The generator a sequence owns for its whole life; a fresh random seed when None."""
+    g = torch.Generator()
+    g.manual_seed(secrets.randbits(63) if seed is None else seed)
+    return g
+
+
+def sample(logits: Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> SampleOutput:
+    """Pick one token per row of `logits` [n, vocab] (fp32).
+
+    `generators[i]` belongs to row i's sequence and is advanced by one draw when the
+    row samples (greedy rows may pass None and draw nothing).
+    """
+    n = logits.shape[0]
+    assert len(params) == n == len(generators), (logits.shape, len(params), len(generators))
+    token_ids = logits.argmax(dim=-1)  # greedy rows; ties go to the lowest id
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    for i in sampled:
+        token_ids[i] = _draw(logits[i], params[i], generators[i])
+    logprobs = tuple(None if p.logprobs is None else _logprobs(logits[i], int(token_ids[i]), p.logprobs)
+                     for i, p in enumerate(params))
+    return SampleOutput(token_ids, logprobs)
+
+
+def _draw(row: Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    # Inverse-CDF sampling from one uniform number: the draw count per token is fixed,
+    # so the generator's state depends only on how many tokens the sequence sampled.
+    assert generator is not None, "a sampled row needs its sequence's generator"
+    u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    scaled = row.float() / p.temperature
+    if p.top_k is None and p.top_p >= 1.0:
+        probs = torch.softmax(scaled, dim=-1)
+        ids = None
+    else:
+        k = row.shape[-1] if p.top_k is None else min(p.top_k, row.shape[-1])
+        values, ids = torch.topk(scaled, k, sorted=True)
+        probs = torch.softmax(values, dim=-1)
+        if p.top_p < 1.0:
+            # Keep the smallest prefix whose mass reaches top_p (always the first token).
+            before = torch.cumsum(probs, dim=-1) - probs
+            probs = torch.where(before < p.top_p, probs, torch.zeros_like(probs))
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    index = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True).clamp_(max=cdf.numel() - 1))
+    while float(probs[index]) == 0.0 and index > 0:  # rounding at the top end of the cdf
+        index -= 1
+    return index if ids is None else int(ids[index])
+
+
+def _logprobs(row: Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    logp = torch.log_softmax(row.float(), dim=-1)
+    top = torch.topk(logp, num_top) if num_top else None
+    return TokenLogprobs(
+        token_id=token_id,
+        logprob=float(logp[token_id]),
+        top_ids=tuple(top.indices.tolist()) if top is not None else (),
+        top_logprobs=tuple(top.values.tolist()) if top is not None else (),
+    )

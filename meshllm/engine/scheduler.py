@@ -1,0 +1,147 @@
+"""Continuous batching at the leader: which tokens of which sequences run next.
+
+No torch here: the scheduler moves sequences and counts; the leader turns a
+MicroBatch into tensors. Called from the leader's loop thread only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sequence import Sequence, SeqStatus
+from meshllm.errors import ContextOverflow, MeshError
+
+
+class QueueFull(MeshError):
+    code = "queue_full"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running at once
+    max_batched_tokens: int = 512  # tokens in one micro-batch
+    prefill_chunk: int = 256  # prompts are prefilled in chunks ending at multiples of this
+    kv_budget_tokens: int = 32768  # KV the plan reserved, summed over running sequences
+    max_waiting: int = 256  # bounded queue; beyond it requests are refused (429)
+    num_stages: int = 1  # micro-batches in flight
+
+    def __post_init__(self):
+        if min(self.max_num_seqs, self.max_batched_tokens, self.prefill_chunk, self.kv_budget_tokens,
+               self.num_stages) < 1 or self.max_waiting < 0:
+            raise ValueError(f"scheduler limits must be positive: {self}")
+        if self.prefill_chunk > self.max_batched_tokens:
+            raise ValueError(f"prefill_chunk {self.prefill_chunk} exceeds max_batched_tokens "
+                             f"{self.max_batched_tokens}: a chunk would never fit a micro-batch")
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatch:
+    works: tuple[Work, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(w.num_tokens for w in self.works)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_reserved_tokens = 0  # KV reserved by running sequences
+
+    def add(self, seq: Sequence) -> None:
+        if seq.max_total_tokens > self.config.kv_budget_tokens:
+            raise ContextOverflow(
+                f"prompt of {seq.num_prompt_tokens} tokens + max_tokens {seq.params.max_tokens} needs "
+                f"{seq.max_total_tokens} tokens of KV cache; the plan holds {self.config.kv_budget_tokens}. "
+                f"Shorten the prompt or lower max_tokens.")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (done, cancelled or failed); its KV may be released."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+            self.num_reserved_tokens -= seq.max_total_tokens
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(not s.in_flight for s in self.running)
+
+    def next_microbatch(self) -> MicroBatch | None:
+        # Admit waiting sequences first-come first-served while the KV budget and the
+        # running limit allow. Then take sequences that are not in flight: decode steps
+        # first (one token each, so running decodes never starve behind a long prompt),
+        # then prefill chunks, until the token budget is spent. With S stages, each
+        # micro-batch takes about 1/S of the running sequences so S micro-batches can
+        # be in flight at once and every stage stays busy.
+        self._admit()
+        ready = [s for s in self.running if not s.in_flight]
+        if not ready:
+            return None
+        share = math.ceil(len(self.running) / self.config.num_stages)
+        budget = self.config.max_batched_tokens
+        works: list[Work] = []
+        for seq in sorted(ready, key=lambda s: s.is_prefilling):
+            if len(works) >= share or budget <= 0:
+                break
+            work = self._work_for(seq, budget)
+            if work is None:
+                continue
+            works.append(work)
+            budget -= work.num_tokens
+        if not works:
+            return None
+        for w in works:
+            w.seq.in_flight = True
+        return MicroBatch(tuple(works))
+
+    def _work_for(self, seq: Sequence, budget: int) -> Work | None:
+        start = seq.num_computed
+        if not seq.is_prefilling:
+            return Work(seq, start, seq.num_tokens - start, sample=True)
+        # A chunk always ends at the next multiple of prefill_chunk (or the prompt's end),
+        # whatever else is in the batch: batch-invariant arithmetic needs the same chunks.
+        chunk = self.config.prefill_chunk
+        end = min(seq.num_prompt_tokens, (start // chunk + 1) * chunk)
+        if end - start > budget:
+            return None  # waits for a micro-batch with room (prefill_chunk <= max_batched_tokens)
+        return Work(seq, start, end - start, sample=end == seq.num_prompt_tokens)
+
+    def on_computed(self, work: Work) -> None:
+        """The stages committed `work`'s tokens (the leader then appends any sampled token)."""
+        seq = work.seq
+        seq.in_flight = False
+        seq.num_computed = work.start + work.num_tokens
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if self.num_reserved_tokens + seq.max_total_tokens > self.config.kv_budget_tokens:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self.num_reserved_tokens += seq.max_total_tokens
+
+    def get(self, seq_id: SeqId) -> Sequence | None:
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                return seq
+        return next((s for s in self.waiting if s.seq_id == seq_id), None)

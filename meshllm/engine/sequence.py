@@ -1,0 +1,51 @@
+"""A sequence as the leader's scheduler sees it: token ids and counts, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: SeqId
+    prompt_ids: list[int]
+    params: SamplingParams  # seed is concrete: the last stage derives each draw from it
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV every stage holds
+    num_cached: int = 0  # prompt tokens served from the prefix cache
+    status: SeqStatus = SeqStatus.WAITING
+    in_flight: bool = False
+    cancelled: bool = False
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed < self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """KV this sequence may need by the time it finishes."""
+        return self.num_prompt_tokens + self.params.max_tokens
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        n = self.num_prompt_tokens
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]

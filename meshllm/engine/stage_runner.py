@@ -1,0 +1,116 @@
+"""Runs micro-batches through one stage's layers: checks the input, keeps the KV
+cache, and on the last stage samples so only token ids travel back.
+
+Called by the stage service (one step at a time, under its lock) and by the
+in-process pipeline used for single-process generation: both share this code,
+so a distributed run and a local run do the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from meshllm.engine.kv_cache import KVCache, SeqId
+from meshllm.engine.sampler import sample
+from meshllm.engine.step import SampledToken, Step
+from meshllm.errors import MeshError, ShardCorrupt
+from meshllm.model.decoder import Decoder, SeqSlice
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
+
+
+class KVMissing(MeshError):
+    """A step asked to continue a sequence from a position this stage never computed."""
+
+    code = "kv_missing"
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """Seed of the draw for the token at `position`: a pure function, so a replayed
+    step (failover) or another batch composition draws exactly the same number."""
+    return (seed * _SEED_MIX + position) & _SEED_MASK
+
+
+class StageRunner:
+    def __init__(self, decoder: Decoder, kv_dtype: torch.dtype | None = None):
+        self.decoder = decoder
+        self.cache = KVCache(decoder.kv_layout(kv_dtype))
+
+    @property
+    def is_first(self) -> bool:
+        return self.decoder.has_embedding
+
+    @property
+    def is_last(self) -> bool:
+        return self.decoder.has_head
+
+    def release(self, seq_ids) -> int:
+        return sum(self.cache.release(s) for s in seq_ids)
+
+    def run(self, step: Step) -> Tensor | list[SampledToken]:
+        """Hidden states [tokens, hidden] for the next stage, or sampled tokens on the last."""
+        self.release(step.release)
+        if not step.seqs:
+            return [] if self.is_last else step.input
+        x = self._checked_input(step)
+        slices, positions, row = [], [], 0
+        for work in step.seqs:
+            kv = self.cache.get_or_allocate(work.seq_id)
+            if work.start > kv.length:
+                raise KVMissing(f"sequence {work.seq_id} continues at position {work.start} but this stage "
+                                f"holds only {kv.length} tokens of it; re-prefill it")
+            if work.start < kv.length:
+                kv.truncate(work.start)  # rollback: rejected draft tokens or a replayed step
+            slices.append(SeqSlice(kv, row, work.num_tokens))
+            positions.append(torch.arange(work.start, work.start + work.num_tokens))
+            row += work.num_tokens
+        sampled = [(i, w) for i, w in enumerate(step.seqs) if w.sample]
+        logit_rows = None
+        if self.is_last:
+            ends = [s.row + s.num_tokens - 1 for s in slices]
+            logit_rows = torch.tensor([ends[i] for i, _ in sampled], dtype=torch.long)
+        out = self.decoder(x, torch.cat(positions), slices, logit_rows)
+        if not self.is_last:
+            return out
+        return self._sample(out, [w for _, w in sampled])
+
+    def _sample(self, logits: Tensor, works) -> list[SampledToken]:
+        if not works:
+            return []
+        params = [w.sampling for w in works]
+        generators = []
+        for w in works:
+            if w.sampling.greedy:
+                generators.append(None)
+            else:
+                g = torch.Generator()
+                g.manual_seed(draw_seed(w.sampling.seed, w.start + w.num_tokens))
+                generators.append(g)
+        result = sample(logits, params, generators)
+        ids = result.token_ids.tolist()
+        return [SampledToken(w.seq_id, ids[i], result.logprobs[i]) for i, w in enumerate(works)]
+
+    def _checked_input(self, step: Step) -> Tensor:
+        # Everything here came from a peer: check before use (DESIGN.md "Wire protocol").
+        x, n = step.input, step.num_tokens
+        if self.is_first:
+            if x.dtype != torch.int64 or x.shape != (n,):
+                raise ShardCorrupt(f"first stage expects token ids int64[{n}], got {x.dtype}{list(x.shape)}")
+            vocab = self.decoder.config.vocab_size
+            if n and (int(x.min()) < 0 or int(x.max()) >= vocab):
+                raise ShardCorrupt(f"token id out of range [0, {vocab})")
+            return x
+        hidden = self.decoder.config.hidden_size
+        if not x.is_floating_point() or x.shape != (n, hidden):
+            raise ShardCorrupt(f"expected hidden states float[{n}, {hidden}], got {x.dtype}{list(x.shape)}")
+        if not bool(torch.isfinite(x).all()):
+            raise ShardCorrupt("received activations contain NaN or Inf; the previous stage is faulty")
+        return x
+
+    def held_sequences(self) -> list[SeqId]:
+        return sorted(self.cache.sequences)
+
+    def set_length(self, seq_id: SeqId, length: int) -> None:
+        self.cache.get_or_allocate(seq_id).truncate(length)

@@ -1,0 +1,73 @@
+"""A micro-batch as it travels through the stages of a pipeline, and what comes back.
+
+Frozen dataclasses inside the process; transport/stage_convert.py turns them
+into protobuf and back, checking every field a peer could get wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams, TokenLogprobs
+
+
+@dataclass(frozen=True, slots=True)
+class SeqWork:
+    """One sequence's rows in a micro-batch: tokens at positions [start, start + num_tokens)."""
+
+    seq_id: SeqId
+    start: int
+    num_tokens: int
+    sample: bool = False  # sample a token after the last row (end of prompt, or a decode step)
+    sampling: SamplingParams | None = None  # with a concrete seed; set when sample is True
+
+    def __post_init__(self):
+        if self.start < 0 or self.num_tokens < 1:
+            raise ValueError(f"sequence {self.seq_id}: start {self.start} / num_tokens {self.num_tokens} invalid")
+        if self.sample and (self.sampling is None or self.sampling.seed is None):
+            raise ValueError(f"sequence {self.seq_id} samples but carries no seeded SamplingParams")
+
+
+@dataclass(frozen=True, slots=True)
+class StageTiming:
+    stage_index: int
+    compute_s: float
+    received_at: float
+    sent_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    step_id: int
+    seqs: tuple[SeqWork, ...]
+    input: Tensor  # token ids [tokens] into the first stage; hidden states [tokens, hidden] after
+    release: tuple[SeqId, ...] = ()
+    timings: tuple[StageTiming, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    seq_id: SeqId
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step_id: int
+    tokens: tuple[SampledToken, ...] = ()
+    timings: tuple[StageTiming, ...] = ()
+    error_code: str | None = None  # None when the step succeeded
+    error_message: str = ""
+    failed_stage: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None

@@ -1,0 +1,351 @@
+"""Tensors and config from a GGUF file (llama.cpp's format), read by Hugging Face name.
+
+`GGUFFile` parses the header itself: gguf's GGUFReader builds a numpy view per
+vocabulary string and takes seconds on a 49k-token vocabulary, we take tens of
+milliseconds. Tensor data stays in a read-only memory map, so a stage that loads
+layers 10-19 never touches the pages of the others. `GGUFSource` maps GGUF names
+to HF names, dequantizes with `gguf.quants` per tensor on request, and undoes the
+q/k row permutation llama.cpp applies to llama-architecture models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
+
+from meshllm.errors import CorruptWeights, ModelLoadError, UnsupportedArchitecture
+from meshllm.model.config import ModelConfig, RopeScaling
+from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
+
+_FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
+# Block-quantized types gguf.quants dequantizes (the brief's list plus their common siblings).
+_BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q3_K,
+                GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
+# general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_PERMUTED_QK_ARCHITECTURES = {"llama"}  # its converter interleaves q/k rows for ggml's rope
+
+# metadata value type id -> struct format of one scalar
+_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    name: str  # GGUF name, e.g. blk.3.attn_q.weight
+    shape: tuple[int, ...]  # torch order: [rows, cols]
+    ggml_type: GGML
+    offset: int  # absolute byte offset in the file
+    num_bytes: int
+
+
+class _Cursor:
+    """Bounds-checked reads over the mapped header, so a truncated file is a clear error."""
+
+    def __init__(self, buf: memoryview, path: Path):
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def take(self, fmt: str):
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise CorruptWeights(f"{self.path}: GGUF header ends early at byte {self.pos} (truncated download?)")
+        values = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return values[0] if len(values) == 1 else values
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        if self.pos + length > len(self.buf):
+            raise CorruptWeights(f"{self.path}: GGUF string of {length} bytes at byte {self.pos} runs past the "
+                                 f"end of the file (corrupt header or truncated download)")
+        raw = bytes(self.buf[self.pos:self.pos + length])
+        self.pos += length
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptWeights(f"{self.path}: GGUF string at byte {self.pos - length} is not UTF-8") from None
+
+    def value(self, value_type: int):
+        if value_type in _SCALAR_FORMATS:
+            return self.take(_SCALAR_FORMATS[value_type])
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type, count = self.take("<IQ")
+            if item_type in _SCALAR_FORMATS:  # token types, scores: one numpy read, not a loop
+                dtype = np.dtype(_SCALAR_FORMATS[item_type])
+                end = self.pos + count * dtype.itemsize
+                if end > len(self.buf):
+                    raise CorruptWeights(f"{self.path}: GGUF array of {count} items runs past the end of the file")
+                array = np.frombuffer(self.buf[self.pos:end], dtype=dtype)
+                self.pos = end
+                return array
+            return [self.value(item_type) for _ in range(count)]
+        raise CorruptWeights(f"{self.path}: unknown GGUF metadata value type {value_type} at byte {self.pos}")
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF header (metadata + tensor table) and a memory map of the data."""
+
+    path: Path
+    metadata: dict
+    tensors: dict[str, GGUFTensorInfo]
+    data: np.memmap
+
+    @classmethod
+    def open(cls, path: str | Path) -> "GGUFFile":
+        path = Path(path)
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+        size = path.stat().st_size
+        if size < 24:
+            raise CorruptWeights(f"{path} is {size} bytes, too short to be a GGUF file")
+        data = np.memmap(path, mode="r", dtype=np.uint8)
+        cur = _Cursor(memoryview(data), path)
+        magic, version, num_tensors, num_kv = cur.take("<4sIQQ")
+        if magic != b"GGUF":
+            raise CorruptWeights(f"{path} does not start with the GGUF magic bytes (found {magic!r}): "
+                                 f"not a GGUF file, or a corrupt one")
+        if version not in (2, 3):
+            raise CorruptWeights(f"{path} is GGUF version {version}; meshllm reads versions 2 and 3")
+        if num_tensors > size or num_kv > size:  # each entry takes at least a byte: the counts are garbage
+            raise CorruptWeights(f"{path}: GGUF header claims {num_tensors} tensors and {num_kv} metadata "
+                                 f"entries in a {size}-byte file; the header is corrupt")
+        metadata = {}
+        for _ in range(num_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.take("<I"))
+        table = []
+        for _ in range(num_tensors):
+            name = cur.string()
+            num_dims = cur.take("<I")
+            if num_dims > 4:
+                raise CorruptWeights(f"{path}: tensor {name!r} claims {num_dims} dimensions; the header is corrupt")
+            dims = [cur.take("<Q") for _ in range(num_dims)]
+            type_id, offset = cur.take("<IQ")
+            # ggml lists the fastest-moving dimension first; torch the other way round
+            table.append((name, tuple(reversed(dims)), type_id, offset))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // alignment) * alignment
+        tensors = {entry[0]: _tensor_info(path, size, data_start, *entry) for entry in table}
+        return cls(path, metadata, tensors, data)
+
+    def raw(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes as a read-only view of the map: [rows, bytes per row]."""
+        # A plain ndarray view: numpy's memmap subclass adds per-view overhead that doubles dequant time.
+        flat = self.data[info.offset:info.offset + info.num_bytes].view(np.ndarray)
+        return flat.reshape(math.prod(info.shape[:-1]), -1)
+
+
+def _tensor_info(path: Path, file_size: int, data_start: int, name: str, shape: tuple[int, ...],
+                 type_id: int, offset: int) -> GGUFTensorInfo:
+    try:
+        ggml_type = GGML(type_id)
+    except ValueError:
+        raise UnsupportedArchitecture(f"{path}: tensor {name!r} has unknown ggml type id {type_id}; "
+                                      f"the file may need a newer meshllm, or its header is corrupt") from None
+    if ggml_type not in _FLOAT_TYPES and ggml_type not in _BLOCK_TYPES:
+        supported = sorted(t.name for t in (*_FLOAT_TYPES, *_BLOCK_TYPES))
+        raise UnsupportedArchitecture(f"{path}: tensor {name!r} is stored as {ggml_type.name}, which meshllm "
+                                      f"cannot dequantize (supported: {', '.join(supported)}); "
+                                      f"use a GGUF quantized to one of those")
+    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if not shape or shape[-1] % block_size:
+        raise CorruptWeights(f"{path}: tensor {name!r} has shape {shape}, whose rows are not whole "
+                             f"{ggml_type.name} blocks of {block_size}")
+    num_bytes = math.prod(shape) // block_size * block_bytes
+    begin = data_start + offset
+    if begin + num_bytes > file_size:
+        raise CorruptWeights(f"{path}: tensor {name!r} ends at byte {begin + num_bytes} but the file has "
+                             f"{file_size} bytes (truncated download?)")
+    return GGUFTensorInfo(name, shape, ggml_type, begin, num_bytes)
+
+
+def dequantize(file: GGUFFile, info: GGUFTensorInfo, dtype: torch.dtype) -> torch.Tensor:
+    """One tensor as `dtype`, shape `info.shape`. Float types convert exactly; blocks go through f32."""
+    raw = file.raw(info)
+    if info.ggml_type in _FLOAT_TYPES:
+        # copy: the map is read-only and torch wants writable memory
+        tensor = torch.from_numpy(raw.copy()).view(_FLOAT_TYPES[info.ggml_type])
+    else:
+        tensor = torch.from_numpy(quants.dequantize(raw, info.ggml_type))
+    return tensor.reshape(info.shape).to(dtype)
+
+
+# GGUF name pieces -> HF name pieces; the loader asks for HF names.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not use."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if stem in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[stem]}.{suffix}"
+    return None
+
+
+class GGUFSource:
+    """TensorSource over one .gguf file: HF tensor names, config from the metadata."""
+
+    def __init__(self, path: str | Path | GGUFFile):
+        self.file = path if isinstance(path, GGUFFile) else GGUFFile.open(path)
+        self.path = self.file.path
+        self._by_hf_name = {hf: info for info in self.file.tensors.values()
+                            if (hf := hf_name(info.name)) is not None}
+        self._config = ModelConfig.from_dict(config_dict(self.file))
+        self._bytes_read = 0
+
+    def config(self) -> ModelConfig:
+        return self._config
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._by_hf_name)
+
+    def num_bytes_read(self) -> int:
+        return self._bytes_read
+
+    def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            info = self._by_hf_name.get(name)
+            if info is None:
+                raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
+            tensor = dequantize(self.file, info, dtype)
+            if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (
+                    ".q_proj." in name or ".k_proj." in name):
+                heads = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
+                tensor = _unpermute_rope_rows(tensor, heads)
+            out[name] = tensor
+            self._bytes_read += info.num_bytes
+        return out
+
+    def fingerprint(self) -> str:
+        """sha256 over every tensor's GGUF name, type, shape and raw (still quantized) bytes."""
+        stat = self.path.stat()
+        key = f"{self.path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+        cached = _fingerprint_cache_get(key)
+        if cached:
+            return cached
+        digest = hashlib.sha256()
+        for name in sorted(self.file.tensors):
+            info = self.file.tensors[name]
+            digest.update(f"{name}|{info.ggml_type.name}|{list(info.shape)}|".encode())
+            digest.update(self.file.data[info.offset:info.offset + info.num_bytes])
+        value = digest.hexdigest()
+        _fingerprint_cache_put(key, value)
+        return value
+
+
+def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    # llama.cpp stores each head's rows as interleaved (x0, x1) rotary pairs; HF keeps the first
+    # halves then the second halves. Same as transformers' reverse_permute_weights.
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def config_dict(file: GGUFFile) -> dict:
+    """An HF config.json-style dict from the GGUF metadata (what ModelConfig.from_dict reads)."""
+    meta = file.metadata
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHITECTURES:
+        raise UnsupportedArchitecture(f"{file.path} is a GGUF of architecture {arch!r}; meshllm runs GGUF "
+                                      f"architectures {sorted(_ARCHITECTURES)}")
+    if int(meta.get("split.count", 1)) > 1:
+        raise ModelLoadError(f"{file.path} is one part of a split GGUF; merge the parts first with "
+                             f"`llama-gguf-split --merge {file.path} merged.gguf`")
+
+    def key(name: str, default=None):
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise CorruptWeights(f"{file.path} lacks GGUF metadata key {arch}.{name}")
+        return value
+
+    heads, hidden = int(key("attention.head_count")), int(key("embedding_length"))
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, np.ndarray):  # per-layer counts; fine only when all layers agree
+        if len(set(kv_heads.tolist())) != 1:
+            raise UnsupportedArchitecture(f"{file.path} has per-layer KV head counts {kv_heads.tolist()}")
+        kv_heads = kv_heads[0]
+    head_dim = int(key("attention.key_length", hidden // heads))
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedArchitecture(f"{file.path} rotates {rope_dims} of {head_dim} head dims (partial rotary); "
+                                      f"meshllm supports full rotary only")
+    embed = file.tensors.get("token_embd.weight")
+    if embed is None:
+        raise CorruptWeights(f"{file.path} has no token_embd.weight tensor")
+    tokens_meta = {k: meta[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id", "eot_token_id",
+                                                            "eom_token_id") if f"tokenizer.ggml.{k}" in meta}
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    return {
+        "model_type": _ARCHITECTURES[arch],
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", embed.shape[0])),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(file, arch, head_dim, rope_theta),
+        "tie_word_embeddings": "output.weight" not in file.tensors,
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
+        "use_sliding_window": False,  # GGUF carries no sliding window for these architectures
+        "bos_token_id": int(tokens_meta["bos_token_id"]) if "bos_token_id" in tokens_meta else None,
+        "eos_token_id": sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
+    }
+
+
+def _rope_scaling(file: GGUFFile, arch: str, head_dim: int, rope_theta: float) -> dict | None:
+    scaling_type = file.metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        # ModelConfig rejects what the decoder cannot run, with a message naming the type.
+        return {"rope_type": scaling_type, "factor": file.metadata.get(f"{arch}.rope.scaling.factor")}
+    freqs = file.tensors.get("rope_freqs.weight")
+    if freqs is None:
+        return None
+    # Llama 3.1+ GGUFs store the per-frequency divisors instead of the rope_scaling parameters.
+    # Every Llama 3.x uses low/high factors 1 and 4 over an 8192 original context; check the
+    # stored divisors are exactly those, so any other scheme fails loudly instead of running wrong.
+    stored = dequantize(file, freqs, torch.float64)
+    candidate = RopeScaling(factor=float(stored.max()), low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=8192)
+    if not torch.allclose(stored, _llama3_divisors(candidate, head_dim, rope_theta), rtol=1e-3, atol=1e-4):
+        raise UnsupportedArchitecture(f"{file.path}: its rope_freqs tensor is not Llama 3 rope scaling with "
+                                      f"the standard parameters; meshllm cannot reproduce it")
+    return {"rope_type": "llama3", "factor": candidate.factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+def _llama3_divisors(s: RopeScaling, head_dim: int, rope_theta: float) -> torch.Tensor:
+    # The divisor llama.cpp's converter writes per rotary frequency (convert_hf_to_gguf.py, LlamaModel).
+    freqs = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    mid = 1 / ((1 - smooth) / s.factor + smooth)
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    return torch.where(wavelen < high_wavelen, torch.ones_like(freqs),
+                       torch.where(wavelen > low_wavelen, torch.full_like(freqs, s.factor), mid))

@@ -1,0 +1,148 @@
+"""One meshllm node: a gRPC server plus the services that run beside it.
+
+Composition only. The server carries every gRPC service on one port; the
+services (model scan, mDNS discovery, gossip loop, and later the stage
+service and the HTTP API) start in order after the server and stop in
+reverse order before it. Later features hook in with `node.server.add(...)`,
+`node.add_service(...)` and `node.card.set_shards_source(...)` before
+`start()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from meshllm.cluster.card import NodeId
+from meshllm.cluster.discovery import Discovery, is_wildcard, lan_ipv4_addresses
+from meshllm.cluster.gossip import ClusterServicer, GossipLoop, HealthServicer
+from meshllm.cluster.models_on_disk import ModelScan
+from meshllm.cluster.own_card import CardIdentity, OwnCard
+from meshllm.cluster.profile import load_or_probe, memory_of, platform_name
+from meshllm.cluster.registry import Registry
+from meshllm.transport.auth import TlsFiles, cluster_id
+from meshllm.transport.channels import ChannelConfig, ChannelPool
+from meshllm.transport.convert import MAX_TTL_S
+from meshllm.transport.protos import cluster_pb2_grpc
+from meshllm.transport.server import NodeServer, ServerConfig, join_host_port
+
+log = logging.getLogger(__name__)
+
+KEY_FILE_NAME = "cluster.key"
+
+
+def default_state_dir() -> Path:
+    """Where a node keeps its cluster key and probe cache: $XDG_STATE_HOME/meshllm."""
+    return Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "meshllm"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    host: str = "127.0.0.1"
+    port: int = 7650  # 0 picks a free port
+    advertise_host: str | None = None  # address peers dial; default: host, or a LAN address for 0.0.0.0
+    peers: tuple[str, ...] = ()  # seed peers, host:port
+    model_paths: tuple[Path, ...] = ()
+    node_id: str | None = None  # default: <hostname>-<port>
+    gossip_interval_s: float = 2.0
+    ttl_s: float = 30.0
+    discovery: bool = True
+    state_dir: Path = field(default_factory=default_state_dir)
+    tls: TlsFiles | None = None
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.gossip_interval_s <= 0:
+            raise ValueError(f"--gossip-interval must be positive, got {self.gossip_interval_s}")
+        if not self.gossip_interval_s < self.ttl_s <= MAX_TTL_S:
+            raise ValueError(f"--ttl must be above --gossip-interval ({self.gossip_interval_s}s) and at most "
+                             f"{MAX_TTL_S:.0f}s, got {self.ttl_s}; a few intervals is typical")
+        for peer in self.peers:
+            host, sep, port = peer.rpartition(":")
+            if not (sep and host and port.isdigit()):
+                raise ValueError(f"--peer {peer!r} is not host:port")
+
+
+class Service(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Node:
+    """Built in the constructor (the port is bound then), run by `start`/`stop`."""
+
+    def __init__(self, config: NodeConfig, key: bytes):
+        self.config = config
+        self.server = NodeServer(ServerConfig(host=config.host, port=config.port, key=key, tls=config.tls))
+        self.node_id = NodeId(config.node_id or f"{socket.gethostname()}-{self.server.port}")
+        self.address = join_host_port(self._advertised_host(), self.server.port)
+
+        self.models = ModelScan(config.model_paths)
+        profile = load_or_probe(config.device, config.state_dir)
+        self.card = OwnCard(CardIdentity(self.node_id, self.address, platform_name(), config.ttl_s), profile,
+                            memory=lambda: memory_of(config.device), models=lambda: self.models.models)
+        self.registry = Registry(self.card.build())
+        self.server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(self.registry))
+        self.server.add(cluster_pb2_grpc.add_HealthServicer_to_server, HealthServicer(self.registry))
+
+        self.discovery = (Discovery(self.node_id, config.host, self.server.port, cluster_id(key))
+                          if config.discovery else None)
+        self.gossip = GossipLoop(self.registry, ChannelPool(ChannelConfig(self.node_id, key, config.tls)),
+                                 peers=self._peers, refresh_own=self.card.build,
+                                 interval_s=config.gossip_interval_s)
+        self.services: list[Service] = [self.models, *([self.discovery] if self.discovery else []), self.gossip]
+        self._started: list[Service] = []
+
+    def _advertised_host(self) -> str:
+        if self.config.advertise_host:
+            return self.config.advertise_host
+        if not is_wildcard(self.config.host):
+            return self.config.host
+        lan = lan_ipv4_addresses()
+        return lan[0] if lan else socket.gethostname()
+
+    def _peers(self) -> set[str]:
+        discovered = self.discovery.peers() if self.discovery else set()
+        return set(self.config.peers) | discovered
+
+    def add_service(self, service: Service) -> None:
+        """Run `service` after the built-in ones (stopped before them)."""
+        if self._started:
+            raise RuntimeError("add services before Node.start()")
+        self.services.append(service)
+
+    def start(self) -> None:
+        self.server.start()
+        for service in self.services:
+            service.start()
+            self._started.append(service)
+
+    def stop(self) -> None:
+        while self._started:
+            self._started.pop().stop()
+        self.server.stop()
+
+
+def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda node: None) -> None:
+    """Start `node`, call `on_ready`, and stop cleanly on SIGINT or SIGTERM.
+    Call from the main thread (Python delivers signals there)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        node.start()
+        on_ready(node)
+        while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
+            pass
+        log.info("node %s stopping", node.node_id)
+    finally:
+        node.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

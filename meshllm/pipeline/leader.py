@@ -1,0 +1,254 @@
+"""The leader: runs the scheduler's micro-batches through a plan and streams tokens.
+
+Concurrency contract: `submit` and `cancel` may be called from any thread (HTTP
+handlers, the CLI); they post to the inbox. One loop thread owns the scheduler,
+the in-flight micro-batches, stop detection and event delivery, so none of that
+state needs a lock. `on_event` callbacks run on the loop thread and must not block.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams, TokenLogprobs
+from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig
+from meshllm.engine.sequence import Sequence, SeqStatus
+from meshllm.engine.step import SeqWork, Step, StepResult
+from meshllm.engine.stopping import StopChecker
+from meshllm.errors import ContextOverflow, MeshError, PipelineStalled
+from meshllm.pipeline.transport import StepTransport, next_step_id
+
+log = logging.getLogger(__name__)
+
+Detokenizer = Callable[[int], str]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEvent:
+    seq_id: SeqId
+    text: str = ""
+    token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: MeshError | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class StepError(MeshError):
+    """A stage reported an error for a micro-batch; carries the stage's code."""
+
+    def __init__(self, result: StepResult):
+        super().__init__(f"stage {result.failed_stage}: {result.error_message}")
+        self.code = result.error_code or "internal"
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    checker: StopChecker
+    on_event: Callable[[GenerationEvent], None]
+    submitted_at: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class LeaderObserver:
+    """Hooks for metrics; the default does nothing. Called on the loop thread."""
+
+    def on_step(self, batch: MicroBatch, result: StepResult, seconds: float) -> None: ...
+
+    def on_token(self, first: bool, seconds: float) -> None: ...
+
+    def on_finish(self, reason: str, num_tokens: int) -> None: ...
+
+    def on_queue(self, num_waiting: int, num_running: int) -> None: ...
+
+
+class Leader:
+    def __init__(self, transport: StepTransport, *, eos_token_ids: Collection[int],
+                 new_detokenizer: Callable[[], Detokenizer], max_context: int,
+                 config: SchedulerConfig | None = None, observer: LeaderObserver | None = None):
+        self.transport = transport
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.new_detokenizer = new_detokenizer
+        self.max_context = max_context
+        config = config or SchedulerConfig()
+        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages))
+        self.observer = observer or LeaderObserver()
+        self._inbox: queue.Queue = queue.Queue()
+        self._requests: dict[SeqId, _Request] = {}
+        self._in_flight: dict[int, tuple[MicroBatch, float]] = {}
+        self._pending_release: list[SeqId] = []
+        self._seq_prefix = secrets.randbits(31) << 32  # seq ids stay unique across leaders
+        self._seq_counter = 0
+        self._id_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="leader")
+        self._thread.start()
+
+    # --- any thread --------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               on_event: Callable[[GenerationEvent], None]) -> SeqId:
+        """Queue a request; events (text deltas, then one with finish_reason) go to on_event."""
+        if not prompt_ids:
+            raise ContextOverflow("the prompt is empty: at least one token is needed")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_context:
+            raise ContextOverflow(
+                f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the "
+                f"model's context of {self.max_context} tokens; shorten the prompt or lower max_tokens")
+        if params.seed is None:
+            params = replace(params, seed=secrets.randbits(63))
+        with self._id_lock:
+            self._seq_counter += 1
+            seq_id = SeqId(self._seq_prefix | self._seq_counter)
+        seq = Sequence(seq_id, list(prompt_ids), params)
+        checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
+        done = threading.Event()
+        outcome: list[MeshError] = []
+        self._inbox.put(("submit", _Request(seq, checker, on_event, time.perf_counter()), done, outcome))
+        done.wait()
+        if outcome:
+            raise outcome[0]
+        return seq_id
+
+    def cancel(self, seq_id: SeqId) -> None:
+        self._inbox.put(("cancel", seq_id))
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationEvent]:
+        """Blocking convenience: yields events until the sequence finishes."""
+        events: queue.Queue = queue.Queue()
+        seq_id = self.submit(prompt_ids, params, events.put)
+        try:
+            while True:
+                event = events.get()
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self.cancel(seq_id)  # no-op when finished; frees KV when the caller stops early
+
+    def close(self) -> None:
+        self._closed.set()
+        self._inbox.put(("wake",))
+        self._thread.join(timeout=10)
+        self.transport.close()
+
+    # --- loop thread -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            self._fill_pipeline()
+            try:  # nothing more can be sent until a result or a request arrives
+                message = self._inbox.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            self._handle(message)
+            while True:  # drain whatever else arrived before scheduling again
+                try:
+                    self._handle(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "submit":
+            _, request, done, outcome = message
+            try:
+                self.scheduler.add(request.seq)
+                self._requests[request.seq.seq_id] = request
+            except MeshError as e:
+                outcome.append(e)
+            done.set()
+        elif kind == "cancel":
+            request = self._requests.get(message[1])
+            if request is not None:
+                self._finish(request, "cancelled")
+        elif kind == "result":
+            _, step_id, result = message
+            batch, sent_at = self._in_flight.pop(step_id)
+            self.observer.on_step(batch, result, time.perf_counter() - sent_at)
+            self._apply(batch, result)
+        self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
+
+    def _fill_pipeline(self) -> None:
+        while len(self._in_flight) < self.transport.num_stages:
+            batch = self.scheduler.next_microbatch()
+            if batch is None:
+                break
+            self._send(batch)
+        if not self._in_flight and self._pending_release:
+            self._send(MicroBatch(()))  # an empty step carries the releases through every stage
+
+    def _send(self, batch: MicroBatch) -> None:
+        step_id = next_step_id()
+        ids: list[int] = []
+        works = []
+        for w in batch.works:
+            ids.extend(w.seq.token_ids(w.start, w.start + w.num_tokens))
+            works.append(SeqWork(w.seq.seq_id, w.start, w.num_tokens, w.sample,
+                                 w.seq.params if w.sample else None))
+        release, self._pending_release = tuple(self._pending_release), []
+        step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release)
+        self._in_flight[step_id] = (batch, time.perf_counter())
+        future = self.transport.submit(step)
+        future.add_done_callback(lambda f, sid=step_id: self._inbox.put(("result", sid, f.result())))
+
+    def _apply(self, batch: MicroBatch, result: StepResult) -> None:
+        if not result.ok:
+            # TODO(failover issue): re-plan without the failed stage and re-prefill.
+            error = PipelineStalled(f"stage {result.failed_stage} failed: [{result.error_code}] "
+                                    f"{result.error_message}")
+            log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
+            for w in batch.works:
+                w.seq.in_flight = False
+                request = self._requests.get(w.seq.seq_id)
+                if request is not None:
+                    self._finish(request, "error", error)
+            return
+        sampled = {t.seq_id: t for t in result.tokens}
+        now = time.perf_counter()
+        for w in batch.works:
+            self.scheduler.on_computed(w)
+            request = self._requests.get(w.seq.seq_id)
+            if request is None or w.seq.status is SeqStatus.FINISHED:
+                continue
+            if not w.sample:
+                continue
+            token = sampled[w.seq.seq_id]
+            w.seq.output_ids.append(token.token_id)
+            text = request.checker.feed(token.token_id)
+            first = request.first_token_at is None
+            self.observer.on_token(first, now - (request.submitted_at if first else request.last_token_at))
+            if first:
+                request.first_token_at = now
+            request.last_token_at = now
+            reason = request.checker.finish_reason
+            request.on_event(GenerationEvent(w.seq.seq_id, text, token.token_id, token.logprobs, reason,
+                                             num_prompt_tokens=w.seq.num_prompt_tokens,
+                                             num_cached_tokens=w.seq.num_cached))
+            if reason is not None:
+                self._finish(request, reason, notify=False)
+
+    def _finish(self, request: _Request, reason: str, error: MeshError | None = None,
+                notify: bool = True) -> None:
+        seq = request.seq
+        was_started = seq.status is SeqStatus.RUNNING
+        self.scheduler.finish(seq)
+        del self._requests[seq.seq_id]
+        if was_started:
+            self._pending_release.append(seq.seq_id)
+        self.observer.on_finish(reason, len(seq.output_ids))
+        if notify:
+            request.on_event(GenerationEvent(seq.seq_id, "", finish_reason=reason, error=error,
+                                             num_prompt_tokens=seq.num_prompt_tokens,
+                                             num_cached_tokens=seq.num_cached))

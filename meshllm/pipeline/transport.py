@@ -1,0 +1,129 @@
+"""How the leader reaches the stages of a plan: over a gRPC stream, or in-process.
+
+Both take a Step and return a Future of its StepResult; the leader keeps up to
+`num_stages` of them outstanding. Futures resolve on a reader thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Protocol
+
+import grpc
+
+from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.step import SampledToken, StageTiming, Step, StepResult
+from meshllm.errors import MeshError
+from meshllm.transport import stage_convert
+from meshllm.transport.protos import stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class StepTransport(Protocol):
+    num_stages: int
+
+    def submit(self, step: Step) -> Future: ...
+
+    def close(self) -> None: ...
+
+
+class RemotePipeline:
+    """One long-lived Forward stream to stage 0 of a plan; stage 0 relays onward."""
+
+    def __init__(self, channel: grpc.Channel, plan_id: str, num_stages: int):
+        self.plan_id = plan_id
+        self.num_stages = num_stages
+        self._stub = stage_pb2_grpc.StageStub(channel)
+        self._lock = threading.Lock()
+        self._pending: dict[int, Future] = {}
+        self._requests: queue.Queue | None = None
+
+    def submit(self, step: Step) -> Future:
+        future: Future = Future()
+        message = stage_convert.step_to_pb(self.plan_id, step)
+        with self._lock:
+            if self._requests is None:
+                self._open()
+            self._pending[step.step_id] = future
+            self._requests.put(message)
+        return future
+
+    def _open(self) -> None:
+        requests: queue.Queue = queue.Queue()
+        call = self._stub.Forward(iter(requests.get, None))
+        self._requests = requests
+        threading.Thread(target=self._read, args=(call, requests), daemon=True, name="leader-stream").start()
+
+    def _read(self, call, requests: queue.Queue) -> None:
+        error = "stream closed"
+        try:
+            for reply in call:
+                with self._lock:
+                    future = self._pending.pop(reply.step_id, None)
+                if future is not None:
+                    future.set_result(stage_convert.result_from_pb(reply))
+        except grpc.RpcError as e:
+            error = f"{e.code().name}: {e.details()}"
+            log.warning("pipeline %s stream to stage 0 failed: %s", self.plan_id, error)
+        with self._lock:
+            if self._requests is requests:
+                self._requests = None  # the next submit opens a fresh stream
+            pending, self._pending = self._pending, {}
+        for step_id, future in pending.items():
+            future.set_result(StepResult(step_id, error_code="stage_unreachable",
+                                         error_message=f"stage 0 stream ended: {error}", failed_stage=0))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._requests is not None:
+                self._requests.put(None)
+                self._requests = None
+
+
+class LocalPipeline:
+    """Stages as StageRunners in this process, run one after another on a worker thread.
+
+    Single-process generation uses this, so it shares every line of arithmetic
+    with a distributed run.
+    """
+
+    def __init__(self, runners: list[StageRunner]):
+        self.runners = runners
+        self.num_stages = 1  # one thread computes: nothing to overlap
+        self._work: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="local-pipeline")
+        self._thread.start()
+
+    def submit(self, step: Step) -> Future:
+        future: Future = Future()
+        self._work.put((step, future))
+        return future
+
+    def _run(self) -> None:
+        for step, future in iter(self._work.get, None):
+            future.set_result(self.run_now(step))
+
+    def run_now(self, step: Step) -> StepResult:
+        x = step.input
+        for index, runner in enumerate(self.runners):
+            try:
+                x = runner.run(Step(step.step_id, step.seqs, x, step.release))
+            except MeshError as e:
+                return StepResult(step.step_id, error_code=e.code, error_message=str(e), failed_stage=index)
+        tokens: list[SampledToken] = x if isinstance(x, list) else []
+        return StepResult(step.step_id, tuple(tokens), (StageTiming(0, 0.0, 0.0, 0.0),))
+
+    def close(self) -> None:
+        self._work.put(None)
+
+
+_step_ids = itertools.count(1)
+
+
+def next_step_id() -> int:
+    return next(_step_ids)

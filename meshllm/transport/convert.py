@@ -1,0 +1,162 @@
+"""Protobuf <-> dataclasses for the control plane, converted once, here.
+
+Peer input is checked on the way in: a card with absurd values (negative
+memory, a ttl of years, a timestamp far in the future, overlong strings, more
+than CARD_MAX_BYTES on the wire) raises InvalidCard and never reaches the
+registry.
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role
+from meshllm.errors import InvalidCard, MalformedMessage
+from meshllm.transport.protos import cluster_pb2
+
+CARD_MAX_BYTES = 4096
+MAX_CARDS_PER_EXCHANGE = 512
+# Room for a full message of maximal cards plus per-field framing.
+MAX_EXCHANGE_BYTES = MAX_CARDS_PER_EXCHANGE * (CARD_MAX_BYTES + 8)
+MAX_FUTURE_S = 60.0  # clock skew tolerated on announced_at
+MAX_TTL_S = 86_400.0
+MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
+MAX_BANDWIDTH_GBPS = 1e5
+MAX_GFLOPS = 1e7
+MAX_LAYERS = 100_000
+MAX_ENTRIES = 64  # models or shards per card
+MAX_ID_CHARS = 128  # node ids, fingerprints
+MAX_TEXT_CHARS = 256  # addresses, model ids, paths, platform, device
+
+_ROLE_TO_PB = {
+    Role.STAGE: cluster_pb2.ROLE_STAGE,
+    Role.VERIFIER: cluster_pb2.ROLE_VERIFIER,
+    Role.PROPOSER: cluster_pb2.ROLE_PROPOSER,
+}
+_PB_TO_ROLE = {v: k for k, v in _ROLE_TO_PB.items()}
+
+
+# ---------------------------------------------------------------- outward
+
+def model_to_pb(m: ModelOnDisk) -> cluster_pb2.ModelOnDisk:
+    return cluster_pb2.ModelOnDisk(model_id=m.model_id, fingerprint=m.fingerprint, num_layers=m.num_layers,
+                                   path=m.path)
+
+
+def shard_to_pb(s: LoadedShard) -> cluster_pb2.LoadedShard:
+    return cluster_pb2.LoadedShard(model_id=s.model_id, fingerprint=s.fingerprint, first_layer=s.first_layer,
+                                   last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams)
+
+
+def card_to_pb(card: Card) -> cluster_pb2.Card:
+    msg = cluster_pb2.Card(
+        node_id=card.node_id, grpc_address=card.grpc_address, platform=card.platform, device=card.device,
+        memory_total_bytes=card.memory_total_bytes, memory_free_bytes=card.memory_free_bytes,
+        memory_bandwidth_gbps=card.memory_bandwidth_gbps, matmul_gflops=card.matmul_gflops,
+        models=[model_to_pb(m) for m in card.models], shards=[shard_to_pb(s) for s in card.shards],
+        roles=[_ROLE_TO_PB[r] for r in card.roles],
+        announced_at=card.announced_at, ttl_seconds=card.ttl_seconds)
+    if card.collective_endpoint is not None:
+        msg.collective_endpoint = card.collective_endpoint
+    if card.api_address is not None:
+        msg.api_address = card.api_address
+    return msg
+
+
+def card_wire_size(card: Card) -> int:
+    return card_to_pb(card).ByteSize()
+
+
+# ---------------------------------------------------------------- inward
+
+def _text(value: str, what: str, limit: int = MAX_TEXT_CHARS, *, required: bool = True) -> str:
+    if required and not value:
+        raise InvalidCard(f"{what} is empty")
+    if len(value) > limit or not value.isprintable():
+        raise InvalidCard(f"{what} is longer than {limit} characters or not printable")
+    return value
+
+
+def _bounded(value: float, what: str, low: float, high: float) -> float:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidCard(f"{what}={value} is outside {low}..{high}")
+    return value
+
+
+def _address(value: str, what: str) -> str:
+    _text(value, what)
+    host, sep, port = value.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) < 65536) or any(c.isspace() for c in value):
+        raise InvalidCard(f"{what} {value!r} is not host:port")
+    return value
+
+
+def model_from_pb(m: cluster_pb2.ModelOnDisk) -> ModelOnDisk:
+    return ModelOnDisk(
+        model_id=_text(m.model_id, "model_id"), fingerprint=_text(m.fingerprint, "fingerprint", MAX_ID_CHARS),
+        num_layers=int(_bounded(m.num_layers, "num_layers", 1, MAX_LAYERS)),
+        path=_text(m.path, "model path", required=False))
+
+
+def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
+    first = int(_bounded(s.first_layer, "first_layer", 0, MAX_LAYERS))
+    last = int(_bounded(s.last_layer, "last_layer", first + 1, MAX_LAYERS))
+    return LoadedShard(
+        model_id=_text(s.model_id, "shard model_id"),
+        fingerprint=_text(s.fingerprint, "shard fingerprint", MAX_ID_CHARS),
+        first_layer=first, last_layer=last,
+        queue_depth=int(_bounded(s.queue_depth, "queue_depth", 0, 1 << 20)),
+        max_streams=int(_bounded(s.max_streams, "max_streams", 1, 1 << 20)))
+
+
+def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
+    """Validate and convert one wire card; `now` bounds how far ahead it may be stamped."""
+    if msg.ByteSize() > CARD_MAX_BYTES:
+        raise InvalidCard(f"card of {msg.ByteSize()} bytes exceeds {CARD_MAX_BYTES}")
+    node_id = _text(msg.node_id, "node_id", MAX_ID_CHARS)
+    if any(c.isspace() for c in node_id):
+        raise InvalidCard(f"node_id {node_id!r} contains whitespace")
+    total = int(_bounded(msg.memory_total_bytes, "memory_total_bytes", 0, MAX_MEMORY_BYTES))
+    free = int(_bounded(msg.memory_free_bytes, "memory_free_bytes", 0, total))
+    if len(msg.models) > MAX_ENTRIES or len(msg.shards) > MAX_ENTRIES:
+        raise InvalidCard(f"card lists more than {MAX_ENTRIES} models or shards")
+    unknown_roles = [r for r in msg.roles if r not in _PB_TO_ROLE]
+    if unknown_roles or len(set(msg.roles)) != len(msg.roles):
+        raise InvalidCard(f"card has unknown or repeated roles {list(msg.roles)}")
+    announced_at = _bounded(msg.announced_at, "announced_at", 0.0, now + MAX_FUTURE_S)
+    return Card(
+        node_id=NodeId(node_id),
+        grpc_address=_address(msg.grpc_address, "grpc_address"),
+        platform=_text(msg.platform, "platform", required=False),
+        device=_text(msg.device, "device"),
+        memory_total_bytes=total, memory_free_bytes=free,
+        memory_bandwidth_gbps=_bounded(msg.memory_bandwidth_gbps, "memory_bandwidth_gbps", 0.0,
+                                       MAX_BANDWIDTH_GBPS),
+        matmul_gflops=_bounded(msg.matmul_gflops, "matmul_gflops", 0.0, MAX_GFLOPS),
+        models=tuple(model_from_pb(m) for m in msg.models),
+        shards=tuple(shard_from_pb(s) for s in msg.shards),
+        roles=tuple(_PB_TO_ROLE[r] for r in msg.roles),
+        collective_endpoint=(_address(msg.collective_endpoint, "collective_endpoint")
+                             if msg.HasField("collective_endpoint") else None),
+        api_address=_address(msg.api_address, "api_address") if msg.HasField("api_address") else None,
+        announced_at=announced_at,
+        ttl_seconds=_bounded(msg.ttl_seconds, "ttl_seconds", 0.001, MAX_TTL_S))
+
+
+def cards_from_pb(messages, now: float) -> tuple[list[Card], list[InvalidCard]]:
+    """Convert the cards of one Exchange message.
+
+    The whole message is refused (MalformedMessage) when it has too many cards;
+    otherwise each bad card is dropped on its own, so one broken or hostile
+    peer's card cannot block the good cards travelling with it.
+    Returns (valid cards, rejections).
+    """
+    if len(messages) > MAX_CARDS_PER_EXCHANGE:
+        raise MalformedMessage(f"exchange carries {len(messages)} cards; the limit is {MAX_CARDS_PER_EXCHANGE}")
+    cards, rejected = [], []
+    for msg in messages:
+        try:
+            cards.append(card_from_pb(msg, now))
+        except InvalidCard as e:
+            rejected.append(InvalidCard(f"card {msg.node_id[:MAX_ID_CHARS]!r}: {e}"))
+    return cards, rejected

@@ -1,0 +1,89 @@
+"""One gRPC server per node: every service (Cluster, Health, later Stage and
+Proposer) shares one port, one thread pool and one auth interceptor.
+
+    server = NodeServer(ServerConfig(host="0.0.0.0", port=7650, key=key))
+    server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(...))
+    server.add(stage_pb2_grpc.add_StageServicer_to_server, stage_servicer)
+    server.start()
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import grpc
+
+from meshllm.errors import BindFailed
+from meshllm.transport.auth import ServerAuthInterceptor, TlsFiles
+from meshllm.transport.channels import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+
+log = logging.getLogger(__name__)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str
+    port: int  # 0 picks a free port; NodeServer.port tells which
+    key: bytes
+    tls: TlsFiles | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Each open stream (a pipeline Forward stream) holds one thread for its life.
+    max_workers: int = 32
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port {self.port} is not in 0..65535")
+        if self.max_workers < 1:
+            raise ValueError("max_workers must be at least 1")
+
+
+class NodeServer:
+    """The node's gRPC server. Binds in the constructor (so `port` is known before
+    the card is built), takes servicers with `add` until `start`."""
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        options = channel_options(config.max_message_bytes) + [
+            ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
+        ]
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc"),
+                                   interceptors=[ServerAuthInterceptor(config.key)], options=options)
+        bind = join_host_port(config.host, config.port)
+        try:
+            if config.tls is None:
+                self.port = self._server.add_insecure_port(bind)
+            else:
+                self.port = self._server.add_secure_port(bind, config.tls.server_credentials())
+        except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind to address ...")
+            raise BindFailed(f"cannot listen on {bind}: {e}. Is another node using the port? "
+                             f"Pick another --port (0 picks a free one).") from e
+        if self.port == 0:
+            raise BindFailed(f"cannot listen on {bind}. Is another node using the port? "
+                             f"Pick another --port (0 picks a free one).")
+        self._started = False
+
+    @property
+    def address(self) -> str:
+        return join_host_port(self.config.host, self.port)
+
+    def add(self, adder: Callable[[Any, grpc.Server], None], servicer: Any) -> None:
+        """Register a servicer through its generated `add_XServicer_to_server`."""
+        if self._started:
+            raise RuntimeError("add servicers before NodeServer.start()")
+        adder(servicer, self._server)
+
+    def start(self) -> None:
+        self._server.start()
+        self._started = True
+        log.info("gRPC server listening on %s", self.address)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop accepting calls and wait up to `grace_s` for running ones."""
+        self._server.stop(grace_s).wait()

