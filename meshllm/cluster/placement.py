@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from meshllm.cluster.card import Card, NodeId, Role
 from meshllm.cluster.cover import cover_loaded_shards
+from meshllm.cluster.registry import newer
 from meshllm.cluster.stage_budget import Footprint, split_layers, usable_bytes
 from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable
 from meshllm.model.config import ModelConfig
@@ -97,7 +98,6 @@ def plan_placement(request: PlacementRequest, fleet: Sequence[Card]) -> Plan:
     same set of cards (in any order) give the same plan on every node.
     """
     footprint = Footprint.of(request)
-    # Sort by node_id: every node must derive the same plan from the same view.
     stage_nodes = [c for c in _unique_by_node(fleet) if Role.STAGE in c.roles and c.node_id not in request.exclude]
     reused = _plan_on_loaded_shards(request, footprint, stage_nodes)
     if reused is not None:
@@ -113,10 +113,12 @@ def bandwidth_gbps(card: Card) -> float:
 
 
 def _unique_by_node(fleet: Sequence[Card]) -> list[Card]:
-    # A view should hold one card per node; if not, the newest card wins (as in the registry).
+    # A view should hold one card per node; if not, the registry's rule picks the winner. Sorted by
+    # node_id: every node must derive the same plan from the same view, whatever its order.
     newest: dict[str, Card] = {}
-    for card in sorted(fleet, key=lambda c: (c.node_id, c.announced_at)):
-        newest[card.node_id] = card
+    for card in fleet:
+        current = newest.get(card.node_id)
+        newest[card.node_id] = card if current is None else newer(current, card)
     return [newest[node_id] for node_id in sorted(newest)]
 
 
@@ -148,8 +150,8 @@ def _plan_fresh(request: PlacementRequest, footprint: Footprint, candidates: lis
     max_stages = min(len(ranked), num_layers)
     if request.num_stages is not None and request.num_stages > max_stages:
         raise ShardUnavailable(
-            f"--stages {request.num_stages} asks for more stages than {request.model_id} can use: "
-            f"{len(ranked)} candidate nodes have its weights and it has {num_layers} layers. Lower --stages.",
+            f"--stages {request.num_stages} asks for more stages than {request.model_id} can use: it has "
+            f"{num_layers} layers and the fleet has {len(ranked)} candidate node(s) with its weights. Lower --stages.",
             part="stages")
     sizes = [request.num_stages] if request.num_stages is not None else range(1, max_stages + 1)
     for num_stages in sizes:
@@ -239,9 +241,12 @@ def _not_enough_memory(request: PlacementRequest, footprint: Footprint, nodes: l
         shortfall = footprint.fixed_weights(i, num_stages) + footprint.activations(i, num_stages) \
             + footprint.per_layer - usable_bytes(nodes[i], margin)
     missing = max(need - hold, shortfall, 1)
-    which = (f"the fleet's {num_stages} candidate nodes" if num_stages == num_candidates
-             else f"the {num_stages} largest of the fleet's {num_candidates} candidate nodes")
-    way_out = "raise --stages, add a node or lower --context" if request.num_stages else "add a node or lower --context"
+    if num_stages < num_candidates:
+        which = f"the {num_stages} largest of the fleet's {num_candidates} candidate nodes"
+    else:
+        which = "the fleet's only candidate node" if num_stages == 1 else f"the fleet's {num_stages} candidate nodes"
+    lower = "--context or --batch" if request.max_batch > 1 else "--context"
+    way_out = f"{'raise --stages, ' if request.num_stages else ''}add a node or lower {lower}"
     return ShardUnavailable(
         f"{request.model_id} layers 0-{num_layers - 1} + KV for {request.context_length} tokens × batch "
         f"{request.max_batch} need {need / GIB:.1f} GiB; {which} can hold {hold / GIB:.1f} GiB (free memory less "

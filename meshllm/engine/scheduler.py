@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from meshllm.engine.kv_cache import SeqId
@@ -27,11 +28,16 @@ class SchedulerConfig:
     kv_budget_tokens: int = 32768  # KV the plan reserved, summed over running sequences
     max_waiting: int = 256  # bounded queue; beyond it requests are refused (429)
     num_stages: int = 1  # micro-batches in flight
+    prefix_block_size: int = 32  # tokens per prefix-cache block; divides prefill_chunk
+    prefix_cache_blocks: int = 512  # blocks of prompt KV the stages keep for reuse (0: no prefix cache)
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.max_batched_tokens, self.prefill_chunk, self.kv_budget_tokens,
                self.num_stages) < 1 or self.max_waiting < 0:
             raise ValueError(f"scheduler limits must be positive: {self}")
+        if self.prefix_block_size < 1 or self.prefill_chunk % self.prefix_block_size:
+            raise ValueError(f"prefix_block_size {self.prefix_block_size} must divide prefill_chunk "
+                             f"{self.prefill_chunk}: chunks and cached prefixes must share boundaries")
         if self.prefill_chunk > self.max_batched_tokens:
             raise ValueError(f"prefill_chunk {self.prefill_chunk} exceeds max_batched_tokens "
                              f"{self.max_batched_tokens}: a chunk would never fit a micro-batch")
@@ -43,6 +49,7 @@ class Work:
     start: int
     num_tokens: int
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    attach: tuple[int, ...] = ()  # prefix-cache blocks the stages copy in before computing
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,8 +62,9 @@ class MicroBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig):
+    def __init__(self, config: SchedulerConfig, on_admit: Callable[[Sequence], None] = lambda seq: None):
         self.config = config
+        self.on_admit = on_admit  # the leader matches the prefix cache here
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_reserved_tokens = 0  # KV reserved by running sequences
@@ -122,7 +130,8 @@ class Scheduler:
         end = min(seq.num_prompt_tokens, (start // chunk + 1) * chunk)
         if end - start > budget:
             return None  # waits for a micro-batch with room (prefill_chunk <= max_batched_tokens)
-        return Work(seq, start, end - start, sample=end == seq.num_prompt_tokens)
+        attach = tuple(seq.attach) if start == seq.num_cached else ()
+        return Work(seq, start, end - start, sample=end == seq.num_prompt_tokens, attach=attach)
 
     def on_computed(self, work: Work) -> None:
         """The stages committed `work`'s tokens (the leader then appends any sampled token)."""
@@ -136,6 +145,7 @@ class Scheduler:
             if self.num_reserved_tokens + seq.max_total_tokens > self.config.kv_budget_tokens:
                 break
             self.waiting.popleft()
+            self.on_admit(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.num_reserved_tokens += seq.max_total_tokens

@@ -23,6 +23,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV every stage holds
     num_cached: int = 0  # prompt tokens served from the prefix cache
+    attach: list[int] = field(default_factory=list)  # cached blocks to attach on the first step
+    block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks
     status: SeqStatus = SeqStatus.WAITING
     in_flight: bool = False
     cancelled: bool = False

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from meshllm.engine.kv_cache import KVCache, SeqId
+from meshllm.engine.prefix_store import MissingBlock, PrefixStore
 from meshllm.engine.sampler import sample
 from meshllm.engine.step import SampledToken, Step
 from meshllm.errors import MeshError, ShardCorrupt
@@ -37,6 +38,7 @@ class StageRunner:
     def __init__(self, decoder: Decoder, kv_dtype: torch.dtype | None = None):
         self.decoder = decoder
         self.cache = KVCache(decoder.kv_layout(kv_dtype))
+        self.prefix = PrefixStore()
 
     @property
     def is_first(self) -> bool:
@@ -51,6 +53,10 @@ class StageRunner:
 
     def run(self, step: Step) -> Tensor | list[SampledToken]:
         """Hidden states [tokens, hidden] for the next stage, or sampled tokens on the last."""
+        for p in step.publish:  # before release: a sequence may publish and finish in one step
+            if p.seq_id in self.cache:
+                self.prefix.publish(self.cache.get_or_allocate(p.seq_id), p.first_block, p.hashes, step.block_size)
+        self.prefix.evict(step.evict)
         self.release(step.release)
         if not step.seqs:
             return [] if self.is_last else step.input
@@ -58,6 +64,12 @@ class StageRunner:
         slices, positions, row = [], [], 0
         for work in step.seqs:
             kv = self.cache.get_or_allocate(work.seq_id)
+            if work.attach:
+                try:
+                    self.prefix.attach(kv, work.attach)
+                except MissingBlock:
+                    raise KVMissing(f"sequence {work.seq_id} attaches a prefix block this stage does not "
+                                    f"hold; re-prefill it") from None
             if work.start > kv.length:
                 raise KVMissing(f"sequence {work.seq_id} continues at position {work.start} but this stage "
                                 f"holds only {kv.length} tokens of it; re-prefill it")
@@ -111,6 +123,3 @@ class StageRunner:
 
     def held_sequences(self) -> list[SeqId]:
         return sorted(self.cache.sequences)
-
-    def set_length(self, seq_id: SeqId, length: int) -> None:
-        self.cache.get_or_allocate(seq_id).truncate(length)

@@ -23,12 +23,22 @@ class SeqWork:
     num_tokens: int
     sample: bool = False  # sample a token after the last row (end of prompt, or a decode step)
     sampling: SamplingParams | None = None  # with a concrete seed; set when sample is True
+    attach: tuple[int, ...] = ()  # prefix-cache blocks to copy in first; start == len(attach) * block size
 
     def __post_init__(self):
         if self.start < 0 or self.num_tokens < 1:
             raise ValueError(f"sequence {self.seq_id}: start {self.start} / num_tokens {self.num_tokens} invalid")
         if self.sample and (self.sampling is None or self.sampling.seed is None):
             raise ValueError(f"sequence {self.seq_id} samples but carries no seeded SamplingParams")
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """Keep the KV of a sequence's prompt blocks [first_block, first_block + len(hashes))."""
+
+    seq_id: SeqId
+    first_block: int
+    hashes: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +56,9 @@ class Step:
     input: Tensor  # token ids [tokens] into the first stage; hidden states [tokens, hidden] after
     release: tuple[SeqId, ...] = ()
     timings: tuple[StageTiming, ...] = ()
+    publish: tuple[Publish, ...] = ()  # applied first, then evict, then release
+    evict: tuple[int, ...] = ()
+    block_size: int = 0  # tokens per prefix-cache block (0: no prefix cache in this step)
 
     @property
     def num_tokens(self) -> int:

@@ -132,10 +132,14 @@ class GGUFFile:
             if num_dims > 4:
                 raise CorruptWeights(f"{path}: tensor {name!r} claims {num_dims} dimensions; the header is corrupt")
             dims = [cur.take("<Q") for _ in range(num_dims)]
+            if not all(dims):
+                raise CorruptWeights(f"{path}: tensor {name!r} has a zero dimension {dims}; the header is corrupt")
             type_id, offset = cur.take("<IQ")
             # ggml lists the fastest-moving dimension first; torch the other way round
             table.append((name, tuple(reversed(dims)), type_id, offset))
-        alignment = int(metadata.get("general.alignment", 32))
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise CorruptWeights(f"{path}: general.alignment is {alignment!r}; the header is corrupt")
         data_start = -(-cur.pos // alignment) * alignment
         tensors = {entry[0]: _tensor_info(path, size, data_start, *entry) for entry in table}
         return cls(path, metadata, tensors, data)
@@ -211,7 +215,10 @@ class GGUFSource:
         self.path = self.file.path
         self._by_hf_name = {hf: info for info in self.file.tensors.values()
                             if (hf := hf_name(info.name)) is not None}
-        self._config = ModelConfig.from_dict(config_dict(self.file))
+        try:
+            self._config = ModelConfig.from_dict(config_dict(self.file))
+        except (TypeError, ValueError) as e:  # a metadata value of the wrong type
+            raise CorruptWeights(f"{self.path} has malformed GGUF metadata: {e}") from None
         self._bytes_read = 0
 
     def config(self) -> ModelConfig:

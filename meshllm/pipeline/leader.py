@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.prefix_index import PrefixIndex, block_hashes
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig
 from meshllm.engine.sequence import Sequence, SeqStatus
-from meshllm.engine.step import SeqWork, Step, StepResult
+from meshllm.engine.step import Publish, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
 from meshllm.errors import ContextOverflow, MeshError, PipelineStalled
 from meshllm.pipeline.transport import StepTransport, next_step_id
@@ -73,6 +74,8 @@ class LeaderObserver:
 
     def on_queue(self, num_waiting: int, num_running: int) -> None: ...
 
+    def on_prefix(self, hit_tokens: int, miss_tokens: int) -> None: ...
+
 
 class Leader:
     def __init__(self, transport: StepTransport, *, eos_token_ids: Collection[int],
@@ -83,13 +86,16 @@ class Leader:
         self.new_detokenizer = new_detokenizer
         self.max_context = max_context
         config = config or SchedulerConfig()
-        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages))
+        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages), on_admit=self._match_prefix)
+        self.prefix_index = PrefixIndex(config.prefix_block_size, config.prefix_cache_blocks)
         self.observer = observer or LeaderObserver()
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[SeqId, _Request] = {}
         self._in_flight: dict[int, tuple[MicroBatch, float]] = {}
         self._pending_release: list[SeqId] = []
-        self._seq_prefix = secrets.randbits(31) << 32  # seq ids stay unique across leaders
+        self._pending_publish: list[Publish] = []
+        self._pending_evict: list[int] = []
+        self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
         self._seq_counter = 0
         self._id_lock = threading.Lock()
         self._closed = threading.Event()
@@ -186,8 +192,8 @@ class Leader:
             if batch is None:
                 break
             self._send(batch)
-        if not self._in_flight and self._pending_release:
-            self._send(MicroBatch(()))  # an empty step carries the releases through every stage
+        if not self._in_flight and (self._pending_release or self._pending_publish or self._pending_evict):
+            self._send(MicroBatch(()))  # an empty step carries these through every stage
 
     def _send(self, batch: MicroBatch) -> None:
         step_id = next_step_id()
@@ -196,9 +202,16 @@ class Leader:
         for w in batch.works:
             ids.extend(w.seq.token_ids(w.start, w.start + w.num_tokens))
             works.append(SeqWork(w.seq.seq_id, w.start, w.num_tokens, w.sample,
-                                 w.seq.params if w.sample else None))
+                                 w.seq.params if w.sample else None, w.attach))
+            if w.attach:
+                # Later steps (and so any eviction) reach each stage after this one: unpin now.
+                self.prefix_index.unpin(w.seq.attach)
+                w.seq.attach = []
         release, self._pending_release = tuple(self._pending_release), []
-        step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release)
+        publish, self._pending_publish = tuple(self._pending_publish), []
+        evict, self._pending_evict = tuple(self._pending_evict), []
+        step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
+                    self.prefix_index.block_size)
         self._in_flight[step_id] = (batch, time.perf_counter())
         future = self.transport.submit(step)
         future.add_done_callback(lambda f, sid=step_id: self._inbox.put(("result", sid, f.result())))
@@ -222,6 +235,8 @@ class Leader:
             request = self._requests.get(w.seq.seq_id)
             if request is None or w.seq.status is SeqStatus.FINISHED:
                 continue
+            if w.start + w.num_tokens == w.seq.num_prompt_tokens:
+                self._publish_prompt(w.seq)
             if not w.sample:
                 continue
             token = sampled[w.seq.seq_id]
@@ -239,9 +254,35 @@ class Leader:
             if reason is not None:
                 self._finish(request, reason, notify=False)
 
+    def _match_prefix(self, seq: Sequence) -> None:
+        """On admission: start the sequence after the longest cached prefix of its prompt."""
+        if not self.prefix_index.capacity_blocks:
+            return
+        seq.block_hashes = block_hashes(seq.prompt_ids, self.prefix_index.block_size, self._seq_prefix)
+        hits, misses = self.prefix_index.num_hit_tokens, self.prefix_index.num_miss_tokens
+        num_blocks = self.prefix_index.match(seq.block_hashes, seq.num_prompt_tokens)
+        self.observer.on_prefix(self.prefix_index.num_hit_tokens - hits, self.prefix_index.num_miss_tokens - misses)
+        if num_blocks:
+            seq.attach = seq.block_hashes[:num_blocks]
+            self.prefix_index.pin(seq.attach)
+            seq.num_cached = seq.num_computed = num_blocks * self.prefix_index.block_size
+
+    def _publish_prompt(self, seq: Sequence) -> None:
+        """The prompt is computed: have the stages keep its blocks for later requests."""
+        if not seq.block_hashes:
+            return
+        new, evicted = self.prefix_index.insert(seq.block_hashes)
+        self._pending_evict.extend(evicted)
+        position = {h: i for i, h in enumerate(seq.block_hashes)}
+        for h in new:
+            self._pending_publish.append(Publish(seq.seq_id, position[h], (h,)))
+
     def _finish(self, request: _Request, reason: str, error: MeshError | None = None,
                 notify: bool = True) -> None:
         seq = request.seq
+        if seq.attach:  # admitted with a cached prefix but never sent
+            self.prefix_index.unpin(seq.attach)
+            seq.attach = []
         was_started = seq.status is SeqStatus.RUNNING
         self.scheduler.finish(seq)
         del self._requests[seq.seq_id]

@@ -111,7 +111,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         return stage_pb2.StageInfoReply(shards=[
             stage_pb2.ShardState(plan_id=pid, model_id=s.request.model_id, first_layer=s.request.first_layer,
                                  last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
-                                 kv_bytes=s.runner.cache.num_bytes, stage_index=s.index)
+                                 kv_bytes=s.runner.cache.num_bytes, stage_index=s.index,
+                                 num_prefix_blocks=len(s.runner.prefix))
             for pid, s in sorted(self._stages.items())])
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Protocol
 
 import grpc
@@ -112,7 +113,7 @@ class LocalPipeline:
         x = step.input
         for index, runner in enumerate(self.runners):
             try:
-                x = runner.run(Step(step.step_id, step.seqs, x, step.release))
+                x = runner.run(replace(step, input=x))
             except MeshError as e:
                 return StepResult(step.step_id, error_code=e.code, error_message=str(e), failed_stage=index)
         tokens: list[SampledToken] = x if isinstance(x, list) else []

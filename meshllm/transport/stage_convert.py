@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
-from meshllm.engine.step import SampledToken, SeqWork, StageTiming, Step, StepResult
+from meshllm.engine.step import Publish, SampledToken, SeqWork, StageTiming, Step, StepResult
 from meshllm.errors import BadRequest, MalformedMessage
 from meshllm.transport import codec
 from meshllm.transport.protos import stage_pb2
@@ -16,6 +16,7 @@ from meshllm.transport.protos import stage_pb2
 MAX_SEQS_PER_STEP = 4096
 MAX_TOKENS_PER_STEP = 1 << 20
 MAX_POSITION = 1 << 24
+MAX_BLOCK_SIZE = 1 << 16
 
 
 def sampling_to_pb(p: SamplingParams) -> stage_pb2.SamplingParams:
@@ -40,10 +41,13 @@ def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
     return stage_pb2.StepRequest(
         plan_id=plan_id, step_id=step.step_id,
         seqs=[stage_pb2.SeqEntry(seq_id=w.seq_id, start=w.start, num_tokens=w.num_tokens, sample=w.sample,
-                                 sampling=sampling_to_pb(w.sampling) if w.sampling else None)
+                                 sampling=sampling_to_pb(w.sampling) if w.sampling else None, attach=w.attach)
               for w in step.seqs],
         input=codec.to_pb(step.input), release=step.release,
-        timings=[timing_to_pb(t) for t in step.timings])
+        timings=[timing_to_pb(t) for t in step.timings],
+        publish=[stage_pb2.Publish(seq_id=p.seq_id, first_block=p.first_block, hashes=p.hashes)
+                 for p in step.publish],
+        evict=step.evict, block_size=step.block_size)
 
 
 def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
@@ -58,15 +62,23 @@ def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
         seen.add(e.seq_id)
         total += e.num_tokens
         sampling = sampling_from_pb(e.sampling) if e.sample else None
-        seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.sample, sampling))
+        if e.attach and len(e.attach) * msg.block_size != e.start:
+            raise MalformedMessage(f"sequence {e.seq_id} attaches {len(e.attach)} blocks of {msg.block_size} "
+                                   f"tokens but starts at {e.start}")
+        seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.sample, sampling, tuple(e.attach)))
     if total > MAX_TOKENS_PER_STEP:
         raise MalformedMessage(f"step carries {total} tokens; the limit is {MAX_TOKENS_PER_STEP}")
     x = codec.from_pb(msg.input) if msg.HasField("input") else None
     if x is None or x.shape[0] != total:
         raise MalformedMessage(f"step {msg.step_id} input has {None if x is None else x.shape[0]} rows "
                                f"for {total} tokens")
+    if not 0 <= msg.block_size <= MAX_BLOCK_SIZE:
+        raise MalformedMessage(f"block_size {msg.block_size} out of range")
+    publish = tuple(Publish(SeqId(p.seq_id), p.first_block, tuple(p.hashes)) for p in msg.publish)
+    if any(p.first_block < 0 for p in publish) or (publish and msg.block_size == 0):
+        raise MalformedMessage("publish entries need a block_size and non-negative first_block")
     return Step(msg.step_id, tuple(seqs), x, tuple(SeqId(s) for s in msg.release),
-                tuple(timing_from_pb(t) for t in msg.timings))
+                tuple(timing_from_pb(t) for t in msg.timings), publish, tuple(msg.evict), msg.block_size)
 
 
 def timing_to_pb(t: StageTiming) -> stage_pb2.StageTiming:

@@ -22,7 +22,6 @@ from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable
 from meshllm.model.config import ModelConfig
 
 GIB = 1024**3
-AIDREAMS = "/work/shared/models/aidreams-260k"
 SMOL = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
                    tie_word_embeddings=True)
@@ -195,13 +194,13 @@ def test_tokens_per_s_is_memory_bound_sum_over_stages_plus_hops():
     assert faster.est_tokens_per_s > plan.est_tokens_per_s
 
 
-def test_budgets_match_the_real_model_files_and_the_engine_kv_cache():
+def test_budgets_match_the_real_model_files_and_the_engine_kv_cache(aidreams_path):
     from safetensors import safe_open
 
     from meshllm.model.loader import name_map
 
-    config = ModelConfig.from_folder(AIDREAMS)
-    with safe_open(f"{AIDREAMS}/model.safetensors", "pt") as f:
+    config = ModelConfig.from_folder(aidreams_path)
+    with safe_open(aidreams_path / "model.safetensors", "pt") as f:
         numel = {name: math.prod(f.get_slice(name).get_shape()) for name in f.keys()}
     req = request(config, context_length=128, max_batch=1, weight_dtype_bytes=4, kv_dtype_bytes=4)
     for num_stages in (1, 2, 3):
@@ -255,3 +254,11 @@ def test_same_inputs_give_the_same_valid_plan_in_any_fleet_order(fleet_spec, con
     if stages is None and len(plan.stages) > 1:  # fewest: one stage fewer does not fit
         with pytest.raises(ShardUnavailable):
             plan_placement(dataclasses.replace(req, num_stages=len(plan.stages) - 1), fleet)
+
+
+def test_duplicate_cards_of_a_node_resolve_to_the_newest_in_any_order():
+    old = card("a", 100 * 1024**2)
+    new = dataclasses.replace(old, memory_free_bytes=2 * GIB, announced_at=old.announced_at + 5)
+    for fleet in ([old, new], [new, old]):
+        plan = plan_placement(request(), fleet)
+        assert ranges(plan) == [("a", 0, 30)]

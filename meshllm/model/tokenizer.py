@@ -1,0 +1,312 @@
+"""Text <-> token ids, and chat messages -> prompt text, matching transformers.
+
+A `Tokenizer` wraps a `tokenizers.Tokenizer` built from a model folder's
+tokenizer.json, or from a GGUF file's vocabulary (rebuilt the way transformers'
+GGUF converter rebuilds it, so token ids match). Chat templates render in a sandboxed
+jinja2 environment set up the way transformers sets it up, so a template from
+the Hub produces the same prompt here as there.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+from tokenizers.decoders import DecodeStream as _BackendDecodeStream
+
+from meshllm.errors import BadRequest, ModelLoadError
+
+if TYPE_CHECKING:
+    from meshllm.model.gguf import GGUFFile
+
+# For models without a chat template: readable, and the model continues after "assistant:".
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+_TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts. Thread-safe for concurrent encode/decode."""
+
+    def __init__(self, backend: Backend, *, special_tokens: dict[str, str | None],
+                 eos_token_ids: tuple[int, ...], chat_template: str | None):
+        self.backend = backend
+        self.special_tokens = special_tokens  # bos_token, eos_token, ... as text, for templates
+        self.chat_template = chat_template  # None: the model has none, PLAIN_CHAT_TEMPLATE is used
+        self._eos_token_ids = eos_token_ids
+        bos = special_tokens.get("bos_token")
+        self._bos_token_id = backend.token_to_id(bos) if bos is not None else None
+        self._template = _compile(chat_template or PLAIN_CHAT_TEMPLATE)
+
+    @classmethod
+    def from_folder(cls, path: str | Path) -> "Tokenizer":
+        """From a Hugging Face folder: tokenizer.json, tokenizer_config.json, generation_config.json."""
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise ModelLoadError(f"{file} not found: meshllm needs a model folder with tokenizer.json "
+                                 f"(the 'fast' tokenizer format)")
+        try:
+            backend = Backend.from_file(str(file))
+        except Exception as e:  # tokenizers raises bare Exception on parse errors
+            raise ModelLoadError(f"{file} cannot be loaded: {e}") from None
+        config = _read_json(folder / "tokenizer_config.json")
+        special = {name: _token_text(config.get(name)) for name in _TEMPLATE_TOKENS}
+        # As transformers does: the named special tokens always stay whole.
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t in special.values() if t is not None and backend.token_to_id(t) is None])
+        # transformers rebuilds the post-processor when the config says whether to add BOS/EOS,
+        # or tokenizer.json has none; otherwise tokenizer.json's post-processor decides.
+        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+            _set_bos_eos(backend, special, config.get("add_bos_token", False), config.get("add_eos_token", False))
+        eos_ids = [backend.token_to_id(special["eos_token"])] if special["eos_token"] else []
+        generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        eos_ids += generation_eos if isinstance(generation_eos, list) else [generation_eos]
+        return cls(backend, special_tokens=special, chat_template=_folder_chat_template(folder, config),
+                   eos_token_ids=tuple(dict.fromkeys(i for i in eos_ids if i is not None)))
+
+    @classmethod
+    def from_gguf(cls, gguf: "GGUFFile | str | Path") -> "Tokenizer":
+        """From the vocabulary, merges and chat template stored in a GGUF file's metadata."""
+        from meshllm.model.gguf import GGUFFile  # GGUF support loads only when needed
+
+        file = gguf if isinstance(gguf, GGUFFile) else GGUFFile.open(gguf)
+        meta = file.metadata
+        backend = _gguf_backend(file)
+        tokens = meta["tokenizer.ggml.tokens"]
+
+        def token_at(key: str) -> str | None:
+            index = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        special = {"bos_token": token_at("bos_token_id"), "eos_token": token_at("eos_token_id"),
+                   "unk_token": token_at("unknown_token_id"), "pad_token": token_at("padding_token_id")}
+        # llama.cpp's default: sentencepiece vocabularies add BOS unless the file says otherwise.
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
+        _set_bos_eos(backend, special, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+        # Generation ends at EOS and at the end-of-turn tokens llama.cpp knows about.
+        eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                          "tokenizer.ggml.eom_token_id") if k in meta]
+        return cls(backend, special_tokens=special, chat_template=meta.get("tokenizer.chat_template"),
+                   eos_token_ids=tuple(dict.fromkeys(eos_ids)))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> "DecodeStream":
+        return DecodeStream(self, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
+
+        Raises BadRequest when the template rejects the conversation (e.g. roles that do not
+        alternate): that is the caller's input, and the template's message says what is wrong.
+        """
+        variables = {name: text for name, text in self.special_tokens.items() if text is not None}
+        try:
+            return self._template.render(messages=json.loads(json.dumps(messages)), tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as e:
+            raise BadRequest(f"the model's chat template rejected these messages: {e}") from None
+        except TypeError as e:  # e.g. a message whose content is not text, for the plain template
+            raise BadRequest(f"the messages do not fit the model's chat template: {e}") from None
+
+
+class DecodeStream:
+    """Incremental detokenizer: feed ids one at a time, get text deltas.
+
+    Never returns half a UTF-8 character: while a multi-byte character is split over tokens,
+    `step` returns "" until the character is complete. One stream per sequence; not thread-safe.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._backend = tokenizer.backend
+        self._stream = _BackendDecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
+
+
+def _set_bos_eos(backend: Backend, special: dict[str, str | None], add_bos: bool, add_eos: bool) -> None:
+    bos, eos = special.get("bos_token"), special.get("eos_token")
+    add_bos, add_eos = add_bos and bos is not None, add_eos and eos is not None
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    tokens = [(t, backend.token_to_id(t)) for t, used in ((bos, add_bos), (eos, add_eos)) if used]
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=tokens)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    return value if isinstance(value, dict) else {}
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json writes special tokens as "text" or {"content": "text", ...}
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _folder_chat_template(folder: Path, config: dict) -> str | None:
+    # Newer transformers save the template beside the config; older ones inside it.
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text()
+    template = config.get("chat_template") or _read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts transformers' `{% generation %}...{% endgeneration %}` (assistant-mask markers) and
+    renders the body unchanged: we never need the mask, but templates using it must still parse."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _compile(template: str) -> jinja2.Template:
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # transformers' override: jinja's own tojson escapes HTML characters
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    # Templates come from downloaded files: sandboxed, as in transformers.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"the model's chat template does not parse (line {e.lineno}): {e.message}") from None
+
+
+# GGUF token types (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+# tokenizer.ggml.pre -> the split regex its merges were learned with; others use GPT-2's.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                         "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+
+
+def _gguf_backend(file: "GGUFFile") -> Backend:
+    """A tokenizers.Tokenizer from GGUF metadata, built as transformers' GGUF converter builds it."""
+    meta = file.metadata
+    kind = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelLoadError(f"{file.path} has no tokenizer.ggml.tokens: it carries no vocabulary")
+    token_types = [int(t) for t in meta.get("tokenizer.ggml.token_type", [])]
+    if kind == "gpt2":
+        backend = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges", []), meta.get("tokenizer.ggml.pre"))
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores"), meta.get("tokenizer.ggml.merges"),
+                                     bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+    else:
+        raise ModelLoadError(f"{file.path} has a {kind!r} tokenizer; meshllm builds 'gpt2' (byte-level BPE) "
+                             f"and 'llama' (sentencepiece BPE) tokenizers from GGUF")
+    # Control tokens (<|im_end|>) stay whole and are special; user-defined ones (<think>) stay whole.
+    # A control token outside the byte alphabet in a byte-level vocabulary is a llama.cpp mislabel.
+    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
+    control = [AddedToken(t, special=True, normalized=False) for t, kind_ in zip(tokens, token_types)
+               if kind_ == _CONTROL and (alphabet is None or set(t) <= alphabet)]
+    backend.add_special_tokens(control)
+    vocab = backend.get_vocab()
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, kind_ in zip(tokens, token_types)
+                        if kind_ == _USER_DEFINED and t in vocab])
+    return backend
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Backend:
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    # Tokens written with raw characters (an added "\n\n") are re-spelled in the byte alphabet.
+    vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+             for i, t in enumerate(tokens)}
+    backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+                                 continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    split = _PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(tokens: list[str], scores, merges: list[str] | None, add_space_prefix: bool) -> Backend:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if merges:
+        pairs = [tuple(m.split(" ")) for m in merges]
+    else:  # sentencepiece files store scores, not merges: rank every split of a token by its score
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, (float(s) for s in scores))))
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if add_space_prefix else []))
+    return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    # transformers' generate_merges: best-scoring merged token first, ties by piece lengths.
+    merges = []
+    for merged, score in scores.items():
+        local = [(merged[:i], merged[i:], score) for i in range(1, len(merged))
+                 if merged[:i] in vocab and merged[i:] in vocab]
+        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's byte alphabet: printable bytes stand for themselves, the rest map above U+0100.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(extra)}}

@@ -1,0 +1,62 @@
+"""Put a plan on the fleet: every stage loads its layer range, in parallel.
+
+Called by the leader when it (re)plans. Loading is idempotent per plan id, so
+two leaders that derive the same plan from the same view share the stages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from meshllm.cluster.placement import Plan
+from meshllm.errors import MeshError, ModelLoadError, PeerUnreachable, WeightsMismatch
+from meshllm.transport.channels import ChannelPool
+from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
+
+LOAD_TIMEOUT_S = 600.0  # loading gigabytes from a slow disk takes minutes
+
+
+def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool) -> str:
+    """Same plan on any node -> same id, so stages recognise a plan they already hold."""
+    parts = [plan.fingerprint, dtype, str(batch_invariant)] + [
+        f"{s.node_id}@{s.address}:{s.first_layer}-{s.last_layer}" for s in plan.stages]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def load_requests(plan: Plan, dtype: str, batch_invariant: bool) -> list[stage_pb2.LoadRequest]:
+    plan_id = plan_id_of(plan, dtype, batch_invariant)
+    return [stage_pb2.LoadRequest(
+        plan_id=plan_id, model_id=plan.model_id, fingerprint=plan.fingerprint, num_layers=plan.num_layers,
+        first_layer=s.first_layer, last_layer=s.last_layer, dtype=dtype,
+        next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
+        stage_index=i, batch_invariant=batch_invariant) for i, s in enumerate(plan.stages)]
+
+
+def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False) -> str:
+    """Load every stage of `plan`; returns the plan id. Raises the first stage's error."""
+    requests = load_requests(plan, dtype, batch_invariant)
+
+    def load(index: int) -> None:
+        stage = plan.stages[index]
+        stub = stage_pb2_grpc.StageStub(channels.get(stage.address))
+        try:
+            stub.Load(requests[index], timeout=LOAD_TIMEOUT_S)
+        except grpc.RpcError as e:
+            raise _load_error(stage.node_id, stage.address, e) from None
+
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        for future in [pool.submit(load, i) for i in range(len(requests))]:
+            future.result()
+    return requests[0].plan_id
+
+
+def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:
+    details = e.details() or ""
+    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+        return WeightsMismatch(f"node {node_id} ({address}): {details}")
+    if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return PeerUnreachable(f"node {node_id} at {address} is unreachable: {details}")
+    return ModelLoadError(f"node {node_id} ({address}) could not load its layers: {details}")

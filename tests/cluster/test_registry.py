@@ -1,0 +1,96 @@
+"""Merge laws of the fleet view (pure) and the Registry's own-card rules."""
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshllm.cluster.registry import Registry, merge_views
+from tests.cluster.cards import NOW, card_lists, cards, make_card
+
+
+def view(cards_):
+    return merge_views({}, cards_, NOW)
+
+
+@given(card_lists, card_lists)
+def test_merge_is_commutative(a, b):
+    assert merge_views(view(a), b, NOW) == merge_views(view(b), a, NOW)
+
+
+@given(card_lists, card_lists, card_lists)
+def test_merge_is_associative(a, b, c):
+    left = merge_views(merge_views(view(a), b, NOW), c, NOW)
+    right = merge_views(view(a), merge_views(view(b), c, NOW).values(), NOW)
+    assert left == right
+
+
+@given(card_lists)
+def test_merge_is_idempotent(a):
+    once = view(a)
+    assert merge_views(once, once.values(), NOW) == once
+    assert merge_views(once, a, NOW) == once
+
+
+@given(card_lists, card_lists)
+def test_merge_keeps_newest_live_card_per_node(a, b):
+    merged = merge_views(view(a), b, NOW)
+    for card in a + b:
+        if card.is_expired(NOW):
+            assert merged.get(card.node_id) != card
+        else:
+            assert merged[card.node_id].announced_at >= card.announced_at
+
+
+class Clock:
+    def __init__(self, now: float):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+
+@given(st.lists(card_lists, min_size=1, max_size=5), st.lists(st.floats(0, 20), min_size=5, max_size=5))
+def test_expired_cards_never_come_back_through_gossip(rounds, steps):
+    clock = Clock(NOW)
+    registry = Registry(make_card("self", announced_at=NOW), clock=clock)
+    gone: set = set()  # card versions that have expired by now
+    for batch, step in zip(rounds, steps):
+        registry.merge(batch)
+        for card in registry.snapshot():
+            assert card not in gone
+            assert card.node_id == "self" or not card.is_expired(clock.now)
+        clock.now += step
+        gone |= {c for batch_ in rounds for c in batch_ if c.is_expired(clock.now)}
+    # Replaying every card ever sent cannot resurrect an expired version.
+    registry.merge([c for batch in rounds for c in batch])
+    assert not set(registry.snapshot()) & gone
+
+
+@given(card_lists, st.lists(cards(node_id=st.just("self")), max_size=4))
+def test_own_card_survives_any_gossip(others, impostors):
+    own = make_card("self", announced_at=NOW - 1000, ttl=10.0)  # old and "expired": still ours
+    registry = Registry(own, clock=lambda: NOW)
+    registry.merge(others + impostors)
+    assert registry.own_card() == own
+    assert [c for c in registry.snapshot() if c.node_id == "self"] == [own]
+
+
+def test_merge_result_counts_and_snapshot_order():
+    registry = Registry(make_card("b", announced_at=NOW), clock=lambda: NOW)
+    first = registry.merge([make_card("c", announced_at=NOW - 1), make_card("a", announced_at=NOW - 2)])
+    assert (first.num_new, first.num_updated, first.num_ignored) == (2, 0, 0)
+    second = registry.merge([make_card("c", announced_at=NOW), make_card("a", announced_at=NOW - 3),
+                             make_card("b", announced_at=NOW + 5)])
+    assert (second.num_new, second.num_updated, second.num_ignored) == (0, 1, 2)
+    assert [c.node_id for c in registry.snapshot()] == ["a", "b", "c"]
+    assert registry.get("c").announced_at == NOW
+
+
+def test_update_own_refuses_another_node_id():
+    registry = Registry(make_card("self", announced_at=NOW))
+    try:
+        registry.update_own(make_card("other"))
+    except ValueError as e:
+        assert "self" in str(e)
+    else:
+        raise AssertionError("update_own accepted another node's card")

@@ -1,0 +1,110 @@
+"""`meshllm plan` end to end: real model files, the real memory probe, and a real
+authenticated gRPC Exchange on loopback for --peer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshllm.cli import main
+from meshllm.cluster.card import Card, ModelOnDisk, NodeId
+from meshllm.cluster.gossip import ClusterServicer
+from meshllm.cluster.registry import Registry
+from meshllm.model.weights import fingerprint
+from meshllm.transport.auth import generate_key, write_key
+from meshllm.transport.protos import cluster_pb2_grpc
+from meshllm.transport.server import NodeServer, ServerConfig
+
+MIB = 1024**2
+
+
+def run_plan(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_local_plan_as_json_places_the_real_model_on_this_machine(capsys, aidreams_path):
+    rc, out, _ = run_plan(capsys, "--model", str(aidreams_path), "--context", "128", "--batch", "2", "--json")
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["model_id"] == "aidreams-260k" and plan["fingerprint"] == fingerprint(aidreams_path)
+    [stage] = plan["stages"]
+    assert (stage["first_layer"], stage["last_layer"]) == (0, 4)
+    assert stage["weight_bytes"] == 923904 // 2  # the fp32 file's bytes, held at the default 2 bytes/weight
+    assert stage["kv_bytes"] == 2 * 4 * 4 * 16 * 2 * 128 * 2  # k+v × layers × kv heads × head_dim × bytes × ctx × batch
+    assert stage["budget_bytes"] <= stage["usable_bytes"] < stage["free_bytes"]
+    assert plan["est_tokens_per_s"] > 0 and plan["reused_shards"] is False
+
+
+def test_local_plan_table_of_the_default_demo_model(capsys, smollm2_gguf_path):
+    rc, out, _ = run_plan(capsys, "--context", "2048")
+    assert rc == 0
+    assert out.startswith("SmolLM2-135M-Instruct.Q4_1 (fingerprint ")
+    assert "30 layers, context 2048 tokens × batch 1" in out
+    header, row = out.splitlines()[1:3]
+    assert header.split()[:4] == ["stage", "node", "address", "layers"] and " 0-29 " in row
+    assert "estimated decode:" in out and "tokens/s per sequence" in out
+
+
+def test_plan_that_cannot_fit_prints_shard_unavailable_and_exits_2(capsys, smollm2_gguf_path):
+    rc, out, err = run_plan(capsys, "--context", "8192", "--batch", "100000")
+    assert rc == 2 and out == ""
+    assert "error [shard_unavailable]" in err and "bytes) missing for layers" in err
+    assert "lower --context or --batch" in err
+
+
+def test_context_beyond_the_model_is_refused(capsys, aidreams_path):
+    rc, _, err = run_plan(capsys, "--model", str(aidreams_path), "--context", "129")
+    assert rc == 2 and "error [context_length_exceeded]" in err and "max_position_embeddings 128" in err
+
+
+def test_peer_without_key_file_is_a_clear_error(capsys, aidreams_path):
+    rc, _, err = run_plan(capsys, "--model", str(aidreams_path), "--peer", "127.0.0.1:1")
+    assert rc == 2 and "--key-file" in err
+
+
+def _card(node_id: str, free_bytes: int, models: tuple[ModelOnDisk, ...], bandwidth: float = 20.0) -> Card:
+    return Card(node_id=NodeId(node_id), grpc_address=f"127.0.0.1:{7000 + ord(node_id[-1])}", platform="linux-x86_64",
+                device="cpu", memory_total_bytes=4 * free_bytes, memory_free_bytes=free_bytes,
+                memory_bandwidth_gbps=bandwidth, matmul_gflops=50.0, models=models, ttl_seconds=300.0)
+
+
+@pytest.fixture
+def peer_with_fleet(tmp_path, aidreams_path):
+    """A real node gRPC server on loopback whose registry holds a three-node fleet:
+    two nodes with the aidreams weights, one with other weights."""
+    key = generate_key()
+    write_key(tmp_path / "cluster.key", key)
+    weights = ModelOnDisk("aidreams-260k", fingerprint(aidreams_path), 4)
+    registry = Registry(_card("node-a", 64 * MIB, (weights,), bandwidth=40.0))
+    registry.merge([_card("node-b", 32 * MIB, (weights,)),
+                    _card("node-c", 512 * MIB, (ModelOnDisk("aidreams-260k", "0" * 64, 4),))])
+    server = NodeServer(ServerConfig(host="127.0.0.1", port=0, key=key))
+    server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(registry))
+    server.start()
+    try:
+        yield server.address, tmp_path / "cluster.key"
+    finally:
+        server.stop(0)
+
+
+def test_peer_plan_uses_the_fleet_view_of_a_running_node(capsys, aidreams_path, peer_with_fleet):
+    address, key_file = peer_with_fleet
+    rc, out, err = run_plan(capsys, "--model", str(aidreams_path), "--context", "128", "--stages", "2",
+                            "--peer", address, "--key-file", str(key_file), "--json")
+    assert rc == 0, err
+    stages = json.loads(out)["stages"]
+    # node-c has more memory but different weights, so it is not a candidate.
+    assert [(s["node_id"], s["address"], s["first_layer"], s["last_layer"]) for s in stages] == [
+        ("node-a", "127.0.0.1:7097", 0, 3), ("node-b", "127.0.0.1:7098", 3, 4)]
+    assert [s["free_bytes"] for s in stages] == [64 * MIB, 32 * MIB]
+
+
+def test_peer_plan_with_the_wrong_key_is_refused(capsys, tmp_path, aidreams_path, peer_with_fleet):
+    address, _ = peer_with_fleet
+    write_key(tmp_path / "other.key", generate_key())
+    rc, _, err = run_plan(capsys, "--model", str(aidreams_path), "--peer", address,
+                          "--key-file", str(tmp_path / "other.key"))
+    assert rc == 2 and "error [unauthenticated]" in err

@@ -1,0 +1,134 @@
+"""ModelConfig from config.json: every supported variant, both rope layouts, and clear refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from meshllm.errors import ModelLoadError, UnsupportedArchitecture
+from meshllm.model.config import ModelConfig, RopeScaling
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": [2, 7],
+}
+
+
+def _folder_with(tmp_path, text: str):
+    (tmp_path / "config.json").write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("variant, expect", [
+    ("llama", dict(model_type="llama", num_key_value_heads=2, tie_word_embeddings=False, rope_scaling=None)),
+    ("llama-mha-tied", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    ("llama3", dict(rope_theta=500000.0, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 32))),
+    ("mistral", dict(model_type="mistral", sliding_window=5, attention_bias=False)),
+    ("qwen2", dict(model_type="qwen2", attention_bias=True, qk_norm=False, sliding_window=None)),
+    ("qwen3", dict(model_type="qwen3", attention_bias=False, qk_norm=True, num_key_value_heads=1)),
+])
+def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, expect):
+    config = ModelConfig.from_folder(tiny_model_dir(variant))
+    assert (config.hidden_size, config.num_hidden_layers, config.head_dim, config.vocab_size) == (64, 4, 16, 96)
+    assert config.eos_token_ids == (2,) and config.bos_token_id == 1
+    for key, value in expect.items():
+        assert getattr(config, key) == value, key
+
+
+@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3"])
+def test_parameter_count_matches_transformers(tiny_model_dir, variant):
+    # The planner budgets memory from these counts.
+    folder = tiny_model_dir(variant)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = ModelConfig.from_folder(folder)
+    assert config.num_parameters == model.num_parameters()
+    assert config.layer_parameters() == sum(p.numel() for p in model.model.layers[0].parameters())
+
+
+def test_transformers_4_and_5_rope_layouts_parse_the_same():
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    v4 = ModelConfig.from_dict({**LLAMA, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **scaling}})
+    old_key = ModelConfig.from_dict({**LLAMA, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **scaling}})
+    v5 = ModelConfig.from_dict({k: v for k, v in LLAMA.items() if k != "rope_theta"}
+                               | {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **scaling}})
+    assert v4 == old_key == v5
+    assert v5.rope_theta == 500000.0 and v5.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    plain = ModelConfig.from_dict({**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
+    assert plain.rope_theta == 1e6 and plain.rope_scaling is None
+
+
+def test_defaults_and_fallbacks():
+    d = {k: v for k, v in LLAMA.items() if k not in ("num_key_value_heads", "model_type")}
+    config = ModelConfig.from_dict(d)  # model_type found from architectures; MHA when kv heads are absent
+    assert config.model_type == "llama" and config.num_key_value_heads == 4 and config.head_dim == 16
+    assert config.eos_token_ids == (2, 7) and config.sliding_window is None
+    assert ModelConfig.from_dict({**LLAMA, "model_type": "mistral", "sliding_window": None}).sliding_window is None
+    assert config.kv_bytes_per_token(2) == 2 * 2 * 4 * 16 * 2  # k and v, 2 layers, 4 heads, dim 16, 2 bytes
+
+
+def test_aidreams_config(aidreams_path):
+    config = ModelConfig.from_folder(aidreams_path)
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == ("llama", 64, 4, 512)
+    assert config.tie_word_embeddings and config.max_position_embeddings == 128 and config.eos_token_ids == (2,)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["'gpt2'", "LlamaForCausalLM", "qwen3"]),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, ["'mixtral'", "MistralForCausalLM"]),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["'yarn'", "llama3"]),
+    ({"hidden_act": "gelu"}, ["hidden_act", "'gelu'"]),
+    ({"mlp_bias": True}, ["mlp_bias"]),
+    ({"attention_bias": True}, ["attention_bias", "o_proj"]),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, ["use_sliding_window"]),
+    ({"partial_rotary_factor": 0.5}, ["partial_rotary_factor"]),
+])
+def test_unsupported_architectures_are_refused_by_name(tmp_path, change, words):
+    folder = _folder_with(tmp_path, json.dumps({**LLAMA, **change}))
+    with pytest.raises(UnsupportedArchitecture) as info:
+        ModelConfig.from_folder(folder)
+    for word in [str(folder / "config.json"), *words]:
+        assert word in str(info.value)
+    assert info.value.code == "unsupported_architecture"
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"hidden_size": None}, ["hidden_size"]),
+    ({"vocab_size": "many"}, ["malformed", "many"]),
+    ({"num_attention_heads": 0}, ["num_attention_heads", "positive"]),
+    ({"num_key_value_heads": 3}, ["num_key_value_heads 3"]),
+    ({"intermediate_size": -1}, ["intermediate_size", "-1"]),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
+    ({"rope_scaling": [1, 2]}, ["rope_parameters"]),
+    ({"sliding_window": -4, "model_type": "mistral"}, ["sliding_window"]),
+])
+def test_malformed_configs_name_the_field(tmp_path, change, words):
+    d = {**LLAMA, **change}
+    folder = _folder_with(tmp_path, json.dumps({k: v for k, v in d.items() if v is not None}))
+    with pytest.raises(ModelLoadError) as info:
+        ModelConfig.from_folder(folder)
+    assert not isinstance(info.value, UnsupportedArchitecture)
+    for word in [str(folder / "config.json"), *words]:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"model_type": "llama", ', ["not valid JSON"]),
+    ("[1, 2, 3]", ["JSON object", "list"]),
+    (b"\xff\xfe\x00garbage".decode("latin-1"), ["not valid JSON"]),
+])
+def test_unreadable_config_json(tmp_path, text, words):
+    folder = _folder_with(tmp_path, text)
+    with pytest.raises(ModelLoadError) as info:
+        ModelConfig.from_folder(folder)
+    for word in [str(folder / "config.json"), *words]:
+        assert word in str(info.value)
+
+
+def test_missing_config_json(tmp_path):
+    with pytest.raises(ModelLoadError, match="config.json not found"):
+        ModelConfig.from_folder(tmp_path)
