@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from meshllm.pipeline.node_stage import attach_stage_service
 from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
 from meshllm.transport.auth import TlsFiles, load_key, load_or_create_key
 
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"meshllm node: {e}") from None
     key = resolve_key(args.key_file, state_dir, create=True)
     node = Node(config, key)
+    attach_stage_service(node, key)
     run_until_signalled(node, on_ready=lambda n: print(f"meshllm node {n.node_id} listening on {n.address}",
                                                        flush=True))
     return 0

@@ -1,0 +1,31 @@
+"""Give a node the Stage service: it loads layer ranges of the models under its
+--models on a leader's request and advertises them in its card."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshllm.cluster.card import LoadedShard
+from meshllm.pipeline.stage_service import StageService
+from meshllm.transport.channels import ChannelConfig, ChannelPool
+from meshllm.transport.protos import stage_pb2_grpc
+
+
+def attach_stage_service(node, key: bytes) -> StageService:
+    """Register the Stage service on `node` (before node.start())."""
+
+    def resolve(model_id: str, fingerprint: str) -> Path | None:
+        for m in node.models.models:
+            if m.fingerprint == fingerprint:
+                return Path(m.path)
+        return None
+
+    channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
+    service = StageService(resolve, channels)
+
+    def shards() -> tuple[LoadedShard, ...]:
+        return tuple(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer) for r in service.loaded())
+
+    node.card.set_shards_source(shards)
+    node.server.add(stage_pb2_grpc.add_StageServicer_to_server, service)
+    return service
