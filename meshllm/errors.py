@@ -103,3 +103,27 @@ class BindFailed(MeshError):
     """A node could not listen on the address it was given."""
 
     code = "bind_failed"
+
+
+class RequestTimeout(MeshError):
+    """A request ran past its deadline (the API's --request-timeout); its sequences were cancelled."""
+
+    code = "request_timeout"
+
+
+class UnknownModel(MeshError):
+    """A request names a model this server does not serve."""
+
+    code = "model_not_found"
+
+
+class InvalidAPIKey(AuthError):
+    """An HTTP request to the API carries no key or the wrong one (`--api-key`)."""
+
+    code = "invalid_api_key"
+
+
+class SequenceFailed(MeshError):
+    """A sequence ended without finishing: a stage failed, or the server cancelled it."""
+
+    code = "generation_failed"

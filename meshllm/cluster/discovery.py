@@ -17,7 +17,7 @@ import threading
 
 import psutil
 from zeroconf import IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange, Zeroconf
-from zeroconf import InterfaceChoice
+from zeroconf import EventLoopBlocked, InterfaceChoice, NonUniqueNameException
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,28 @@ class Discovery:
         self._found: dict[str, str] = {}  # service name -> "ip:port"
         self._zc: Zeroconf | None = None
         self._browser: ServiceBrowser | None = None
+        self._starter: threading.Thread | None = None
+        self._stopped = False
 
     def peers(self) -> set[str]:
         with self._lock:
             return set(self._found.values())
 
     def start(self) -> None:
+        # Registering probes the LAN for name conflicts (~1.5 s): do it off the
+        # start-up path so the node serves gossip meanwhile.
+        self._starter = threading.Thread(target=self._register_and_browse, name="mdns-start", daemon=True)
+        self._starter.start()
+
+    def _register_and_browse(self) -> None:
         wildcard = is_wildcard(self._host)
         advertised = lan_ipv4_addresses() if wildcard else [self._host]
         try:
-            self._zc = Zeroconf(interfaces=InterfaceChoice.All if wildcard else [self._host],
-                                ip_version=IPVersion.V4Only)
+            with self._lock:
+                if self._stopped:
+                    return
+                self._zc = Zeroconf(interfaces=InterfaceChoice.All if wildcard else [self._host],
+                                    ip_version=IPVersion.V4Only)
             info = ServiceInfo(
                 SERVICE_TYPE, f"{_instance_name(self._node_id)}.{SERVICE_TYPE}",
                 addresses=[socket.inet_aton(a) for a in advertised], port=self._port,
@@ -81,15 +92,22 @@ class Discovery:
                 server=f"{_instance_name(self._node_id)}.local.")
             self._zc.register_service(info, allow_name_change=True)
             self._browser = ServiceBrowser(self._zc, SERVICE_TYPE, handlers=[self._on_change])
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, EventLoopBlocked, NonUniqueNameException) as e:
             # Discovery is a convenience: a node on an interface without
             # multicast (loopback, some VPNs) still gossips with its --peer seeds.
             log.warning("mDNS discovery is off on %s: %s. Use --peer host:port to name peers.", self._host, e)
-            self.stop()
+            self._close()
             return
         log.info("mDNS discovery on %s advertising %s port %d", self._host, advertised, self._port)
 
     def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        if self._starter is not None:
+            self._starter.join(timeout=10)
+        self._close()
+
+    def _close(self) -> None:
         if self._browser is not None:
             self._browser.cancel()
             self._browser = None

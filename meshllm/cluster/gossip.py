@@ -90,7 +90,7 @@ class GossipLoop:
 
     def __init__(self, registry: Registry, channels: ChannelPool, peers: Callable[[], set[str]],
                  refresh_own: Callable[[], Card], interval_s: float, rng: random.Random | None = None,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, num_random_peers: int = 1):
         self._registry = registry
         self._channels = channels
         self._peers = peers
@@ -99,6 +99,7 @@ class GossipLoop:
         self._timeout_s = min(max(2 * interval_s, 1.0), 10.0)
         self._rng = rng or random.Random()
         self._clock = clock
+        self._num_random_peers = num_random_peers
         self._errors: dict[str, PeerError] = {}
         self._errors_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -110,7 +111,8 @@ class GossipLoop:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._thread.join(timeout=self._timeout_s + 1)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout=self._timeout_s + 1)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
 
@@ -126,12 +128,10 @@ class GossipLoop:
     def choose_peers(self) -> set[str]:
         own = self._registry.own_card()
         peers = set(self._peers())
-        # One random known node besides the seeds keeps the view connected when
+        # A random known node besides the seeds keeps the view connected when
         # seeds leave, and speeds convergence on sparse seed graphs.
-        known = [c.grpc_address for c in self._registry.snapshot() if c.node_id != own.node_id]
-        extra = [a for a in known if a not in peers]
-        if extra:
-            peers.add(self._rng.choice(extra))
+        known = sorted({c.grpc_address for c in self._registry.snapshot() if c.node_id != own.node_id} - peers)
+        peers.update(self._rng.sample(known, min(self._num_random_peers, len(known))))
         peers.discard(own.grpc_address)
         return peers
 

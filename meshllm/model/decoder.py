@@ -61,6 +61,9 @@ class Rotary:
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self.cos.shape[0]:
             self._grow(max(needed, 2 * self.cos.shape[0]))
+        if self.cos.device != positions.device:
+            # The tables are not module buffers, so Decoder.to(device) leaves them behind: follow the input.
+            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions], self.sin[positions]
 
 
@@ -214,6 +217,12 @@ class Decoder(nn.Module):
         Returns hidden states [tokens, hidden], or on the last stage fp32 logits for
         `logit_rows` (all rows when None): [len(logit_rows), vocab].
         """
+        # Attention concatenates per-sequence outputs in slice order: slices must tile the rows in order.
+        row = 0
+        for s in slices:
+            assert s.row == row, f"slice rows must tile the batch in order: expected row {row}, got {s.row}"
+            row += s.num_tokens
+        assert row == x.shape[0] == positions.shape[0], (row, x.shape[0], positions.shape[0])
         for s in slices:
             s.kv.reserve(s.start + s.num_tokens)
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)

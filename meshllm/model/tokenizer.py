@@ -18,7 +18,6 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
-from tokenizers.decoders import DecodeStream as _BackendDecodeStream
 
 from meshllm.errors import BadRequest, ModelLoadError
 
@@ -63,9 +62,9 @@ class Tokenizer:
         # As transformers does: the named special tokens always stay whole.
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                     for t in special.values() if t is not None and backend.token_to_id(t) is None])
-        # transformers rebuilds the post-processor when the config says whether to add BOS/EOS,
-        # or tokenizer.json has none; otherwise tokenizer.json's post-processor decides.
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+        # tokenizer.json's post-processor decides whether BOS/EOS are added, as in transformers 5;
+        # add_bos_token/add_eos_token only count when it has none.
+        if backend.post_processor is None:
             _set_bos_eos(backend, special, config.get("add_bos_token", False), config.get("add_eos_token", False))
         eos_ids = [backend.token_to_id(special["eos_token"])] if special["eos_token"] else []
         generation_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
@@ -142,12 +141,32 @@ class DecodeStream:
     `step` returns "" until the character is complete. One stream per sequence; not thread-safe.
     """
 
+    # The tokenizers library's own DecodeStream raises on byte sequences that are not valid
+    # UTF-8 (a sampled byte-fallback token can start one), so this keeps a window instead:
+    # decode the ids since the last emitted boundary and emit what is new once it does not
+    # end in a replacement character, or once MAX_HELD ids are waiting (invalid bytes then
+    # come out as U+FFFD, as in a full decode).
+    MAX_HELD = 8
+
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self._backend = tokenizer.backend
-        self._stream = _BackendDecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # ids before this only give context for spacing
+        self._read_offset = 0  # text of ids before this has been emitted
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._backend, token_id) or ""
+        self._ids.append(token_id)
+        emitted = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset:])
+        waiting = len(self._ids) - self._read_offset
+        if len(text) > len(emitted) and (not text.endswith("\ufffd") or waiting >= self.MAX_HELD):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return text[len(emitted):]
+        return ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
 
 def _set_bos_eos(backend: Backend, special: dict[str, str | None], add_bos: bool, add_eos: bool) -> None:

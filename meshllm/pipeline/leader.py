@@ -241,18 +241,26 @@ class Leader:
                 continue
             token = sampled[w.seq.seq_id]
             w.seq.output_ids.append(token.token_id)
-            text = request.checker.feed(token.token_id)
-            first = request.first_token_at is None
-            self.observer.on_token(first, now - (request.submitted_at if first else request.last_token_at))
-            if first:
-                request.first_token_at = now
-            request.last_token_at = now
-            reason = request.checker.finish_reason
-            request.on_event(GenerationEvent(w.seq.seq_id, text, token.token_id, token.logprobs, reason,
-                                             num_prompt_tokens=w.seq.num_prompt_tokens,
-                                             num_cached_tokens=w.seq.num_cached))
-            if reason is not None:
-                self._finish(request, reason, notify=False)
+            try:
+                self._deliver(request, token, now)
+            except Exception as e:  # noqa: BLE001 - one request's detokenizer or callback must not stop the loop
+                log.exception("request %d failed while delivering a token", w.seq.seq_id)
+                self._finish(request, "error", MeshError(f"internal error while streaming: {e}"))
+
+    def _deliver(self, request: _Request, token, now: float) -> None:
+        seq = request.seq
+        text = request.checker.feed(token.token_id)
+        first = request.first_token_at is None
+        self.observer.on_token(first, now - (request.submitted_at if first else request.last_token_at))
+        if first:
+            request.first_token_at = now
+        request.last_token_at = now
+        reason = request.checker.finish_reason
+        if reason is not None:
+            self._finish(request, reason, notify=False)
+        request.on_event(GenerationEvent(seq.seq_id, text, token.token_id, token.logprobs, reason,
+                                         num_prompt_tokens=seq.num_prompt_tokens,
+                                         num_cached_tokens=seq.num_cached))
 
     def _match_prefix(self, seq: Sequence) -> None:
         """On admission: start the sequence after the longest cached prefix of its prompt."""

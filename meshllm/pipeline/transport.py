@@ -116,6 +116,9 @@ class LocalPipeline:
                 x = runner.run(replace(step, input=x))
             except MeshError as e:
                 return StepResult(step.step_id, error_code=e.code, error_message=str(e), failed_stage=index)
+            except Exception as e:  # noqa: BLE001 - reported to the leader like a remote stage's failure
+                log.exception("local stage %d failed", index)
+                return StepResult(step.step_id, error_code="internal", error_message=str(e), failed_stage=index)
         tokens: list[SampledToken] = x if isinstance(x, list) else []
         return StepResult(step.step_id, tuple(tokens), (StageTiming(0, 0.0, 0.0, 0.0),))
 

@@ -97,10 +97,12 @@ class NodeCluster:
 
     def start(self, args: Sequence[str] = (), *, env: dict[str, str] | None = None, prefix: Sequence[str] = (),
               host: str = "127.0.0.1", port: int = 0, discovery: bool = False,
-              key_file: Path | None = None) -> NodeProcess:
-        """Start one node (returns at once; see `wait_ready`)."""
+              key_file: Path | None = None, pass_key_file: bool = True) -> NodeProcess:
+        """Start one node (returns at once; see `wait_ready`). `key_file` defaults to
+        the cluster's; pass_key_file=False lets the node find or create its own."""
+        key_args = ["--key-file", str(key_file or self.key_file)] if pass_key_file else []
         command = [*prefix, sys.executable, "-m", "meshllm.cli", "node", "--host", host, "--port", str(port),
-                   "--key-file", str(key_file or self.key_file), "--state-dir", str(self.state_dir),
+                   *key_args, "--state-dir", str(self.state_dir),
                    *([] if discovery else ["--no-discovery"]), *args]
         full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1", **(env or {})}
         log_path = self.workdir / f"node-{len(self.nodes)}.log"

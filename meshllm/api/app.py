@@ -1,0 +1,123 @@
+"""The OpenAI-compatible HTTP API of one served model: routes only.
+
+Prompt building lives in prompts.py, the bridge to the leader in generation.py,
+replies in replies.py and streaming.py, errors in errors.py.
+"""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from meshllm.api import replies
+from meshllm.api.backend import Backend
+from meshllm.api.choices import ChoiceState, LogprobFormatter
+from meshllm.api.cluster_view import ClusterView, cluster_view
+from meshllm.api.config import APIConfig
+from meshllm.api.errors import install_error_handlers
+from meshllm.api.generation import ClientDisconnected, Generation
+from meshllm.api.metrics import CONTENT_TYPE_LATEST
+from meshllm.api.prompts import ChoiceRequest, chat_choices, completion_choices
+from meshllm.api.replies import ReplyContext
+from meshllm.api.responses import ChatCompletion, Completion, ModelEntry, ModelList, now
+from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from meshllm.api.streaming import open_stream
+from meshllm.errors import InvalidAPIKey, ShardUnavailable, UnknownModel
+from meshllm.pipeline.leader import Leader
+
+_DASHBOARD = Path(__file__).with_name("dashboard.html")
+_CLIENT_CLOSED = 499  # nginx's status for "client closed the request"; nobody reads it
+
+
+def create_app(backend: Backend, config: APIConfig) -> FastAPI:
+    app = FastAPI(title="meshllm", summary="OpenAI-compatible API of a meshllm node", docs_url=None,
+                  redoc_url=None)
+    metrics = backend.metrics
+    install_error_handlers(app, metrics)
+    formatter = LogprobFormatter(backend.tokenizer)
+    started = now()
+
+    async def check_key(request: Request) -> None:
+        # Runs before the body is parsed: an unauthenticated client gets no work done.
+        if config.api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
+            raise InvalidAPIKey("missing or incorrect API key: send the server's --api-key as "
+                                "'Authorization: Bearer <key>'")
+
+    def leader_for(model: str) -> Leader:
+        if model != backend.model_id:
+            raise UnknownModel(f"model {model!r} is not served here; GET /v1/models lists {backend.model_id!r}")
+        leader, error = backend.leader, backend.plan_error
+        if leader is not None:
+            return leader
+        if isinstance(error, ShardUnavailable):
+            raise error
+        raise ShardUnavailable(f"{model} cannot run on the fleet right now: [{error.code}] {error}")
+
+    async def answer(request: Request, leader: Leader, choices: list[ChoiceRequest], body: SamplingFields,
+                     ctx: ReplyContext, chat: bool) -> Response | ChatCompletion | Completion:
+        generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected)
+        await run_in_threadpool(generation.submit)
+        states = [ChoiceState(c) for c in choices]
+        streaming = False
+        try:
+            if body.stream:
+                response = await open_stream(generation, states, ctx, body.include_usage, metrics, chat)
+                streaming = True  # the stream now owns the sequences and cancels them when it ends
+                return response
+            await replies.collect(generation, states)
+            return replies.chat_completion(states, ctx) if chat else replies.completion(states, ctx)
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+        finally:
+            if not streaming:
+                generation.cancel()  # no-op for finished choices; frees the rest on any failure
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(_DASHBOARD.read_text())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ready = backend.leader is not None
+        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/cluster")
+    async def cluster() -> ClusterView:
+        return cluster_view(backend, metrics)
+
+    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelEntry(id=backend.model_id, created=started, max_model_len=backend.max_context)])
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(check_key)])
+    async def get_model(model: str) -> ModelEntry:
+        if model != backend.model_id:
+            raise UnknownModel(f"model {model!r} is not served here; GET /v1/models lists {backend.model_id!r}")
+        return ModelEntry(id=backend.model_id, created=started, max_model_len=backend.max_context)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
+        leader = leader_for(body.model)
+        choices = await run_in_threadpool(chat_choices, backend.tokenizer, backend.max_context, body)
+        ctx = ReplyContext.new("chatcmpl", backend.model_id, formatter, body.logprobs)
+        return await answer(request, leader, choices, body, ctx, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
+        leader = leader_for(body.model)
+        choices = await run_in_threadpool(completion_choices, backend.tokenizer, backend.max_context, body)
+        ctx = ReplyContext.new("cmpl", backend.model_id, formatter, body.logprobs is not None)
+        return await answer(request, leader, choices, body, ctx, chat=False)
+
+    return app

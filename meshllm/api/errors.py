@@ -1,0 +1,88 @@
+"""Errors as OpenAI clients expect them: {"error": {message, type, param, code}} with the right status.
+
+Every failure of a request (our MeshErrors, pydantic validation, unknown routes)
+leaves through here, so clients always get the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from meshllm.api.metrics import MetricsObserver
+from meshllm.engine.scheduler import QueueFull
+from meshllm.errors import (AuthError, BadRequest, ContextOverflow, MalformedMessage, MeshError, PipelineStalled,
+                            RequestTimeout, ShardUnavailable, UnknownModel)
+
+log = logging.getLogger(__name__)
+
+# (status, OpenAI error type) by exception class; the first match in order wins.
+_STATUS: tuple[tuple[type[MeshError], int, str], ...] = (
+    (ContextOverflow, 400, "invalid_request_error"),
+    (BadRequest, 400, "invalid_request_error"),
+    (MalformedMessage, 400, "invalid_request_error"),
+    (AuthError, 401, "invalid_request_error"),
+    (UnknownModel, 404, "invalid_request_error"),
+    (QueueFull, 429, "rate_limit_error"),
+    (ShardUnavailable, 503, "server_error"),
+    (PipelineStalled, 503, "server_error"),
+    (RequestTimeout, 504, "server_error"),
+)
+
+
+def status_of(error: MeshError) -> tuple[int, str]:
+    for cls, status, kind in _STATUS:
+        if isinstance(error, cls):
+            return status, kind
+    return 500, "server_error"
+
+
+def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def mesh_error_body(error: MeshError) -> dict:
+    """The body for `error` (also what a stream sends as its last event)."""
+    _, kind = status_of(error)
+    return error_body(str(error), kind, error.code)
+
+
+def install_error_handlers(app: FastAPI, metrics: MetricsObserver) -> None:
+    async def on_mesh_error(request: Request, error: MeshError) -> JSONResponse:
+        status, _ = status_of(error)
+        metrics.api_errors.labels(code=error.code).inc()
+        if status >= 500:
+            log.warning("%s %s failed: [%s] %s", request.method, request.url.path, error.code, error)
+        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+        return JSONResponse(mesh_error_body(error), status_code=status, headers=headers)
+
+    async def on_validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        first = problems[0] if problems else {"loc": (), "msg": "invalid request", "type": "invalid"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+        if first.get("type") == "json_invalid":
+            # The body is not JSON at all: OpenAI answers 400, and so do we.
+            metrics.api_errors.labels(code="invalid_json").inc()
+            message = f"the request body is not valid JSON ({first.get('ctx', {}).get('error', first['msg'])})"
+            return JSONResponse(error_body(message, "invalid_request_error", "invalid_json"), status_code=400)
+        metrics.api_errors.labels(code="invalid_value").inc()
+        details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e['msg']}"
+                            for e in problems[:5])
+        return JSONResponse(error_body(f"invalid request: {details}", "invalid_request_error", "invalid_value",
+                                       param), status_code=422)
+
+    async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
+        message = (f"no route {request.method} {request.url.path}; this server offers /v1/models, "
+                   f"/v1/chat/completions, /v1/completions, /v1/cluster and /metrics"
+                   if error.status_code in (404, 405) else str(error.detail))
+        return JSONResponse(error_body(message, "invalid_request_error", code), status_code=error.status_code,
+                            headers=error.headers)
+
+    app.add_exception_handler(MeshError, on_mesh_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_error)

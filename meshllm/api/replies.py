@@ -1,0 +1,50 @@
+"""Whole (non-streaming) replies: wait for every choice to finish, then answer once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshllm.api.choices import ChoiceState, LogprobFormatter, usage
+from meshllm.api.generation import Generation
+from meshllm.api.responses import (AssistantMessage, ChatChoice, ChatCompletion, Completion, CompletionChoice,
+                                   new_id, now)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyContext:
+    """What every chunk or reply of one request repeats."""
+
+    id: str
+    model: str
+    formatter: LogprobFormatter
+    wants_logprobs: bool
+    created: int = field(default_factory=now)
+
+    @classmethod
+    def new(cls, prefix: str, model: str, formatter: LogprobFormatter, wants_logprobs: bool) -> "ReplyContext":
+        return cls(new_id(prefix), model, formatter, wants_logprobs)
+
+
+async def collect(generation: Generation, states: list[ChoiceState]) -> None:
+    """Feed every event into its choice; the first failed sequence fails the request."""
+    async for index, event in generation.events():
+        error = states[index].add(event)
+        if error is not None:
+            generation.cancel()
+            raise error
+
+
+def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatCompletion:
+    choices = [ChatChoice(index=s.request.index, message=AssistantMessage(content="".join(s.text)),
+                          logprobs=ctx.formatter.chat(s.logprobs) if ctx.wants_logprobs else None,
+                          finish_reason=s.finish_reason)
+               for s in states]
+    return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))
+
+
+def completion(states: list[ChoiceState], ctx: ReplyContext) -> Completion:
+    choices = [CompletionChoice(index=s.request.index, text="".join(s.text),
+                                logprobs=ctx.formatter.completion(s.logprobs) if ctx.wants_logprobs else None,
+                                finish_reason=s.finish_reason)
+               for s in states]
+    return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))

@@ -1,0 +1,114 @@
+"""`meshllm generate`: complete one prompt and stream the text to the terminal.
+
+Runs the whole model in this process (engine/generate.py). The prompt is checked
+against the model's context before any weight is loaded, so a bad request fails
+in a second with one line. Chat models get their chat template unless --raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+from tqdm import tqdm
+
+from meshllm.engine.generate import TextDelta, check_fits, stream_many
+from meshllm.engine.sampler import SamplingParams
+from meshllm.errors import BadRequest
+from meshllm.model.loader import load_decoder
+from meshllm.model.source import ModelFiles, open_model
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+# Measured on x86 CPUs with torch 2.13 (bench/decode.py): fp16 weights decode fastest,
+# bf16 matrix-vector products read memory at half the speed, fp32 reads twice the bytes.
+AUTO_DTYPE = {"cpu": "fp16"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="Hugging Face model folder, .gguf file or Hub id (default: the demo model, "
+                             "SmolLM2-135M-Instruct Q4_1)")
+    parser.add_argument("--prompt", required=True, help="the prompt text (a user message for chat models)")
+    parser.add_argument("--raw", action="store_true",
+                        help="send the prompt as is, without the model's chat template")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"most tokens to generate (default {_DEFAULTS['max_tokens']}, or what is left "
+                             f"of the model's context after the prompt if less)")
+    parser.add_argument("--temperature", type=float, default=_DEFAULTS["temperature"],
+                        help=f"sampling temperature; 0 is greedy (default {_DEFAULTS['temperature']})")
+    parser.add_argument("--top-p", type=float, default=_DEFAULTS["top_p"],
+                        help=f"nucleus sampling mass in (0, 1] (default {_DEFAULTS['top_p']}: off)")
+    parser.add_argument("--top-k", type=int, default=_DEFAULTS["top_k"],
+                        help="sample among the k most likely tokens (default: all)")
+    parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"],
+                        help="random seed; the same seed gives the same text (default: random)")
+    parser.add_argument("--stop", action="append", default=[],
+                        help="stop before this text; repeat for several (default: none)")
+    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                        help="weight and activation dtype (default auto: "
+                             f"{AUTO_DTYPE['cpu']} on CPU, the fastest measured)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice, one per core)")
+
+
+def run(args: argparse.Namespace) -> int:
+    requested = args.max_tokens
+    _sampling_params(args, _DEFAULTS["max_tokens"] if requested is None else requested)  # bad flags fail early
+    files = open_model(args.model)
+    prompt_ids = _prompt_ids(files, args.prompt, args.raw)
+    room = files.config.max_position_embeddings - len(prompt_ids)
+    params = _sampling_params(args, max(min(_DEFAULTS["max_tokens"], room), 1) if requested is None else requested)
+    check_fits(len(prompt_ids), params, files.config.max_position_embeddings)  # before loading weights
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BadRequest(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    deltas = _local_stream(files, prompt_ids, params, _dtype(args.dtype))
+    num_tokens, finish_reason, first_token_at = 0, None, None
+    for delta in deltas:
+        first_token_at = first_token_at or time.perf_counter()
+        num_tokens += 1
+        finish_reason = delta.finish_reason
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    elapsed = time.perf_counter() - (first_token_at or started)
+    rate = f", {(num_tokens - 1) / elapsed:.1f} tok/s after the first" if num_tokens > 1 and elapsed > 0 else ""
+    print(f"[{num_tokens} tokens, finish_reason {finish_reason}{rate}]", file=sys.stderr)
+    return 0
+
+
+def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
+                  dtype: torch.dtype) -> Iterator[TextDelta]:
+    # The whole model in this process; a --peer branch (cluster) would return the same deltas.
+    with tqdm(total=1, desc=f"loading {files.model_id}", unit="tensor", file=sys.stderr, leave=False) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        decoder = load_decoder(files.source, files.config, dtype=dtype, progress=progress)
+    return stream_many(decoder, files.tokenizer, [prompt_ids], [params])
+
+
+def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                          max_tokens=max_tokens, stop=tuple(args.stop))
+
+
+def _prompt_ids(files: ModelFiles, prompt: str, raw: bool) -> list[int]:
+    tokenizer = files.tokenizer
+    if raw or tokenizer.chat_template is None:
+        return tokenizer.encode(prompt)
+    # The template writes BOS itself where the model wants one (as transformers encodes it).
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return DTYPES[AUTO_DTYPE["cpu"] if name == "auto" else name]

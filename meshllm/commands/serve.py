@@ -1,0 +1,108 @@
+"""`meshllm serve`: a node that also answers OpenAI-compatible HTTP requests.
+
+Takes every `meshllm node` flag, plus the model to serve and the HTTP API's
+settings. For now the model runs whole in this process (single-process
+backend); `build_backend` is the one call cluster mode replaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from meshllm.api.app import create_app
+from meshllm.api.backend import Backend, build_local_backend
+from meshllm.api.config import APIConfig
+from meshllm.api.server import APIServer
+from meshllm.cluster.discovery import is_wildcard
+from meshllm.commands import node as node_command
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.model.source import default_model_path
+from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
+from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions
+from meshllm.transport.server import join_host_port
+
+API_KEY_ENV = "MESHLLM_API_KEY"
+_API = APIConfig()
+_SERVING = ServingOptions()
+_SCHEDULER = SchedulerConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    node_command.add_arguments(parser)
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model folder or .gguf file to serve (default: the SmolLM2-135M-Instruct demo GGUF)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_SERVING.dtype,
+                        help=f"weights and activations dtype (default {_SERVING.dtype})")
+    parser.add_argument("--max-context", type=int, default=_SERVING.context_length,
+                        help=f"tokens (prompt + completion) per request, capped by the model's own context "
+                             f"(default {_SERVING.context_length})")
+    parser.add_argument("--max-batch", type=int, default=_SERVING.max_batch,
+                        help=f"sequences decoding at once (default {_SERVING.max_batch})")
+    parser.add_argument("--max-queue", type=int, default=_SCHEDULER.max_waiting,
+                        help=f"requests waiting beyond --max-batch before new ones get HTTP 429 "
+                             f"(default {_SCHEDULER.max_waiting})")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="make each request's output independent of what shares its batch (slower)")
+    parser.add_argument("--api-host", default=_API.host,
+                        help=f"address the HTTP API listens on (default {_API.host}; 0.0.0.0 for the LAN)")
+    parser.add_argument("--api-port", type=int, default=_API.port,
+                        help=f"HTTP API port (default {_API.port}; 0 picks a free one)")
+    parser.add_argument("--api-key", default=None,
+                        help=f"key clients must send as 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}, "
+                             f"or no key when that is unset)")
+    parser.add_argument("--request-timeout", type=float, default=_API.request_timeout_s,
+                        help=f"seconds before a running request is cancelled (default {_API.request_timeout_s:g})")
+
+
+def api_config(args: argparse.Namespace) -> APIConfig:
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return APIConfig(host=args.api_host, port=args.api_port, api_key=key, request_timeout_s=args.request_timeout)
+
+
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    if args.max_context < 2 or args.max_batch < 1:
+        raise ValueError(f"--max-context must be at least 2 and --max-batch at least 1, got {args.max_context} "
+                         f"and {args.max_batch}")
+    scheduler = SchedulerConfig(max_waiting=args.max_queue)
+    return ServingOptions(context_length=args.max_context, max_batch=args.max_batch, dtype=args.dtype,
+                          batch_invariant=args.batch_invariant, scheduler=scheduler)
+
+
+def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
+    # Mirrors `meshllm node`; the served model is advertised with the others.
+    return NodeConfig(
+        host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),
+        model_paths=(*args.models, model_path), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
+        ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=args.state_dir or default_state_dir(),
+        tls=node_command.tls_from_args(args), device=args.device)
+
+
+def build_backend(args: argparse.Namespace, node: Node) -> Backend:
+    """The model this node serves. Single-process for now: cluster mode builds the leader over
+    the fleet's stages instead (same Backend, with plan_error when no plan fits)."""
+    return build_local_backend(args.model, serving_options(args), fleet_view=node.registry.snapshot)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        api = api_config(args)
+        serving_options(args)  # reject bad flags before anything loads
+        config = node_config(args, args.model or default_model_path())
+    except ValueError as e:
+        raise SystemExit(f"meshllm serve: {e}") from None
+    key = node_command.resolve_key(args.key_file, config.state_dir, create=True)
+    node = Node(config, key)
+    backend = build_backend(args, node)
+    try:
+        server = APIServer(create_app(backend, api), api.host, api.port)
+        api_host = node.address.rpartition(":")[0] if is_wildcard(api.host) else api.host
+        node.card.set_api_address(join_host_port(api_host.strip("[]"), server.port))
+        node.add_service(server)  # starts after gossip is up; stops first
+        run_until_signalled(node, on_ready=lambda n: print(
+            f"meshllm serve: node {n.node_id} on {n.address}; serving {backend.model_id} at {server.url}/v1",
+            flush=True))
+    finally:
+        backend.close()
+    return 0

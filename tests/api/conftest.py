@@ -1,0 +1,148 @@
+"""Live API servers for the tests: a real uvicorn server on a free loopback port (background
+thread), the real `openai` client, aidreams-260k behind a real leader, and the single-process
+generate loop as the reference."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+
+from meshllm.api.app import create_app
+from meshllm.api.backend import Backend, build_local_backend
+from meshllm.api.config import APIConfig
+from meshllm.api.metrics import MetricsObserver
+from meshllm.api.server import APIServer
+from meshllm.engine.batch_invariant import make_batch_invariant
+from meshllm.engine.generate import Completion, generate_many
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.step import Step, StepResult
+from meshllm.model.loader import load_decoder
+from meshllm.model.source import ModelFiles, open_model
+from meshllm.pipeline.cluster import ServingOptions, context_of, new_leader
+from meshllm.pipeline.transport import LocalPipeline
+
+MODEL = "aidreams-260k"
+# Batch-invariant, so a sequence's output does not depend on what else is running.
+OPTIONS = ServingOptions(context_length=128, max_batch=16, batch_invariant=True)
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _one_torch_thread():
+    # Tiny models on a shared 2-core machine: one intra-op thread per process is far faster
+    # than two threads spinning against the server's other threads and other processes.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@dataclass
+class LiveServer:
+    backend: Backend
+    url: str
+    api_key: str | None = None
+
+    def client(self, api_key: str | None = None, timeout: float = 60.0) -> OpenAI:
+        return OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused", max_retries=0,
+                      timeout=timeout)
+
+    def metric(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample from /metrics, read over HTTP as Prometheus would (0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and (labels is None or all(sample.labels.get(k) == v
+                                                                   for k, v in labels.items())):
+                    return sample.value
+        return 0.0
+
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+            time.sleep(0.05)
+
+    def stage_sequences(self) -> list:
+        """Sequences whose KV the (single, in-process) stage still holds."""
+        runners = self.backend.leader.transport.runners
+        return [s for r in runners for s in r.held_sequences()]
+
+
+@contextlib.contextmanager
+def serve(backend: Backend, config: APIConfig | None = None) -> Iterator[LiveServer]:
+    config = config or APIConfig(port=0)
+    server = APIServer(create_app(backend, config), "127.0.0.1", 0)
+    server.start()
+    try:
+        yield LiveServer(backend, server.url, config.api_key)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="package")
+def aidreams_files(aidreams_path) -> ModelFiles:
+    return open_model(aidreams_path)
+
+
+@pytest.fixture(scope="package")
+def backend(aidreams_path) -> Iterator[Backend]:
+    b = build_local_backend(aidreams_path, OPTIONS)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="package")
+def server(backend) -> Iterator[LiveServer]:
+    with serve(backend) as live:
+        yield live
+
+
+class SlowPipeline(LocalPipeline):
+    """The real in-process stage, with a pause per step: long enough generations to time out,
+    queue up and disconnect from, without depending on how fast this machine is."""
+
+    def __init__(self, runners: list[StageRunner], step_delay_s: float):
+        super().__init__(runners)
+        self.step_delay_s = step_delay_s
+
+    def run_now(self, step: Step) -> StepResult:
+        time.sleep(self.step_delay_s)
+        return super().run_now(step)
+
+
+@pytest.fixture(scope="package")
+def slow_backend(aidreams_files) -> Iterator[Backend]:
+    """One sequence runs at a time, one may wait; every step takes at least 20 ms."""
+    files = aidreams_files
+    options = ServingOptions(context_length=128, max_batch=1, scheduler=SchedulerConfig(max_waiting=1))
+    decoder = load_decoder(files.source, files.config)
+    metrics = MetricsObserver()
+    leader = new_leader(files, SlowPipeline([StageRunner(decoder)], 0.02), options, observer=metrics)
+    b = Backend(files.model_id, files.tokenizer, context_of(files, options), leader, metrics)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="package")
+def reference(aidreams_files) -> Callable[[list[int], SamplingParams], Completion]:
+    """Single-process generation (engine/generate.py, no scheduler, no leader) with the same
+    batch-invariant arithmetic as the served model."""
+    files = aidreams_files
+    decoder = make_batch_invariant(load_decoder(files.source, files.config))
+
+    def run(prompt_ids: list[int], params: SamplingParams) -> Completion:
+        return generate_many(decoder, files.tokenizer, [prompt_ids], params)[0]
+
+    return run

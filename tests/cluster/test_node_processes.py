@@ -1,0 +1,137 @@
+"""Real `meshllm node` processes on loopback: convergence, TTL expiry after
+SIGKILL, clean shutdown, the cluster key, and `meshllm status`."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from meshllm.cluster.gossip import fetch_view
+from meshllm.transport import auth
+from meshllm.transport.protos import cluster_pb2
+from tests.cluster_fixtures import REPO_ROOT, NodeCluster, wait_until
+
+pytestmark = pytest.mark.slow
+
+INTERVAL = 0.3
+TTL = 3.0
+# The CI box has two shared cores and each poll is a gRPC call: allow for
+# scheduling noise on top of the protocol's own bound.
+SLACK_S = 4.0
+FAST = ["--gossip-interval", str(INTERVAL), "--ttl", str(TTL)]
+
+
+def ids(cluster: NodeCluster, node) -> set[str]:
+    return {c.node_id for c in cluster.view(node)}
+
+
+@pytest.mark.timeout(120)
+def test_line_of_five_converges_then_forgets_a_killed_node(mesh_cluster):
+    line = []
+    for i in range(5):  # each node knows only its left neighbour
+        seed = ["--peer", line[-1].address] if line else []
+        line.append(mesh_cluster.start([*FAST, "--node-id", f"n{i}", *seed]))
+        mesh_cluster.wait_ready(line[-1])
+    everyone = {f"n{i}" for i in range(5)}
+    started = time.monotonic()
+    wait_until(lambda: all(ids(mesh_cluster, n) == everyone for n in line),
+               timeout=4 * INTERVAL + SLACK_S, interval=0.05, message="all five views hold all five cards")
+    print(f"converged {time.monotonic() - started:.2f}s after the last node was ready")
+
+    victim = line.pop(2)
+    victim.signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    rest = {f"n{i}" for i in (0, 1, 3, 4)}
+    wait_until(lambda: all(ids(mesh_cluster, n) == rest for n in line), timeout=TTL + 2 * INTERVAL + SLACK_S,
+               interval=0.05, message="the killed node's card left every view, the others stayed")
+    assert time.monotonic() - killed_at > TTL - INTERVAL - 0.5  # it aged out; nothing removed it early
+    # The line is cut at the victim; random extra peers keep both halves fresh.
+    time.sleep(TTL)
+    assert all(ids(mesh_cluster, n) == rest for n in line)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_stop_a_node_cleanly(mesh_cluster, sig):
+    node = mesh_cluster.start(FAST)
+    mesh_cluster.wait_ready(node)
+    node.signal(sig)
+    assert node.proc.wait(timeout=10) == 0, node.log()
+
+
+@pytest.mark.timeout(60)
+def test_node_with_the_wrong_key_can_neither_read_nor_write(mesh_cluster, tmp_path):
+    good = mesh_cluster.start([*FAST, "--node-id", "good"])
+    address = mesh_cluster.wait_ready(good)
+    other_key = tmp_path / "other.key"
+    auth.write_key(other_key, auth.generate_key())
+    intruder = mesh_cluster.start([*FAST, "--node-id", "intruder", "--peer", address], key_file=other_key)
+    mesh_cluster.wait_ready(intruder)
+    wait_until(lambda: "cluster key mismatch" in good.log(), timeout=10, message="good node logs the rejection")
+    time.sleep(5 * INTERVAL)
+    assert ids(mesh_cluster, good) == {"good"}
+    assert "UNAUTHENTICATED" in intruder.log()
+
+    # A captured, valid request cannot be replayed.
+    method = "/meshllm.Cluster/Exchange"
+    metadata = auth.sign(mesh_cluster.key, "recorder", method)
+    with grpc.insecure_channel(address) as channel:
+        call = channel.unary_unary(method, request_serializer=cluster_pb2.ExchangeRequest.SerializeToString,
+                                   response_deserializer=cluster_pb2.ExchangeResponse.FromString)
+        assert {c.node_id for c in call(cluster_pb2.ExchangeRequest(), metadata=metadata, timeout=5).cards} == {"good"}
+        with pytest.raises(grpc.RpcError) as info:
+            call(cluster_pb2.ExchangeRequest(), metadata=metadata, timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def run_cli(*args, timeout=30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "meshllm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO_ROOT)
+
+
+@pytest.mark.timeout(90)
+def test_status_shows_the_fleet(mesh_cluster, tmp_path, aidreams_path):
+    a = mesh_cluster.start([*FAST, "--node-id", "alpha", "--models", str(aidreams_path)],
+                           env={"MESHLLM_CACHE_DIR": str(tmp_path / "cache")})
+    b = mesh_cluster.start([*FAST, "--node-id", "beta", "--peer", mesh_cluster.wait_ready(a)])
+    mesh_cluster.wait_ready(b)
+    wait_until(lambda: ids(mesh_cluster, a) == {"alpha", "beta"}, timeout=10)
+    # Beta learns alpha's models (fingerprinted on alpha in the background) through gossip.
+    alpha_seen_by_b = wait_until(
+        lambda: next((c for c in mesh_cluster.view(b) if c.node_id == "alpha" and c.models), None), timeout=30)
+    assert [(m.model_id, m.num_layers) for m in alpha_seen_by_b.models] == [("aidreams-260k", 4)]
+    assert len(alpha_seen_by_b.models[0].fingerprint) >= 16
+
+    result = run_cli("status", "--peer", a.address, "--key-file", str(mesh_cluster.key_file), "--json")
+    assert result.returncode == 0, result.stderr
+    nodes = json.loads(result.stdout)["nodes"]
+    assert [n["node_id"] for n in nodes] == ["alpha", "beta"]
+    assert nodes[1]["grpc_address"] == b.address and nodes[0]["memory_total_bytes"] > 0
+    assert nodes[0]["device"] == "cpu" and nodes[0]["matmul_gflops"] > 0 and nodes[0]["roles"] == ["stage"]
+    assert 0 <= nodes[0]["age_seconds"] < TTL
+
+    table = run_cli("status", "--peer", a.address, "--key-file", str(mesh_cluster.key_file))
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["NODE", "ADDRESS", "DEVICE"] and len(lines) == 3
+    assert lines[2].startswith("beta") and b.address in lines[2] and "GiB" in lines[2]
+    assert "aidreams-260k" in lines[1]
+
+    other_key = tmp_path / "other.key"
+    auth.write_key(other_key, auth.generate_key())
+    refused = run_cli("status", "--peer", a.address, "--key-file", str(other_key))
+    assert refused.returncode == 2 and "unauthenticated" in refused.stderr and "--key-file" in refused.stderr
+
+
+@pytest.mark.timeout(60)
+def test_first_start_generates_a_key_and_says_how_to_share_it(mesh_cluster, tmp_path):
+    state_dir = tmp_path / "fresh-state"
+    node = mesh_cluster.start(FAST + ["--state-dir", str(state_dir)], pass_key_file=False)
+    mesh_cluster.wait_ready(node)
+    out = "\n".join(node.stdout_lines)
+    assert f"generated a new cluster key in {state_dir / 'cluster.key'}" in out and "--key-file" in out
+    key = auth.load_key(state_dir / "cluster.key")
+    assert [c.node_id for c in fetch_view(node.address, key)] == [node.node_id]

@@ -1,0 +1,229 @@
+"""Tokenizer ids, decoding, streaming and chat templates against transformers on the same files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from gguf import GGUFWriter
+from transformers import AutoTokenizer
+
+from meshllm.errors import BadRequest, ModelLoadError
+from meshllm.model.tokenizer import PLAIN_CHAT_TEMPLATE, Tokenizer
+
+TEXTS = [
+    "Hello world",
+    "",
+    " leading space, trailing space ",
+    "  two  spaces\nnew line\n\n\ttab",
+    "héllo wörld — naïve café, 日本語のテキスト, 🎉🦀 emoji",
+    "It's 2024; we'll see... 12345 + 3.14159 = ?",
+    "<|im_start|>user\nhi<|im_end|>",
+    "<s> x </s> a<|endoftext|>b",
+]
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there, ça va? 🎉"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "What is 2+2?"},
+]
+
+
+def _assert_same_as(ours: Tokenizer, reference) -> None:
+    for text in TEXTS:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == reference.encode(
+                text, add_special_tokens=special), (text, special)
+        ids = reference.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+
+
+# ---------------------------------------------------------------- GGUF byte-level BPE (SmolLM2)
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf_path) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm2_gguf_path)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2_gguf_path):
+    return AutoTokenizer.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name)
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_tokens_match_transformers(smollm2, smollm2_reference):
+    _assert_same_as(smollm2, smollm2_reference)
+    assert smollm2.bos_token_id == smollm2_reference.bos_token_id == 1
+    assert smollm2.eos_token_ids == (smollm2_reference.eos_token_id,) == (2,)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_smollm2_chat_template_matches_transformers(smollm2, smollm2_reference, generation_prompt):
+    for messages in (CONVERSATION, CONVERSATION[1:2]):  # with and without a system message
+        assert smollm2.apply_chat_template(messages, add_generation_prompt=generation_prompt) == \
+            smollm2_reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def test_smollm2_gguf_basics(smollm2):
+    prompt = smollm2.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = smollm2.encode(prompt)
+    assert ids.count(1) == 3 and ids.count(2) == 2  # <|im_start|>, <|im_end|> stay whole
+    assert smollm2.decode(ids) == "system\nYou are a helpful AI assistant named SmolLM, trained by Hugging " \
+                                  "Face\nuser\nHi\nassistant\n"
+    assert smollm2.decode(ids, skip_special_tokens=False) == prompt
+
+
+# ---------------------------------------------------------------- folders (tokenizer.json)
+
+@pytest.fixture(scope="module")
+def aidreams_reference(aidreams_path):
+    return AutoTokenizer.from_pretrained(aidreams_path)
+
+
+def test_folder_tokens_match_transformers(aidreams_path, aidreams_reference):
+    ours = Tokenizer.from_folder(aidreams_path)
+    _assert_same_as(ours, aidreams_reference)
+    assert ours.encode("hi")[0] == ours.bos_token_id == 1  # add_bos_token: true
+    assert ours.eos_token_ids == (2,)
+
+
+def _folder_with(tmp_path: Path, aidreams_path: Path, **config) -> Path:
+    folder = tmp_path / "tok"
+    folder.mkdir(parents=True)
+    shutil.copy(aidreams_path / "tokenizer.json", folder)
+    base = json.loads((aidreams_path / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**base, **config}))
+    return folder
+
+
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system message must come first') }}{% endif %}"
+    "[{{ m['role'] | upper }}] {{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
+    "{{ {'who': 'ça'} | tojson }}{{ strftime_now('%Y') | length }}"
+)
+
+
+def test_folder_chat_template_renders_like_transformers(tmp_path, aidreams_path):
+    folder = _folder_with(tmp_path, aidreams_path, chat_template=TEMPLATE, add_bos_token=False)
+    ours, reference = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(folder)
+    for generation_prompt in (True, False):
+        assert ours.apply_chat_template(CONVERSATION, generation_prompt) == reference.apply_chat_template(
+            CONVERSATION, tokenize=False, add_generation_prompt=generation_prompt)
+    assert '{"who": "ça"}4' in ours.apply_chat_template(CONVERSATION)  # tojson keeps non-ASCII, like transformers
+    _assert_same_as(ours, reference)  # tokenizer.json's post-processor (adds BOS) wins over add_bos_token
+    with pytest.raises(BadRequest, match="system message must come first"):
+        ours.apply_chat_template(CONVERSATION[1:] + CONVERSATION[:1])
+
+
+def test_chat_template_sources_and_fallback(tmp_path, aidreams_path):
+    plain = Tokenizer.from_folder(aidreams_path)  # aidreams has no template
+    assert plain.chat_template is None
+    assert plain.apply_chat_template(CONVERSATION[:2]) == "system: Be brief.\nuser: Hi there, ça va? 🎉\nassistant:"
+    assert plain.apply_chat_template(CONVERSATION[:2], add_generation_prompt=False).endswith("🎉\n")
+
+    named = _folder_with(tmp_path, aidreams_path, chat_template=[
+        {"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "{% generation %}D{% endgeneration %}"}])
+    assert Tokenizer.from_folder(named).apply_chat_template(CONVERSATION) == "D"
+    (named / "chat_template.jinja").write_text("J{{ messages | length }}")  # newer transformers save it here
+    assert Tokenizer.from_folder(named).apply_chat_template(CONVERSATION) == "J4"
+    assert PLAIN_CHAT_TEMPLATE  # the fallback is public for the API docs
+
+
+def test_add_bos_token_applies_when_tokenizer_json_has_no_post_processor(tmp_path, aidreams_path):
+    for add_bos in (True, False):
+        folder = _folder_with(tmp_path / str(add_bos), aidreams_path, add_bos_token=add_bos)
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        spec["post_processor"] = None
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+        ours, reference = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(folder)
+        # transformers 5 drops add_bos_token here and never adds BOS; we follow the config, as
+        # transformers 4's Llama tokenizers did. The ids after BOS are the same.
+        for text in TEXTS:
+            assert ours.encode(text) == [1] * add_bos + reference.encode(text)
+
+
+def test_eos_ids_include_generation_config(tmp_path, aidreams_path):
+    folder = _folder_with(tmp_path, aidreams_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert Tokenizer.from_folder(folder).eos_token_ids == (2, 0)
+
+
+def test_folder_errors(tmp_path, aidreams_path):
+    with pytest.raises(ModelLoadError, match="tokenizer.json"):
+        Tokenizer.from_folder(tmp_path / "missing")
+    broken = _folder_with(tmp_path, aidreams_path, chat_template="{% for m in messages %}")
+    with pytest.raises(ModelLoadError, match="chat template does not parse"):
+        Tokenizer.from_folder(broken)
+    (broken / "tokenizer_config.json").write_text("{")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        Tokenizer.from_folder(broken)
+    (broken / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(ModelLoadError, match="cannot be loaded"):
+        Tokenizer.from_folder(broken)
+
+
+# ---------------------------------------------------------------- GGUF sentencepiece BPE ("llama")
+
+def _sentencepiece_gguf(path: Path, aidreams_path: Path, with_merges: bool) -> Path:
+    """aidreams' 512-piece vocabulary written as llama.cpp writes a sentencepiece vocabulary."""
+    model = json.loads((aidreams_path / "tokenizer.json").read_text())["model"]
+    tokens = sorted(model["vocab"], key=model["vocab"].get)
+    w = GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    # llama_token_type: 2 unknown, 3 control, 6 byte, 1 normal
+    w.add_token_types([2 if t == "<unk>" else 3 if t in ("<s>", "</s>") else 6 if t.startswith("<0x") else 1
+                       for t in tokens])
+    w.add_token_scores([-float(i) for i in range(len(tokens))])
+    if with_merges:
+        w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in model["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("with_merges", [True, False], ids=["merges", "scores"])
+def test_sentencepiece_gguf_matches_transformers(tmp_path, aidreams_path, with_merges):
+    path = _sentencepiece_gguf(tmp_path / "sp.gguf", aidreams_path, with_merges)
+    ours = Tokenizer.from_gguf(path)
+    _assert_same_as(ours, AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name))
+    assert ours.encode("hi")[0] == 1  # llama.cpp adds BOS to sentencepiece vocabularies by default
+    assert ours.apply_chat_template([{"role": "user", "content": "x"}]) == "<user>x"
+
+
+def test_gguf_without_vocabulary_is_a_clear_error(tmp_path):
+    w = GGUFWriter(tmp_path / "nv.gguf", "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="no tokenizer.ggml.tokens"):
+        Tokenizer.from_gguf(tmp_path / "nv.gguf")
+
+
+# ---------------------------------------------------------------- streaming detokenizer
+
+@pytest.mark.parametrize("source", ["gguf", "folder"])
+def test_decode_stream_emits_whole_characters(source, smollm2_gguf_path, aidreams_path):
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path) if source == "gguf" else Tokenizer.from_folder(aidreams_path)
+    text = "Voilà: 日本語 and 🦀🎉 — done.\nNext line"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    stream = tokenizer.decode_stream()
+    deltas = [stream.step(i) for i in ids]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert "" in deltas  # some emoji/kanji span several tokens: nothing is emitted until they are whole
