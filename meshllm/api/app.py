@@ -6,14 +6,14 @@ replies in replies.py and streaming.py, errors in errors.py.
 
 from __future__ import annotations
 
-import hmac
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from meshllm.api import replies
+from meshllm.api.auth import APIKeyMiddleware
 from meshllm.api.backend import Backend
 from meshllm.api.choices import ChoiceState, LogprobFormatter
 from meshllm.api.cluster_view import ClusterView, cluster_view
@@ -26,7 +26,7 @@ from meshllm.api.replies import ReplyContext
 from meshllm.api.responses import ChatCompletion, Completion, ModelEntry, ModelList, now
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
-from meshllm.errors import InvalidAPIKey, ShardUnavailable, UnknownModel
+from meshllm.errors import ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -38,17 +38,10 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
                   redoc_url=None)
     metrics = backend.metrics
     install_error_handlers(app, metrics)
+    if config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key, metrics=metrics)
     formatter = LogprobFormatter(backend.tokenizer)
     started = now()
-
-    async def check_key(request: Request) -> None:
-        # Runs before the body is parsed: an unauthenticated client gets no work done.
-        if config.api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), config.api_key.encode()):
-            raise InvalidAPIKey("missing or incorrect API key: send the server's --api-key as "
-                                "'Authorization: Bearer <key>'")
 
     def leader_for(model: str) -> Leader:
         if model != backend.model_id:
@@ -96,24 +89,24 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     async def cluster() -> ClusterView:
         return cluster_view(backend, metrics)
 
-    @app.get("/v1/models", dependencies=[Depends(check_key)])
+    @app.get("/v1/models")
     async def list_models() -> ModelList:
         return ModelList(data=[ModelEntry(id=backend.model_id, created=started, max_model_len=backend.max_context)])
 
-    @app.get("/v1/models/{model:path}", dependencies=[Depends(check_key)])
+    @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> ModelEntry:
         if model != backend.model_id:
             raise UnknownModel(f"model {model!r} is not served here; GET /v1/models lists {backend.model_id!r}")
         return ModelEntry(id=backend.model_id, created=started, max_model_len=backend.max_context)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(check_key)], response_model=None)
+    @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
         leader = leader_for(body.model)
         choices = await run_in_threadpool(chat_choices, backend.tokenizer, backend.max_context, body)
         ctx = ReplyContext.new("chatcmpl", backend.model_id, formatter, body.logprobs)
         return await answer(request, leader, choices, body, ctx, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(check_key)], response_model=None)
+    @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
         leader = leader_for(body.model)
         choices = await run_in_threadpool(completion_choices, backend.tokenizer, backend.max_context, body)

@@ -93,7 +93,7 @@ class _Cursor:
         raise CorruptWeights(f"{self.path}: unknown GGUF metadata value type {value_type} at byte {self.pos}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality: the metadata holds numpy arrays
 class GGUFFile:
     """A parsed GGUF header (metadata + tensor table) and a memory map of the data."""
 

@@ -90,13 +90,16 @@ def _open_gguf(file: Path) -> ModelFiles:
 def _download(repo_id: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
     except ImportError:
         raise ModelLoadError(f"{repo_id} is not a local path, and fetching Hub models needs huggingface-hub: "
                              f"`pip install huggingface-hub`, or pass a local folder or .gguf file") from None
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=False))
+    except RepositoryNotFoundError:  # before HfHubHTTPError: it is one
+        raise ModelLoadError(f"{repo_id} is not a local path, and the Hugging Face Hub has no such model "
+                             f"(or it is private or gated: log in with `hf auth login`)") from None
     except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot fetch {repo_id} from the Hugging Face Hub ({type(e).__name__}): this "
-                             f"machine looks offline and the model is not in the local cache. Download it "
-                             f"where you have network and pass its folder") from None
+        raise ModelLoadError(f"{repo_id} is not a local path, and fetching it from the Hugging Face Hub failed "
+                             f"({type(e).__name__}): this machine looks offline and the model is not in the "
+                             f"local cache. Download it where you have network and pass its folder") from None

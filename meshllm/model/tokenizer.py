@@ -59,9 +59,7 @@ class Tokenizer:
             raise ModelLoadError(f"{file} cannot be loaded: {e}") from None
         config = _read_json(folder / "tokenizer_config.json")
         special = {name: _token_text(config.get(name)) for name in _TEMPLATE_TOKENS}
-        # As transformers does: the named special tokens always stay whole.
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t in special.values() if t is not None and backend.token_to_id(t) is None])
+        _keep_whole(backend, special)
         # tokenizer.json's post-processor decides whether BOS/EOS are added, as in transformers 5;
         # add_bos_token/add_eos_token only count when it has none.
         if backend.post_processor is None:
@@ -88,6 +86,7 @@ class Tokenizer:
 
         special = {"bos_token": token_at("bos_token_id"), "eos_token": token_at("eos_token_id"),
                    "unk_token": token_at("unknown_token_id"), "pad_token": token_at("padding_token_id")}
+        _keep_whole(backend, special)
         # llama.cpp's default: sentencepiece vocabularies add BOS unless the file says otherwise.
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
         _set_bos_eos(backend, special, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)))
@@ -167,6 +166,14 @@ class DecodeStream:
 
     def _decode(self, ids: list[int]) -> str:
         return self._backend.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+
+def _keep_whole(backend: Backend, special: dict[str, str | None]) -> None:
+    # As transformers does: named special tokens are added tokens, so they are never split and
+    # skip_special_tokens drops them.
+    added = {str(t.content) for t in backend.get_added_tokens_decoder().values()}
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in dict.fromkeys(special.values()) if t is not None and t not in added])
 
 
 def _set_bos_eos(backend: Backend, special: dict[str, str | None], add_bos: bool, add_eos: bool) -> None:

@@ -103,7 +103,8 @@ def _folder_with(tmp_path: Path, aidreams_path: Path, **config) -> Path:
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'system' and not loop.first %}{{ raise_exception('system message must come first') }}{% endif %}"
+    "{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('system message must come first') }}{% endif %}"
     "[{{ m['role'] | upper }}] {{ m['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}"
     "{{ {'who': 'ça'} | tojson }}{{ strftime_now('%Y') | length }}"
@@ -129,7 +130,8 @@ def test_chat_template_sources_and_fallback(tmp_path, aidreams_path):
     assert plain.apply_chat_template(CONVERSATION[:2], add_generation_prompt=False).endswith("🎉\n")
 
     named = _folder_with(tmp_path, aidreams_path, chat_template=[
-        {"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "{% generation %}D{% endgeneration %}"}])
+        {"name": "tool_use", "template": "TOOLS"},
+        {"name": "default", "template": "{% generation %}D{% endgeneration %}"}])
     assert Tokenizer.from_folder(named).apply_chat_template(CONVERSATION) == "D"
     (named / "chat_template.jinja").write_text("J{{ messages | length }}")  # newer transformers save it here
     assert Tokenizer.from_folder(named).apply_chat_template(CONVERSATION) == "J4"

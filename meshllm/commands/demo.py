@@ -1,0 +1,124 @@
+"""`meshllm demo`: a whole meshllm cluster on this machine, serving a real model.
+
+Starts N `meshllm node` processes on loopback, plans the model across all of
+them, serves the OpenAI-compatible API from this process, asks it one chat
+question, prints the answer and how to ask more, then serves until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from meshllm.api.app import create_app
+from meshllm.api.cluster_backend import build_cluster_backend
+from meshllm.api.config import APIConfig
+from meshllm.api.server import APIServer
+from meshllm.cluster.gossip import fetch_view
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.model.source import open_model
+from meshllm.pipeline.cluster import ServingOptions, wait_for_fleet
+from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.transport.auth import load_key
+from meshllm.transport.channels import ChannelConfig, ChannelPool
+
+MODEL_ENV = "MESHLLM_MODEL"
+SAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=3, help="node processes to start (default 3)")
+    parser.add_argument("--model", default=None,
+                        help=f"HF model folder, .gguf file or hub id (default: ${MODEL_ENV}, else the "
+                             f"SmolLM2-135M-Instruct GGUF installed with meshllm)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP API port on 127.0.0.1 (default 8000)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                        help="weights and activations on every stage (default float32)")
+    parser.add_argument("--max-context", type=int, default=2048, help="tokens per request (default 2048)")
+    parser.add_argument("--once", action="store_true", help="exit after the sample completion")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes < 1:
+        raise SystemExit("meshllm demo: --nodes must be at least 1")
+    files = open_model(args.model or os.environ.get(MODEL_ENV) or None)
+    print(f"meshllm demo: model {files.model_id} ({files.config.num_hidden_layers} layers) from {files.path}",
+          flush=True)
+    state_dir = Path(tempfile.mkdtemp(prefix="meshllm-demo-"))
+    threads = max(1, (os.cpu_count() or 1) // args.nodes)
+    cluster = LocalCluster(args.nodes, [files.path], state_dir, extra_args=("--gossip-interval", "0.5"),
+                           threads_per_node=threads)
+    print(f"meshllm demo: starting {args.nodes} nodes on loopback ...", flush=True)
+    started = time.perf_counter()
+    cluster.start()
+    backend = server = None
+    try:
+        key = load_key(cluster.key_file)
+        fleet_view = lambda: fetch_view(cluster.addresses[0], key)  # noqa: E731
+        wait_for_fleet(fleet_view, files.source.fingerprint(), args.nodes)
+        options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
+                                 dtype=args.dtype, scheduler=SchedulerConfig())
+        channels = ChannelPool(ChannelConfig("demo-leader", key))
+        backend, plan = build_cluster_backend(files, fleet_view, channels, options)
+        if plan is None:
+            raise backend.plan_error
+        for i, s in enumerate(plan.stages):
+            print(f"  stage {i}: {s.node_id} at {s.address} holds layers {s.first_layer}-{s.last_layer - 1}",
+                  flush=True)
+        server = APIServer(create_app(backend, APIConfig(host="127.0.0.1", port=args.port)), "127.0.0.1",
+                           args.port)
+        server.start()
+        print(f"meshllm demo: cluster ready in {time.perf_counter() - started:.1f}s; API at {server.url}/v1",
+              flush=True)
+        _ask(server.url, files.model_id)
+        _print_next_steps(server.url, files.model_id)
+        if not args.once:
+            _wait_for_ctrl_c()
+    finally:
+        if server is not None:
+            server.stop()
+        if backend is not None:
+            backend.close()
+        cluster.stop()
+    return 0
+
+
+def _ask(url: str, model_id: str) -> None:
+    body = {"model": model_id, "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
+            "max_tokens": 48, "temperature": 0}
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    with urllib.request.urlopen(request, timeout=300) as response:
+        reply = json.load(response)
+    seconds = time.perf_counter() - started
+    usage = reply["usage"]
+    print(f"\n> {SAMPLE_QUESTION}\n{reply['choices'][0]['message']['content'].strip()}\n"
+          f"({usage['completion_tokens']} tokens in {seconds:.1f}s, through every node of the pipeline)\n",
+          flush=True)
+
+
+def _print_next_steps(url: str, model_id: str) -> None:
+    print("Try it yourself:\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
+          f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); "
+          f"print(c.chat.completions.create(model='{model_id}', messages=[{{'role': 'user', 'content': "
+          f"'Hello!'}}]).choices[0].message.content)\"\n"
+          f"  fleet: {url}/v1/cluster   metrics: {url}/metrics   dashboard: {url}/\n", flush=True)
+
+
+def _wait_for_ctrl_c() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    print("meshllm demo: serving; press Ctrl-C to stop", flush=True)
+    while not stop.wait(0.5):
+        pass
