@@ -51,15 +51,17 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
             return leader
         if isinstance(error, ShardUnavailable):
             raise error
+        if error is None:  # caught between the two writes of a fleet change
+            raise ShardUnavailable(f"{model} is being re-planned on the fleet; retry in a moment")
         raise ShardUnavailable(f"{model} cannot run on the fleet right now: [{error.code}] {error}")
 
     async def answer(request: Request, leader: Leader, choices: list[ChoiceRequest], body: SamplingFields,
                      ctx: ReplyContext, chat: bool) -> Response | ChatCompletion | Completion:
         generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected)
-        await run_in_threadpool(generation.submit)
         states = [ChoiceState(c) for c in choices]
         streaming = False
         try:
+            await run_in_threadpool(generation.submit)
             if body.stream:
                 response = await open_stream(generation, states, ctx, body.include_usage, metrics, chat)
                 streaming = True  # the stream now owns the sequences and cancels them when it ends

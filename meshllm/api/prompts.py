@@ -61,7 +61,7 @@ def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | No
     choices = []
     for prompt_index, ids in enumerate(prompts):
         if not ids:
-            raise ContextOverflow(f"prompt {prompt_index} is empty: at least one token is needed")
+            raise BadRequest(f"prompt {prompt_index} is empty: at least one token is needed")
         limit = max_tokens if max_tokens is not None else max_context - len(ids)
         if limit < 1:
             raise ContextOverflow(f"the prompt has {len(ids)} tokens, the whole context of {max_context} "
@@ -69,7 +69,7 @@ def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | No
         for j in range(body.n):
             params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k,
+                top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k_or_none,
                 seed=(base_seed + j) % _SEED_RANGE, max_tokens=limit, stop=body.stop_strings,
                 logprobs=logprobs, ignore_eos=body.ignore_eos)
             choices.append(ChoiceRequest(len(choices), prompt_index, ids, params))

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic at the HTTP edge.
 
 Types are strict (a string where a number belongs is a 422, as OpenAI rejects it
-too); unknown fields are ignored so newer clients keep working. Fields we accept
+too); unknown fields are ignored so newer clients keep working, and an explicit
+null means "the default", as it does for OpenAI. Fields we accept
 but cannot honour (penalties, logit_bias, tools, echo) are refused with a message
 rather than silently ignored, since they would change what the client gets.
 """
@@ -20,6 +21,11 @@ MAX_STOP_STRINGS = 16
 
 class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Body):
@@ -52,7 +58,7 @@ class SamplingFields(_Body):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)  # extension (vLLM): keep only the k likeliest tokens
+    top_k: int | None = Field(None, ge=-1)  # extension (vLLM): keep the k likeliest tokens; -1 or 0 keeps all
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
@@ -73,6 +79,10 @@ class SamplingFields(_Body):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         return self
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        return self.top_k if self.top_k is not None and self.top_k > 0 else None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -76,6 +76,7 @@ class HealthServicer(cluster_pb2_grpc.HealthServicer):
 @dataclass(frozen=True, slots=True)
 class PeerError:
     address: str
+    kind: str  # gRPC status name, or "invalid_reply"
     message: str
     at: float  # unix seconds of the failed exchange
 
@@ -151,20 +152,21 @@ class GossipLoop:
             reply = stub.Exchange(request, timeout=self._timeout_s)
             merge_reply(self._registry, reply.cards, address, self._clock())
         except grpc.RpcError as e:
-            self._record_error(address, f"{e.code().name}: {e.details()}")
+            self._record_error(address, e.code().name, f"{e.code().name}: {e.details()}")
         except MalformedMessage as e:
-            self._record_error(address, str(e))
+            self._record_error(address, "invalid_reply", str(e))
         else:
             with self._errors_lock:
                 recovered = self._errors.pop(address, None)
             if recovered is not None:
                 log.info("gossip with %s works again", address)
 
-    def _record_error(self, address: str, message: str) -> None:
+    def _record_error(self, address: str, kind: str, message: str) -> None:
         with self._errors_lock:
-            first = address not in self._errors
-            self._errors[address] = PeerError(address, message, self._clock())
-        if first:
+            previous = self._errors.get(address)
+            self._errors[address] = PeerError(address, kind, message, self._clock())
+        # Once per kind of failure, not every round: a down peer would flood the log.
+        if previous is None or previous.kind != kind:
             log.warning("gossip with %s failed (will keep trying): %s", address, message)
 
 

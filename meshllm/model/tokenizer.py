@@ -312,6 +312,7 @@ def _sentencepiece_bpe(tokens: list[str], scores, merges: list[str] | None, add_
     else:  # sentencepiece files store scores, not merges: rank every split of a token by its score
         pairs = _merges_from_scores(vocab, dict(zip(tokens, (float(s) for s in scores))))
     backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
+    # add_space_prefix as llama.cpp reads it (transformers ignores it and always prepends).
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]

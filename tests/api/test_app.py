@@ -176,3 +176,29 @@ def test_text_content_parts_and_health(server):
         model=MODEL, messages=[{"role": "user", "content": "Hello"}], temperature=0, max_tokens=6)
     assert reply.choices[0].message.content == same.choices[0].message.content
     assert httpx.get(f"{server.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_null_fields_mean_their_defaults(server):
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": None, "temperature": None, "n": None, "stream": None,
+            "logprobs": None, "stop": None, "seed": None, "top_k": -1, "ignore_eos": True}
+    reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 16
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": None}], "logprobs": None,
+            "max_completion_tokens": 3, "stream_options": None, "tools": None}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+
+
+def test_repeated_prompt_reports_cached_tokens(server, aidreams_files):
+    prompt = "Echoes of vectors unfold, a gentle hum of precision, as I settle into a tapestry of light and numbers"
+    num_prompt_tokens = len(aidreams_files.tokenizer.encode(prompt))
+    assert num_prompt_tokens > 32  # at least one whole prefix-cache block (32 tokens)
+    client = server.client()
+    hits_before = server.metric("meshllm_prefix_cache_hit_tokens_total")
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == num_prompt_tokens
+    assert 32 <= cached < num_prompt_tokens and cached % 32 == 0
+    assert server.metric("meshllm_prefix_cache_hit_tokens_total") - hits_before == cached
+    assert second.choices[0].text == first.choices[0].text

@@ -3,17 +3,16 @@ SIGKILL, clean shutdown, the cluster key, and `meshllm status`."""
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import grpc
 import pytest
 
+from meshllm import cli
 from meshllm.cluster.gossip import fetch_view
 from meshllm.transport import auth
 from meshllm.transport.protos import cluster_pb2
-from tests.cluster_fixtures import REPO_ROOT, NodeCluster, wait_until
+from tests.cluster_fixtures import NodeCluster, free_ports, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -31,11 +30,13 @@ def ids(cluster: NodeCluster, node) -> set[str]:
 
 @pytest.mark.timeout(120)
 def test_line_of_five_converges_then_forgets_a_killed_node(mesh_cluster):
-    line = []
-    for i in range(5):  # each node knows only its left neighbour
-        seed = ["--peer", line[-1].address] if line else []
-        line.append(mesh_cluster.start([*FAST, "--node-id", f"n{i}", *seed]))
-        mesh_cluster.wait_ready(line[-1])
+    ports = free_ports(5)
+    # Each node knows only its left neighbour; all start at once (a seed that is
+    # not up yet is just a failed exchange, retried next round).
+    line = [mesh_cluster.start([*FAST, "--node-id", f"n{i}", *(["--peer", f"127.0.0.1:{ports[i - 1]}"] if i else [])],
+                               port=ports[i]) for i in range(5)]
+    for node in line:
+        mesh_cluster.wait_ready(node)
     everyone = {f"n{i}" for i in range(5)}
     started = time.monotonic()
     wait_until(lambda: all(ids(mesh_cluster, n) == everyone for n in line),
@@ -55,21 +56,14 @@ def test_line_of_five_converges_then_forgets_a_killed_node(mesh_cluster):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signals_stop_a_node_cleanly(mesh_cluster, sig):
-    node = mesh_cluster.start(FAST)
-    mesh_cluster.wait_ready(node)
-    node.signal(sig)
-    assert node.proc.wait(timeout=10) == 0, node.log()
-
-
-@pytest.mark.timeout(60)
 def test_node_with_the_wrong_key_can_neither_read_nor_write(mesh_cluster, tmp_path):
-    good = mesh_cluster.start([*FAST, "--node-id", "good"])
-    address = mesh_cluster.wait_ready(good)
+    ports = free_ports(2)
     other_key = tmp_path / "other.key"
     auth.write_key(other_key, auth.generate_key())
-    intruder = mesh_cluster.start([*FAST, "--node-id", "intruder", "--peer", address], key_file=other_key)
+    good = mesh_cluster.start([*FAST, "--node-id", "good"], port=ports[0])
+    intruder = mesh_cluster.start([*FAST, "--node-id", "intruder", "--peer", f"127.0.0.1:{ports[0]}"],
+                                  port=ports[1], key_file=other_key)
+    address = mesh_cluster.wait_ready(good)
     mesh_cluster.wait_ready(intruder)
     wait_until(lambda: "cluster key mismatch" in good.log(), timeout=10, message="good node logs the rejection")
     time.sleep(5 * INTERVAL)
@@ -88,50 +82,59 @@ def test_node_with_the_wrong_key_can_neither_read_nor_write(mesh_cluster, tmp_pa
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def run_cli(*args, timeout=30) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshllm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO_ROOT)
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    """`meshllm ARGS` in this process (a subprocess would spend seconds on imports)."""
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.mark.timeout(90)
-def test_status_shows_the_fleet(mesh_cluster, tmp_path, aidreams_path):
-    a = mesh_cluster.start([*FAST, "--node-id", "alpha", "--models", str(aidreams_path)],
+def test_status_shows_the_fleet(mesh_cluster, tmp_path, aidreams_path, capsys):
+    ports = free_ports(2)
+    a = mesh_cluster.start([*FAST, "--node-id", "alpha", "--models", str(aidreams_path)], port=ports[0],
                            env={"MESHLLM_CACHE_DIR": str(tmp_path / "cache")})
-    b = mesh_cluster.start([*FAST, "--node-id", "beta", "--peer", mesh_cluster.wait_ready(a)])
-    mesh_cluster.wait_ready(b)
-    wait_until(lambda: ids(mesh_cluster, a) == {"alpha", "beta"}, timeout=10)
+    b = mesh_cluster.start([*FAST, "--node-id", "beta", "--peer", f"127.0.0.1:{ports[0]}"], port=ports[1])
+    mesh_cluster.wait_ready(a), mesh_cluster.wait_ready(b)
     # Beta learns alpha's models (fingerprinted on alpha in the background) through gossip.
     alpha_seen_by_b = wait_until(
         lambda: next((c for c in mesh_cluster.view(b) if c.node_id == "alpha" and c.models), None), timeout=30)
     assert [(m.model_id, m.num_layers) for m in alpha_seen_by_b.models] == [("aidreams-260k", 4)]
     assert len(alpha_seen_by_b.models[0].fingerprint) >= 16
 
-    result = run_cli("status", "--peer", a.address, "--key-file", str(mesh_cluster.key_file), "--json")
-    assert result.returncode == 0, result.stderr
-    nodes = json.loads(result.stdout)["nodes"]
+    code, out, err = run_cli(capsys, "status", "--peer", a.address, "--key-file", str(mesh_cluster.key_file), "--json")
+    assert code == 0, err
+    nodes = json.loads(out)["nodes"]
     assert [n["node_id"] for n in nodes] == ["alpha", "beta"]
     assert nodes[1]["grpc_address"] == b.address and nodes[0]["memory_total_bytes"] > 0
     assert nodes[0]["device"] == "cpu" and nodes[0]["matmul_gflops"] > 0 and nodes[0]["roles"] == ["stage"]
     assert 0 <= nodes[0]["age_seconds"] < TTL
 
-    table = run_cli("status", "--peer", a.address, "--key-file", str(mesh_cluster.key_file))
-    lines = table.stdout.splitlines()
-    assert lines[0].split()[:3] == ["NODE", "ADDRESS", "DEVICE"] and len(lines) == 3
+    code, out, err = run_cli(capsys, "status", "--peer", a.address, "--key-file", str(mesh_cluster.key_file))
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:3] == ["NODE", "ADDRESS", "DEVICE"] and len(lines) == 3
     assert lines[2].startswith("beta") and b.address in lines[2] and "GiB" in lines[2]
     assert "aidreams-260k" in lines[1]
 
     other_key = tmp_path / "other.key"
     auth.write_key(other_key, auth.generate_key())
-    refused = run_cli("status", "--peer", a.address, "--key-file", str(other_key))
-    assert refused.returncode == 2 and "unauthenticated" in refused.stderr and "--key-file" in refused.stderr
+    code, out, err = run_cli(capsys, "status", "--peer", a.address, "--key-file", str(other_key))
+    assert code == 2 and "unauthenticated" in err and "--key-file" in err
 
 
 @pytest.mark.timeout(60)
-def test_first_start_generates_a_key_and_says_how_to_share_it(mesh_cluster, tmp_path):
+def test_first_start_makes_a_key_and_signals_stop_nodes_cleanly(mesh_cluster, tmp_path):
     state_dir = tmp_path / "fresh-state"
-    node = mesh_cluster.start(FAST + ["--state-dir", str(state_dir)], pass_key_file=False)
-    mesh_cluster.wait_ready(node)
-    out = "\n".join(node.stdout_lines)
+    fresh = mesh_cluster.start(FAST + ["--state-dir", str(state_dir)], pass_key_file=False)
+    other = mesh_cluster.start(FAST)
+    mesh_cluster.wait_ready(fresh), mesh_cluster.wait_ready(other)
+    out = "\n".join(fresh.stdout_lines)
     assert f"generated a new cluster key in {state_dir / 'cluster.key'}" in out and "--key-file" in out
     key = auth.load_key(state_dir / "cluster.key")
-    assert [c.node_id for c in fetch_view(node.address, key)] == [node.node_id]
+    assert [c.node_id for c in fetch_view(fresh.address, key)] == [fresh.node_id]
+
+    fresh.signal(signal.SIGTERM)
+    other.signal(signal.SIGINT)
+    assert fresh.proc.wait(timeout=10) == 0, fresh.log()
+    assert other.proc.wait(timeout=10) == 0, other.log()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +51,19 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.1
         if time.monotonic() >= deadline:
             raise AssertionError(f"not true within {timeout}s: {message or predicate}")
         time.sleep(interval)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct loopback ports free right now, for nodes that must know each
+    other's address before any of them is up (held open together so no two repeat)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @dataclass

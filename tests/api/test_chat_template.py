@@ -1,0 +1,55 @@
+"""Chat through a model with its own chat template: SmolLM2-135M-Instruct (Q4_1 GGUF)."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.api.backend import build_local_backend
+from meshllm.engine.batch_invariant import make_batch_invariant
+from meshllm.engine.generate import generate_many
+from meshllm.engine.sampler import SamplingParams
+from meshllm.model.loader import load_decoder
+from meshllm.model.source import open_model
+from meshllm.pipeline.cluster import ServingOptions
+
+from .conftest import serve
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2_server(smollm2_gguf_path):
+    backend = build_local_backend(smollm2_gguf_path, ServingOptions(context_length=256, max_batch=4,
+                                                                    batch_invariant=True))
+    try:
+        with serve(backend) as live:
+            yield live
+    finally:
+        backend.close()
+
+
+def test_chat_uses_the_models_template_and_matches_single_process(smollm2_server, smollm2_gguf_path):
+    backend = smollm2_server.backend
+    tokenizer = backend.tokenizer
+    prompt = tokenizer.apply_chat_template(MESSAGES)
+    assert prompt.startswith("<|im_start|>system\nYou are a concise assistant.<|im_end|>")
+    assert prompt.endswith("<|im_start|>assistant\n")
+    ids = tokenizer.encode(prompt, add_special_tokens=False)  # the template wrote its own special tokens
+
+    files = open_model(smollm2_gguf_path)
+    decoder = make_batch_invariant(load_decoder(files.source, files.config))
+    expected = generate_many(decoder, files.tokenizer, [ids], SamplingParams(temperature=0, max_tokens=12))[0]
+    assert "Paris" in expected.text
+
+    client = smollm2_server.client()
+    reply = client.chat.completions.create(model=backend.model_id, messages=MESSAGES, temperature=0, max_tokens=12)
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    streamed = client.chat.completions.create(model=backend.model_id, messages=MESSAGES, temperature=0,
+                                              max_tokens=12, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.text
+
