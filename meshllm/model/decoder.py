@@ -66,6 +66,23 @@ class Rotary:
             self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
         return self.cos[positions], self.sin[positions]
 
+    def rotation(self, positions: Tensor) -> Tensor:
+        """Matrices R [tokens, head_dim, head_dim] (fp32) with x @ R == x * cos + rotate_half(x) * sin.
+
+        Rotating q and k of all heads is then one batched matmul per layer instead of
+        seven elementwise ops each; at decode the per-op dispatch cost is what counts.
+        """
+        cos, sin = (t.float() for t in self(positions))  # [tokens, head_dim]
+        n, dim = cos.shape
+        half = dim // 2
+        cols = torch.arange(dim, device=cos.device)
+        rot = torch.zeros(n, dim, dim, device=cos.device)
+        rot[:, cols, cols] = cos
+        # rotate_half(x)[j] is -x[j + half] for j < half and x[j - half] for j >= half.
+        rot[:, cols[:half] + half, cols[:half]] = -sin[:, :half]
+        rot[:, cols[half:] - half, cols[half:]] = sin[:, half:]
+        return rot
+
 
 def _inv_freq(config: ModelConfig) -> Tensor:
     dim = config.head_dim
@@ -85,13 +102,6 @@ def _inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -108,15 +118,16 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+    def forward(self, x: Tensor, rotation: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
+        n, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        # q and k of every head rotate together in one batched matmul (see Rotary.rotation).
+        qk = torch.bmm(qk.float(), rotation).to(x.dtype)
+        q, k = qk[:, :heads], qk[:, heads:]
         if len(slices) == 1:
             out = self._attend(q, k, v, slices[0], layer)
         else:
@@ -130,22 +141,21 @@ class Attention(nn.Module):
         end = start + t
         s.kv.k[layer, :, start:end].copy_(k.transpose(0, 1))
         s.kv.v[layer, :, start:end].copy_(v.transpose(0, 1))
-        keys, values = s.kv.k[layer, :, :end], s.kv.v[layer, :, :end]  # [kv_heads, end, dim]
-        group = self.num_heads // self.num_kv_heads
-        if t == 1 and (self.sliding_window is None or end <= self.sliding_window):
+        # 4-d inputs select torch's fused CPU attention kernel; 3-d ones fall back to ~10 separate ops.
+        keys, values = s.kv.k[layer, None, :, :end], s.kv.v[layer, None, :, :end]  # [1, kv_heads, end, dim]
+        windowed = self.sliding_window is not None and end > self.sliding_window
+        if t == 1 and not windowed:
             # Decode: fold the query heads of a group into the query axis; every key is visible.
-            qg = q.view(self.num_kv_heads, group, self.head_dim)
+            qg = q.view(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values)
             return out.view(1, self.num_heads, self.head_dim)
-        qh = q.transpose(0, 1)  # [heads, t, dim]
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=0)
-            values = values.repeat_interleave(group, dim=0)
-        if start == 0 and (self.sliding_window is None or end <= self.sliding_window):
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True)
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, t, dim]
+        if start == 0 and not windowed:
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
         else:
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._mask(start, t, q.device))
-        return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._mask(start, t, q.device),
+                                                 enable_gqa=True)
+        return out[0].transpose(0, 1)
 
     def _mask(self, start: int, t: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
@@ -176,8 +186,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = MLP(config, dtype)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slices, layer)
+    def forward(self, x: Tensor, rotation: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rotation, slices, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -226,10 +236,9 @@ class Decoder(nn.Module):
         for s in slices:
             s.kv.reserve(s.start + s.num_tokens)
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
-        cos, sin = self.rotary(positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotation = self.rotary.rotation(positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, slices, i)
+            h = layer(h, rotation, slices, i)
         for s in slices:
             s.kv.length += s.num_tokens
         if not self.has_head:
