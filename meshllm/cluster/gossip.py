@@ -123,7 +123,10 @@ class GossipLoop:
 
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self.run_round()
+            try:
+                self.run_round()
+            except Exception:  # a bug in a card source must not end gossip for good: log it, retry
+                log.exception("gossip round failed; retrying in %.1fs", self._interval_s)
             self._stopped.wait(self._interval_s)
 
     def choose_peers(self) -> set[str]:
@@ -140,7 +143,9 @@ class GossipLoop:
         """One round: refresh own card, exchange with all peers concurrently."""
         self._registry.update_own(self._refresh_own())
         peers = self.choose_peers()
-        for address in self._channels.addresses() - peers:
+        # Keep channels to live nodes (random picks recur); drop those of nodes gone.
+        live = {c.grpc_address for c in self._registry.snapshot()}
+        for address in self._channels.addresses() - peers - live:
             self._channels.discard(address)
         list(self._pool.map(self._exchange_with, sorted(peers)))
 

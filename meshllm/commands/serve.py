@@ -1,26 +1,30 @@
 """`meshllm serve`: a node that also answers OpenAI-compatible HTTP requests.
 
 Takes every `meshllm node` flag, plus the model to serve and the HTTP API's
-settings. For now the model runs whole in this process (single-process
-backend); `build_backend` is the one call cluster mode replaces.
+settings. With --peer or --stages the model is planned across the fleet's
+stage nodes (this node is one of them); otherwise it runs whole in this process.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from meshllm.api.app import create_app
+from meshllm.api.cluster_backend import build_cluster_backend
 from meshllm.api.backend import Backend, build_local_backend
 from meshllm.api.config import APIConfig
 from meshllm.api.server import APIServer
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
 from meshllm.engine.scheduler import SchedulerConfig
-from meshllm.model.source import default_model_path
+from meshllm.model.source import default_model_path, open_model
 from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
-from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions
+from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions, wait_for_fleet
+from meshllm.pipeline.node_stage import attach_stage_service
+from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.server import join_host_port
 
 API_KEY_ENV = "MESHLLM_API_KEY"
@@ -45,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"(default {_SCHEDULER.max_waiting})")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="make each request's output independent of what shares its batch (slower)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="plan the model across this many stage nodes of the fleet (default: in this "
+                             "process alone, or the fewest nodes that fit when --peer is given)")
+    parser.add_argument("--fleet-timeout", type=float, default=120.0,
+                        help="seconds to wait for enough nodes to advertise the model (default 120)")
     parser.add_argument("--api-host", default=_API.host,
                         help=f"address the HTTP API listens on (default {_API.host}; 0.0.0.0 for the LAN)")
     parser.add_argument("--api-port", type=int, default=_API.port,
@@ -79,10 +88,21 @@ def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
         tls=node_command.tls_from_args(args), device=args.device)
 
 
-def build_backend(args: argparse.Namespace, node: Node) -> Backend:
-    """The model this node serves. Single-process for now: cluster mode builds the leader over
-    the fleet's stages instead (same Backend, with plan_error when no plan fits)."""
-    return build_local_backend(args.model, serving_options(args), fleet_view=node.registry.snapshot)
+def build_backend(args: argparse.Namespace, node: Node, key: bytes) -> Backend:
+    """The model this node serves: across the fleet (cluster mode) or whole in this process."""
+    options = serving_options(args)
+    if not args.peer and args.stages is None:
+        return build_local_backend(args.model, options, fleet_view=node.registry.snapshot)
+    files = open_model(args.model)
+    wait_for_fleet(node.registry.snapshot, files.source.fingerprint(), args.stages or 1, args.fleet_timeout)
+    channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
+    backend, plan = build_cluster_backend(files, node.registry.snapshot, channels,
+                                          replace(options, num_stages=args.stages))
+    if plan is not None:
+        for i, s in enumerate(plan.stages):
+            print(f"meshllm serve: stage {i} on {s.node_id} ({s.address}) holds layers "
+                  f"{s.first_layer}-{s.last_layer - 1}", flush=True)
+    return backend
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,15 +114,24 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"meshllm serve: {e}") from None
     key = node_command.resolve_key(args.key_file, config.state_dir, create=True)
     node = Node(config, key)
-    backend = build_backend(args, node)
+    attach_stage_service(node, key)
+    running: dict = {}
+
+    def on_ready(n: Node) -> None:
+        # The node gossips first: cluster mode plans over the fleet it sees.
+        backend = running["backend"] = build_backend(args, n, key)
+        server = running["server"] = APIServer(create_app(backend, api), api.host, api.port)
+        server.start()
+        api_host = n.address.rpartition(":")[0] if is_wildcard(api.host) else api.host
+        n.card.set_api_address(join_host_port(api_host.strip("[]"), server.port))
+        print(f"meshllm serve: node {n.node_id} on {n.address}; serving {backend.model_id} at {server.url}/v1",
+              flush=True)
+
     try:
-        server = APIServer(create_app(backend, api), api.host, api.port)
-        api_host = node.address.rpartition(":")[0] if is_wildcard(api.host) else api.host
-        node.card.set_api_address(join_host_port(api_host.strip("[]"), server.port))
-        node.add_service(server)  # starts after gossip is up; stops first
-        run_until_signalled(node, on_ready=lambda n: print(
-            f"meshllm serve: node {n.node_id} on {n.address}; serving {backend.model_id} at {server.url}/v1",
-            flush=True))
+        run_until_signalled(node, on_ready=on_ready)
     finally:
-        backend.close()
+        if "server" in running:
+            running["server"].stop()
+        if "backend" in running:
+            running["backend"].close()
     return 0

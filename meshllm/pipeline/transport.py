@@ -10,6 +10,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import Protocol
@@ -111,16 +112,19 @@ class LocalPipeline:
 
     def run_now(self, step: Step) -> StepResult:
         x = step.input
+        timings = []
         for index, runner in enumerate(self.runners):
+            started, received_at = time.perf_counter(), time.time()
             try:
                 x = runner.run(replace(step, input=x))
+                timings.append(StageTiming(index, time.perf_counter() - started, received_at, time.time()))
             except MeshError as e:
                 return StepResult(step.step_id, error_code=e.code, error_message=str(e), failed_stage=index)
             except Exception as e:  # noqa: BLE001 - reported to the leader like a remote stage's failure
                 log.exception("local stage %d failed", index)
                 return StepResult(step.step_id, error_code="internal", error_message=str(e), failed_stage=index)
         tokens: list[SampledToken] = x if isinstance(x, list) else []
-        return StepResult(step.step_id, tuple(tokens), (StageTiming(0, 0.0, 0.0, 0.0),))
+        return StepResult(step.step_id, tuple(tokens), tuple(timings))
 
     def close(self) -> None:
         self._work.put(None)

@@ -8,6 +8,9 @@ from meshllm.errors import MalformedTensor, ShardCorrupt
 from meshllm.transport import codec
 from meshllm.transport.protos import common_pb2
 
+# Zero-copy decode views an immutable bytes object; torch warns about that once.
+pytestmark = pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32])
 def test_round_trip_is_bit_exact(dtype):
