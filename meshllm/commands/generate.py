@@ -1,6 +1,7 @@
 """`meshllm generate`: complete one prompt and stream the text to the terminal.
 
-Runs the whole model in this process (engine/generate.py). The prompt is checked
+Runs the whole model in this process (engine/generate.py), or with --peer
+through a pipeline planned over the cluster's nodes. The prompt is checked
 against the model's context before any weight is loaded, so a bad request fails
 in a second with one line. Chat models get their chat template unless --raw.
 """
@@ -12,15 +13,18 @@ import dataclasses
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from meshllm.engine.generate import TextDelta, check_fits, stream_many
 from meshllm.engine.sampler import SamplingParams
-from meshllm.errors import BadRequest
+from meshllm.errors import BadRequest, PeerUnreachable
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles, open_model
+from meshllm.pipeline.leader import GenerationEvent
+from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -52,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
                         help="weight and activation dtype (default auto: "
                              f"{AUTO_DTYPE['cpu']} on CPU, the fastest measured)")
+    parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                        help="run through the cluster this node belongs to (repeatable; the first that "
+                             "answers gives the fleet view); default: the whole model in this process")
+    parser.add_argument("--key-file", type=Path, default=None,
+                        help="cluster key file (with --peer; default the node's state-dir key)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="with --peer: split the model over this many nodes (default: fewest that fit)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice, one per core)")
 
@@ -69,7 +80,10 @@ def run(args: argparse.Namespace) -> int:
             raise BadRequest(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    deltas = _local_stream(files, prompt_ids, params, _dtype(args.dtype))
+    if args.peer:
+        deltas = _cluster_stream(files, prompt_ids, params, args)
+    else:
+        deltas = _local_stream(files, prompt_ids, params, resolve_dtype(args.dtype))
     num_tokens, finish_reason, first_token_at = 0, None, None
     for delta in deltas:
         first_token_at = first_token_at or time.perf_counter()
@@ -96,6 +110,40 @@ def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPara
     return stream_many(decoder, files.tokenizer, [prompt_ids], [params])
 
 
+def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
+                    args: argparse.Namespace) -> Iterator[GenerationEvent]:
+    """Plan the model over the fleet the peers see, load the stages, and stream through them."""
+    from meshllm.cluster.gossip import fetch_view
+    from meshllm.commands.node import resolve_key
+    from meshllm.node import default_state_dir
+    from meshllm.pipeline.cluster import ServingOptions, cluster_leader
+
+    key = resolve_key(args.key_file, default_state_dir(), create=False)
+    fleet, failures = [], []
+    for peer in args.peer:
+        try:
+            fleet = fetch_view(peer, key)
+            break
+        except PeerUnreachable as e:
+            failures.append(str(e))
+    if not fleet:
+        raise PeerUnreachable("no peer answered: " + "; ".join(failures))
+    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[
+        AUTO_DTYPE["cpu"] if args.dtype == "auto" else args.dtype]
+    options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
+                             num_stages=args.stages, dtype=dtype)
+    leader, plan = cluster_leader(files, fleet, ChannelPool(ChannelConfig("meshllm-generate", key)), options)
+    print("[" + ", ".join(f"{s.node_id}: layers {s.first_layer}-{s.last_layer - 1}" for s in plan.stages) + "]",
+          file=sys.stderr)
+    try:
+        for event in leader.generate(prompt_ids, params):
+            if event.error is not None:
+                raise event.error
+            yield event
+    finally:
+        leader.close()
+
+
 def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                           max_tokens=max_tokens, stop=tuple(args.stop))
@@ -110,5 +158,5 @@ def _prompt_ids(files: ModelFiles, prompt: str, raw: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[AUTO_DTYPE["cpu"] if name == "auto" else name]
