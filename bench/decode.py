@@ -71,10 +71,9 @@ def read_bandwidth_gbs(repeats: int = 5) -> float:
 
 def weight_bytes_per_token(decoder: Decoder) -> int:
     """Bytes of weights one decode step reads: every matrix once; the embedding gives one row."""
-    total = sum(p.numel() * p.element_size() for name, p in decoder.named_parameters() if "embed" not in name)
-    if decoder.config.tie_word_embeddings:  # the LM head reads the shared embedding matrix
-        total += decoder.lm_head.weight.numel() * decoder.lm_head.weight.element_size()
-    return total
+    # remove_duplicate=False: a tied LM head still reads the whole shared matrix.
+    return sum(p.numel() * p.element_size() for name, p in decoder.named_parameters(remove_duplicate=False)
+               if not name.startswith("embed_tokens."))
 
 
 def ours(decoder: Decoder, vocab: int, repeats: int) -> dict:

@@ -80,8 +80,8 @@ class MetricsObserver(LeaderObserver):
             self.stage_compute.labels(stage=str(timing.stage_index)).observe(timing.compute_s)
             compute += timing.compute_s
         if result.timings:
-            # leader -> stage 0 -> ... -> last stage -> leader
-            num_hops = len(result.timings) + 1
+            # leader -> stage 0 -> ... -> last stage, and the tokens relayed back the same way
+            num_hops = 2 * len(result.timings)
             self.hop_latency.observe(max(seconds - compute, 0.0) / num_hops)
 
     def on_token(self, first: bool, seconds: float) -> None:

@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         server.start()
         api_host = n.address.rpartition(":")[0] if is_wildcard(api.host) else api.host
         n.card.set_api_address(join_host_port(api_host.strip("[]"), server.port))
+        n.registry.update_own(n.card.build())  # advertise the API now, not at the next gossip round
         print(f"meshllm serve: node {n.node_id} on {n.address}; serving {backend.model_id} at {server.url}/v1",
               flush=True)
 

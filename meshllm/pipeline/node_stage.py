@@ -21,7 +21,8 @@ def attach_stage_service(node, key: bytes) -> StageService:
         return None
 
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
-    service = StageService(resolve, channels)
+    # A loaded shard shows in the node's card at once, not at the next gossip round.
+    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()))
 
     def shards() -> tuple[LoadedShard, ...]:
         return tuple(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer) for r in service.loaded())

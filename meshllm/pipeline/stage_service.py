@@ -157,17 +157,21 @@ class StageService(stage_pb2_grpc.StageServicer):
                     replies.put(stage_convert.error_reply(request.step_id, e.code, str(e), stage.index))
                     continue
                 timing = StageTiming(stage.index, compute_s, received_at, time.time())
-                timings = list(request.timings) + [stage_convert.timing_to_pb(timing)]
                 if stage.runner.is_last:
+                    timings = list(request.timings) + [stage_convert.timing_to_pb(timing)]
                     replies.put(stage_pb2.StepReply(step_id=request.step_id, timings=timings,
                                                     tokens=stage_convert.tokens_to_pb(out)))
                     continue
                 if downstream is None or downstream.broken:
                     downstream = _Downstream(self._channels.get(stage.request.next_address), replies,
                                              stage.index + 1)
-                downstream.send(stage_pb2.StepRequest(plan_id=request.plan_id, step_id=request.step_id,
-                                                      seqs=request.seqs, input=codec.to_pb(out),
-                                                      release=request.release, timings=timings))
+                # The same step onward, our output in place of our input (fields listed, not
+                # CopyFrom: that would copy the incoming activations only to overwrite them).
+                timings = list(request.timings) + [stage_convert.timing_to_pb(timing)]
+                downstream.send(stage_pb2.StepRequest(
+                    plan_id=request.plan_id, step_id=request.step_id, seqs=request.seqs, input=codec.to_pb(out),
+                    release=request.release, timings=timings, publish=request.publish, evict=request.evict,
+                    block_size=request.block_size))
         except grpc.RpcError:
             pass  # upstream went away; the leader re-plans
         finally:

@@ -5,7 +5,9 @@ generate loop as the reference."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -29,6 +31,14 @@ from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.cluster import ServingOptions, context_of, new_leader
 from meshllm.pipeline.transport import LocalPipeline
+from dataclasses import replace
+
+from meshllm.api.cluster_backend import build_cluster_backend
+from meshllm.cluster.gossip import fetch_view
+from meshllm.pipeline.cluster import wait_for_fleet
+from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.transport.auth import load_key
+from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 MODEL = "aidreams-260k"
 # Batch-invariant, so a sequence's output does not depend on what else is running.
@@ -50,6 +60,8 @@ class LiveServer:
     backend: Backend
     url: str
     api_key: str | None = None
+    stage_addresses: tuple[str, ...] = ()  # stage nodes of a cluster backend
+    channels: object = None  # ChannelPool to them
 
     def client(self, api_key: str | None = None, timeout: float = 60.0) -> OpenAI:
         return OpenAI(base_url=f"{self.url}/v1", api_key=api_key or self.api_key or "unused", max_retries=0,
@@ -75,18 +87,29 @@ class LiveServer:
             time.sleep(0.05)
 
     def stage_sequences(self) -> list:
-        """Sequences whose KV the (single, in-process) stage still holds."""
-        runners = self.backend.leader.transport.runners
-        return [s for r in runners for s in r.held_sequences()]
+        """Sequences whose KV any stage still holds: in-process runners, or every stage node
+        of a cluster backend asked over gRPC (Stage.Info)."""
+        transport = self.backend.leader.transport
+        if isinstance(transport, LocalPipeline):
+            return [s for r in transport.runners for s in r.held_sequences()]
+        return [s for info in self.stage_infos() for shard in info.shards if shard.plan_id == transport.plan_id
+                for s in shard.seq_ids]
+
+    def stage_infos(self) -> list:
+        from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
+
+        return [stage_pb2_grpc.StageStub(self.channels.get(a)).Info(stage_pb2.StageInfoRequest(), timeout=10)
+                for a in self.stage_addresses]
 
 
 @contextlib.contextmanager
-def serve(backend: Backend, config: APIConfig | None = None) -> Iterator[LiveServer]:
+def serve(backend: Backend, config: APIConfig | None = None, stage_addresses: tuple[str, ...] = (),
+          channels=None) -> Iterator[LiveServer]:
     config = config or APIConfig(port=0)
     server = APIServer(create_app(backend, config), "127.0.0.1", 0)
     server.start()
     try:
-        yield LiveServer(backend, server.url, config.api_key)
+        yield LiveServer(backend, server.url, config.api_key, stage_addresses, channels)
     finally:
         server.stop()
 
@@ -104,7 +127,62 @@ def backend(aidreams_path) -> Iterator[Backend]:
 
 
 @pytest.fixture(scope="package")
-def server(backend) -> Iterator[LiveServer]:
+def long_model_path(aidreams_path, tiny_model_dir) -> Path:
+    """A random-weight 2-layer Llama with a 2048-token context (aidreams' 512-token tokenizer):
+    long enough prompts for the prefix cache and long generations to disconnect from."""
+    folder = tiny_model_dir("llama", seed=11, vocab_size=512, num_hidden_layers=2, max_position_embeddings=2048)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(aidreams_path / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="package")
+def two_node_cluster(aidreams_path, long_model_path, tmp_path_factory) -> Iterator[LocalCluster]:
+    """Two real `meshllm node` processes on loopback holding aidreams and the long-context model."""
+    cluster = LocalCluster(2, [aidreams_path, long_model_path], tmp_path_factory.mktemp("api-cluster"),
+                           extra_args=("--gossip-interval", "0.3"), threads_per_node=1)
+    cluster.start(timeout_s=120)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="package")
+def cluster_server(two_node_cluster, aidreams_files) -> Iterator[LiveServer]:
+    """The API backed by a 2-stage pipeline of node processes (aidreams layers 0-1 | 2-3)."""
+    key = load_key(two_node_cluster.key_file)
+    view = lambda: fetch_view(two_node_cluster.addresses[0], key)  # noqa: E731
+    wait_for_fleet(view, aidreams_files.source.fingerprint(), 2)
+    channels = ChannelPool(ChannelConfig("api-test-leader", key))
+    b, plan = build_cluster_backend(aidreams_files, view, channels, replace(OPTIONS, num_stages=2))
+    assert plan is not None and len(plan.stages) == 2, b.plan_error
+    with serve(b, stage_addresses=tuple(two_node_cluster.addresses), channels=channels) as live:
+        yield live
+    b.close()
+
+
+@pytest.fixture(scope="package")
+def long_cluster_server(two_node_cluster, long_model_path) -> Iterator[LiveServer]:
+    """The long-context model across the same two stage nodes (layer 0 | layer 1)."""
+    files = open_model(long_model_path)
+    key = load_key(two_node_cluster.key_file)
+    view = lambda: fetch_view(two_node_cluster.addresses[0], key)  # noqa: E731
+    wait_for_fleet(view, files.source.fingerprint(), 2)
+    channels = ChannelPool(ChannelConfig("api-test-long-leader", key))
+    b, plan = build_cluster_backend(files, view, channels,
+                                    replace(OPTIONS, context_length=2048, num_stages=2))
+    assert plan is not None and len(plan.stages) == 2, b.plan_error
+    with serve(b, stage_addresses=tuple(two_node_cluster.addresses), channels=channels) as live:
+        yield live
+    b.close()
+
+
+@pytest.fixture(scope="package", params=["local", "cluster"])
+def server(request, backend) -> Iterator[LiveServer]:
+    """Every test using `server` runs against the single-process backend and against the
+    2-stage pipeline of node processes."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("cluster_server")
+        return
     with serve(backend) as live:
         yield live
 

@@ -50,4 +50,8 @@ def test_dashboard_page_is_plain_html_polling_the_cluster_view(server):
     assert 'fetch("/v1/cluster")' in page.text and "<script>" in page.text
     assert "<script src" not in page.text  # no build step, no external assets
     view = httpx.get(f"{server.url}/v1/cluster", timeout=10).json()
-    assert view["nodes"] == []  # a single process has no fleet
+    if server.stage_addresses:  # the cluster backend: both stage nodes, each holding its shard
+        assert sorted(n["node_id"] for n in view["nodes"]) == ["node-0", "node-1"]
+        assert sorted(s["first_layer"] for n in view["nodes"] for s in n["shards"]) == [0, 2]
+    else:
+        assert view["nodes"] == []  # a single process has no fleet

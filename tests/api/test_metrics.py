@@ -29,8 +29,9 @@ def test_step_hook_records_stage_compute_and_hop_latency():
     m.on_step(batch, StepResult(7, (), timings), seconds=0.060)
     assert sample(m, "meshllm_stage_compute_seconds_sum", stage="0") == pytest.approx(0.010)
     assert sample(m, "meshllm_stage_compute_seconds_sum", stage="1") == pytest.approx(0.020)
-    # 3 hops (leader -> stage 0 -> stage 1 -> leader) share 60 - 30 ms.
-    assert sample(m, "meshllm_hop_seconds_sum") == pytest.approx(0.010)
+    # 4 hops (leader -> stage 0 -> stage 1, and the tokens relayed back stage 1 -> stage 0 -> leader)
+    # share 60 - 30 ms.
+    assert sample(m, "meshllm_hop_seconds_sum") == pytest.approx(0.0075)
     assert sample(m, "meshllm_step_seconds_count") == 1
     assert sample(m, "meshllm_computed_tokens_total") == 3
     # A failed step counts as a step but has no stage timings to trust.
