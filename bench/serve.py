@@ -1,0 +1,138 @@
+"""Serving benchmark through the 2-stage demo cluster (two `meshllm node` processes on
+loopback, SmolLM2-135M-Instruct): throughput, TTFT and inter-token latency p50/p95 at
+concurrency 1, 4 and 16 with mixed prompt lengths, and TTFT with a 512-token prefix hit
+against a miss. Real HTTP, the real `openai` client, streaming. Prints one JSON object.
+
+    python bench/serve.py [--dtype float32] [--max-tokens 64] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from openai import OpenAI
+
+from meshllm.api.app import create_app
+from meshllm.api.cluster_backend import build_cluster_backend
+from meshllm.api.config import APIConfig
+from meshllm.api.server import APIServer
+from meshllm.cluster.gossip import fetch_view
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.model.source import open_model
+from meshllm.pipeline.cluster import ServingOptions, wait_for_fleet
+from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.transport.auth import load_key
+from meshllm.transport.channels import ChannelConfig, ChannelPool
+
+WORDS = ("the cluster of small machines serves one model together while each node holds a few layers "
+         "and passes hidden states onward over the local network").split()
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def one_request(client: OpenAI, model: str, prompt, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    stamps = []
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            stamps.append(time.perf_counter())
+    return {"ttft": stamps[0] - started, "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            "tokens": max_tokens, "end": time.perf_counter(), "start": started}
+
+
+def load_at(client: OpenAI, model: str, concurrency: int, requests_per_client: int, max_tokens: int,
+            rng: random.Random) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(requests_per_client):
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice((8, 32, 96, 200))))  # mixed lengths
+            r = one_request(client, model, prompt, max_tokens)
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    itl = [x for r in results for x in r["itl"]]
+    ttft = [r["ttft"] for r in results]
+    return {"requests": len(results), "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p95_ms": 1e3 * percentile(ttft, 0.95),
+            "itl_p50_ms": 1e3 * percentile(itl, 0.5), "itl_p95_ms": 1e3 * percentile(itl, 0.95)}
+
+
+def prefix_ttft(client: OpenAI, model: str, tokenizer) -> dict:
+    rng = random.Random(7)
+    prefix = tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(600)))[:512]
+    misses, hits = [], []
+    for i in range(3):
+        base = [t for t in prefix]
+        base[1] = 100 + i  # a fresh prefix each round: the first request misses
+        misses.append(one_request(client, model, base + [200, 201, 202 + i], 1)["ttft"])
+        hits.append(one_request(client, model, base + [300, 301, 302 + i], 1)["ttft"])
+    miss, hit = percentile(misses, 0.5), percentile(hits, 0.5)
+    return {"prefix_tokens": 512, "ttft_miss_ms": 1e3 * miss, "ttft_hit_ms": 1e3 * hit, "hit_over_miss": hit / miss}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per node process")
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    files = open_model(args.model)
+    with tempfile.TemporaryDirectory() as state:
+        cluster = LocalCluster(2, [files.path], Path(state), threads_per_node=args.threads)
+        cluster.start()
+        backend = server = None
+        try:
+            key = load_key(cluster.key_file)
+            view = lambda: fetch_view(cluster.addresses[0], key)  # noqa: E731
+            wait_for_fleet(view, files.source.fingerprint(), 2)
+            options = ServingOptions(context_length=2048, max_batch=16, num_stages=2, dtype=args.dtype,
+                                     scheduler=SchedulerConfig(max_batched_tokens=512, prefill_chunk=256))
+            backend, plan = build_cluster_backend(files, view, ChannelPool(ChannelConfig("bench", key)), options)
+            server = APIServer(create_app(backend, APIConfig(port=0)), "127.0.0.1", 0)
+            server.start()
+            client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+            one_request(client, files.model_id, "warm up", 4)
+            rng = random.Random(0)
+            out = {"model": files.model_id, "dtype": args.dtype, "stages": 2, "threads_per_node": args.threads,
+                   "max_tokens": args.max_tokens, "concurrency": {}}
+            for concurrency in (1, 4, 16):
+                out["concurrency"][str(concurrency)] = load_at(client, files.model_id, concurrency,
+                                                               max(1, 8 // concurrency), args.max_tokens, rng)
+                print(json.dumps({concurrency: out["concurrency"][str(concurrency)]}), file=sys.stderr, flush=True)
+            c = out["concurrency"]
+            out["aggregate_16_over_1"] = c["16"]["tokens_per_s"] / c["1"]["tokens_per_s"]
+            out["prefix_cache"] = prefix_ttft(client, files.model_id, files.tokenizer)
+        finally:
+            if server is not None:
+                server.stop()
+            if backend is not None:
+                backend.close()
+            cluster.stop()
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
