@@ -15,10 +15,11 @@ def attach_stage_service(node, key: bytes) -> StageService:
     """Register the Stage service on `node` (before node.start())."""
 
     def resolve(model_id: str, fingerprint: str) -> Path | None:
-        for m in node.models.models:
-            if m.fingerprint == fingerprint:
-                return Path(m.path)
-        return None
+        # Same weights first; else a model of that name, whose load then fails with weights_mismatch.
+        models = node.models.models
+        match = next((m for m in models if m.fingerprint == fingerprint), None)
+        match = match or next((m for m in models if m.model_id == model_id), None)
+        return Path(match.path) if match else None
 
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     # A loaded shard shows in the node's card at once, not at the next gossip round.

@@ -139,3 +139,19 @@ def test_corrupt_activations_are_refused_by_the_stage(cluster, model_files):
         assert len(tokens(leader, ids, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))) == 4
     finally:
         leader.close()
+
+
+def test_load_refuses_other_weights_and_unknown_models(cluster, model_files):
+    from dataclasses import replace
+
+    from meshllm.cluster.placement import Plan, StageAssignment
+    from meshllm.errors import ModelLoadError, WeightsMismatch
+    from meshllm.pipeline.deploy import deploy
+
+    files = model_files["aidreams"]
+    stages = (StageAssignment("node-0", cluster.local.addresses[0], 0, 4, 0, 0, 0),)
+    plan = Plan(files.model_id, "0" * 64, 4, 128, 1, 4, 4, stages, 0.0, False)
+    with pytest.raises(WeightsMismatch, match="fingerprint"):
+        deploy(plan, cluster.channels)  # a model of that name, but not those weights
+    with pytest.raises(ModelLoadError, match="no model"):
+        deploy(replace(plan, model_id="no-such-model"), cluster.channels)

@@ -1,0 +1,105 @@
+"""The scheduler alone: pure bookkeeping, no tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.scheduler import QueueFull, Scheduler, SchedulerConfig
+from meshllm.engine.sequence import Sequence, SeqStatus
+from meshllm.errors import ContextOverflow
+
+
+def seq(i: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
+    return Sequence(SeqId(i), list(range(prompt_len)), SamplingParams(temperature=0, max_tokens=max_tokens, seed=1))
+
+
+def complete(scheduler: Scheduler, batch, sampled: int = 42) -> None:
+    """What the leader does with a successful result: commit, append sampled tokens."""
+    for w in batch.works:
+        scheduler.on_computed(w)
+        if w.sample:
+            w.seq.output_ids.append(sampled)
+
+
+def test_long_prompt_is_chunked_and_never_stalls_running_decodes():
+    s = Scheduler(SchedulerConfig(max_batched_tokens=64, prefill_chunk=32, prefix_block_size=16))
+    short = seq(1, 4)
+    s.add(short)
+    complete(s, s.next_microbatch())  # short's prompt done: it decodes from now on
+    long = seq(2, 150)
+    s.add(long)
+    chunks = []
+    while long.is_prefilling:
+        batch = s.next_microbatch()
+        kinds = {w.seq.seq_id: w for w in batch.works}
+        assert kinds[1].num_tokens == 1 and kinds[1].sample  # the decode rides along every step
+        chunks.append((kinds[2].start, kinds[2].num_tokens))
+        assert batch.num_tokens <= 64
+        complete(s, batch)
+    # Chunks end at multiples of prefill_chunk: the same boundaries whatever shares the batch.
+    assert chunks == [(0, 32), (32, 32), (64, 32), (96, 32), (128, 22)]
+
+
+def test_chunk_boundaries_do_not_depend_on_the_batch():
+    def chunks_of(prompt_len: int, others: int) -> list[tuple[int, int]]:
+        s = Scheduler(SchedulerConfig(max_batched_tokens=64, prefill_chunk=32, prefix_block_size=16))
+        target = seq(0, prompt_len)
+        s.add(target)
+        for i in range(others):
+            s.add(seq(i + 1, 10 + 7 * i))
+        out = []
+        while target.is_prefilling:
+            batch = s.next_microbatch()
+            out += [(w.start, w.num_tokens) for w in batch.works if w.seq is target]
+            complete(s, batch)
+        return out
+
+    assert chunks_of(100, 0) == chunks_of(100, 3) == chunks_of(100, 7)
+
+
+def test_admission_by_kv_budget_and_bounded_queue():
+    s = Scheduler(SchedulerConfig(kv_budget_tokens=100, max_waiting=2, max_batched_tokens=256,
+                                  prefill_chunk=256, prefix_block_size=16))
+    a, b, c = seq(1, 40, 20), seq(2, 30, 20), seq(3, 10, 5)  # a needs 60, b 50: not both at once
+    for x in (a, b):
+        s.add(x)
+    with pytest.raises(QueueFull):
+        s.add(c)
+    batch = s.next_microbatch()
+    assert [w.seq for w in batch.works] == [a] and b.status is SeqStatus.WAITING
+    s.finish(a)
+    assert s.num_reserved_tokens == 0
+    assert [w.seq for w in s.next_microbatch().works] == [b]
+    with pytest.raises(ContextOverflow, match="needs 130 tokens"):
+        s.add(seq(4, 120, 10))
+
+
+def test_micro_batches_split_running_sequences_across_stages():
+    s = Scheduler(SchedulerConfig(num_stages=2, max_batched_tokens=256, prefill_chunk=256, prefix_block_size=16))
+    seqs = [seq(i, 5) for i in range(6)]
+    for x in seqs:
+        s.add(x)
+    first, second = s.next_microbatch(), s.next_microbatch()
+    assert len(first.works) == len(second.works) == 3  # half each, so two micro-batches can be in flight
+    assert s.next_microbatch() is None  # every sequence is in flight
+    complete(s, first)
+    again = s.next_microbatch()
+    assert {w.seq.seq_id for w in again.works} == {w.seq.seq_id for w in first.works}
+
+
+def test_prefix_hit_starts_after_the_cached_blocks_and_attaches_them():
+    def on_admit(x: Sequence) -> None:
+        x.attach = [11, 12]
+        x.num_cached = x.num_computed = 32
+
+    s = Scheduler(SchedulerConfig(max_batched_tokens=64, prefill_chunk=32, prefix_block_size=16), on_admit)
+    x = seq(1, 70)
+    s.add(x)
+    batch = s.next_microbatch()
+    [work] = batch.works
+    assert (work.start, work.num_tokens, work.attach) == (32, 32, (11, 12))
+    complete(s, batch)
+    [work] = s.next_microbatch().works
+    assert (work.start, work.num_tokens, work.attach) == (64, 6, ())
