@@ -109,7 +109,7 @@ def run_stages(cluster: LocalCluster, channels, files, num_stages: int, options:
                    for k in range(num_stages))
     plan = Plan(files.model_id, files.source.fingerprint(), n, options.context_length, options.max_batch, 2, 2,
                 stages, 0.0, False)
-    plan_id = deploy(plan, channels, options.dtype)
+    plan_id = deploy(plan, channels, options.dtype, quantization=options.quantization)
     timer = HopTimer()
     leader = new_leader(files, RemotePipeline(channels.get(stages[0].address), plan_id, num_stages), options,
                         observer=timer)
@@ -158,6 +158,7 @@ def main() -> int:
     parser.add_argument("--model", default="tinyllama")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--int8", action="store_true", help="weight-only int8 linears on every stage")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshllm-bench")
@@ -167,8 +168,9 @@ def main() -> int:
     files = open_model(path)
     stage_counts = [int(s) for s in args.stages.split(",")]
     options = ServingOptions(context_length=512, max_batch=16, dtype=args.dtype,
+                             quantization="int8" if args.int8 else None,
                              scheduler=SchedulerConfig(max_batched_tokens=512, prefill_chunk=256))
-    results = {"model": files.model_id, "dtype": args.dtype, "threads_per_stage": args.threads,
+    results = {"model": files.model_id, "dtype": args.dtype, "int8": args.int8, "threads_per_stage": args.threads,
                "new_tokens": args.new_tokens, "stages": {}}
     with tempfile.TemporaryDirectory() as state:
         cluster = LocalCluster(max(stage_counts), [files.path], Path(state), threads_per_node=args.threads)

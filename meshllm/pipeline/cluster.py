@@ -16,6 +16,7 @@ from meshllm.cluster.card import Card
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.errors import PeerUnreachable, ShardUnavailable
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles
@@ -37,6 +38,7 @@ class ServingOptions:
     num_stages: int | None = None  # None: the fewest stages that fit
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
+    quantization: str | None = None  # "int8": weight-only int8 linears on every stage
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
@@ -66,10 +68,7 @@ def new_leader(files: ModelFiles, transport, options: ServingOptions,
 def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:
     """The whole model in this process: the single-process reference and the no-peer mode."""
     decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
-    if options.batch_invariant:
-        from meshllm.engine.batch_invariant import make_batch_invariant
-
-        make_batch_invariant(decoder)
+    prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
     return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer)
 
 
@@ -86,7 +85,7 @@ def cluster_leader(files: ModelFiles, fleet: list[Card], channels: ChannelPool, 
     plan = plan_for(files, fleet, options)
     log.info("plan for %s: %s", files.model_id,
              ", ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages))
-    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant)
+    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization)
     transport = RemotePipeline(channels.get(plan.stages[0].address), plan_id, len(plan.stages))
     return new_leader(files, transport, options, observer), plan
 

@@ -12,32 +12,35 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from meshllm.cluster.placement import Plan
-from meshllm.errors import MeshError, ModelLoadError, PeerUnreachable, WeightsMismatch
+from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, WeightsMismatch
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 LOAD_TIMEOUT_S = 600.0  # loading gigabytes from a slow disk takes minutes
 
 
-def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool) -> str:
+def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None) -> str:
     """Same plan on any node -> same id, so stages recognise a plan they already hold."""
-    parts = [plan.fingerprint, dtype, str(batch_invariant)] + [
+    parts = [plan.fingerprint, dtype, str(batch_invariant), quantization or ""] + [
         f"{s.node_id}@{s.address}:{s.first_layer}-{s.last_layer}" for s in plan.stages]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def load_requests(plan: Plan, dtype: str, batch_invariant: bool) -> list[stage_pb2.LoadRequest]:
-    plan_id = plan_id_of(plan, dtype, batch_invariant)
+def load_requests(plan: Plan, dtype: str, batch_invariant: bool,
+                  quantization: str | None = None) -> list[stage_pb2.LoadRequest]:
+    plan_id = plan_id_of(plan, dtype, batch_invariant, quantization)
     return [stage_pb2.LoadRequest(
         plan_id=plan_id, model_id=plan.model_id, fingerprint=plan.fingerprint, num_layers=plan.num_layers,
         first_layer=s.first_layer, last_layer=s.last_layer, dtype=dtype,
         next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
-        stage_index=i, batch_invariant=batch_invariant) for i, s in enumerate(plan.stages)]
+        stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "")
+        for i, s in enumerate(plan.stages)]
 
 
-def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False) -> str:
+def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False,
+           quantization: str | None = None) -> str:
     """Load every stage of `plan`; returns the plan id. Raises the first stage's error."""
-    requests = load_requests(plan, dtype, batch_invariant)
+    requests = load_requests(plan, dtype, batch_invariant, quantization)
 
     def load(index: int) -> None:
         stage = plan.stages[index]
@@ -57,6 +60,8 @@ def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:
     details = e.details() or ""
     if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
         return WeightsMismatch(f"node {node_id} ({address}): {details}")
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return BadRequest(f"node {node_id} ({address}) refused the load: {details}")
     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return PeerUnreachable(f"node {node_id} at {address} is unreachable: {details}")
     return ModelLoadError(f"node {node_id} ({address}) could not load its layers: {details}")

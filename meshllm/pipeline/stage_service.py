@@ -22,7 +22,8 @@ import torch
 
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import StageTiming
-from meshllm.errors import MeshError, ModelLoadError, WeightsMismatch
+from meshllm.errors import BadRequest, MeshError, ModelLoadError, WeightsMismatch
+from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.transport import codec, stage_convert
@@ -60,8 +61,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         try:
             reply = self.load(request)
         except MeshError as e:
-            status = grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, WeightsMismatch) else \
-                grpc.StatusCode.NOT_FOUND
+            status = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, WeightsMismatch) else
+                      grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, BadRequest) else grpc.StatusCode.NOT_FOUND)
             context.abort(status, f"[{e.code}] {e}")
         return reply
 
@@ -87,10 +88,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             if dtype is None:
                 raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
             decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
-            if request.batch_invariant:
-                from meshllm.engine.batch_invariant import make_batch_invariant
-
-                make_batch_invariant(decoder)
+            prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
             self._stages[request.plan_id] = LoadedStage(request, StageRunner(decoder), threading.Lock())
             log.info("loaded %s layers [%d, %d) for plan %s in %.1fs", request.model_id, request.first_layer,
                      request.last_layer, request.plan_id, time.perf_counter() - started)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\x07meshllm\x1a\x0c\x63ommon.proto\"\xd5\x01\n\x0bLoadRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x05 \x01(\x05\x12\x12\n\nlast_layer\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0cnext_address\x18\x08 \x01(\t\x12\x13\n\x0bstage_index\x18\t \x01(\x05\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\"J\n\tLoadReply\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0enum_bytes_read\x18\x02 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x84\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobs\"\x88\x01\n\x08SeqEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.meshllm.SamplingParams\x12\x0e\n\x06\x61ttach\x18\x06 \x03(\x04\">\n\x07Publish\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x0e\n\x06hashes\x18\x03 \x03(\x04\"[\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0breceived_at\x18\x03 \x01(\x01\x12\x0f\n\x07sent_at\x18\x04 \x01(\x01\"\xee\x01\n\x0bStepRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x1f\n\x04seqs\x18\x03 \x03(\x0b\x32\x11.meshllm.SeqEntry\x12\x1e\n\x05input\x18\x04 \x01(\x0b\x32\x0f.meshllm.Tensor\x12\x0f\n\x07release\x18\x05 \x03(\x04\x12%\n\x07timings\x18\x06 \x03(\x0b\x32\x14.meshllm.StageTiming\x12!\n\x07publish\x18\x07 \x03(\x0b\x32\x10.meshllm.Publish\x12\r\n\x05\x65vict\x18\x08 \x03(\x04\x12\x12\n\nblock_size\x18\t \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"v\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.meshllm.TokenLogprobB\n\n\x08_logprob\"\xab\x01\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.meshllm.SampledToken\x12%\n\x07timings\x18\x03 \x03(\x0b\x32\x14.meshllm.StageTiming\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61iled_stage\x18\x06 \x01(\x05\"2\n\x0eReleaseRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"$\n\x0cReleaseReply\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"\x12\n\x10StageInfoRequest\"\xab\x01\n\nShardState\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstage_index\x18\x07 \x01(\x05\x12\x19\n\x11num_prefix_blocks\x18\x08 \x01(\x05\"5\n\x0eStageInfoReply\x12#\n\x06shards\x18\x01 \x03(\x0b\x32\x13.meshllm.ShardState2\xe9\x01\n\x05Stage\x12\x30\n\x04Load\x12\x14.meshllm.LoadRequest\x1a\x12.meshllm.LoadReply\x12\x37\n\x07\x46orward\x12\x14.meshllm.StepRequest\x1a\x12.meshllm.StepReply(\x01\x30\x01\x12\x39\n\x07Release\x12\x17.meshllm.ReleaseRequest\x1a\x15.meshllm.ReleaseReply\x12:\n\x04Info\x12\x19.meshllm.StageInfoRequest\x1a\x17.meshllm.StageInfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\x07meshllm\x1a\x0c\x63ommon.proto\"\xeb\x01\n\x0bLoadRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x05 \x01(\x05\x12\x12\n\nlast_layer\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0cnext_address\x18\x08 \x01(\t\x12\x13\n\x0bstage_index\x18\t \x01(\x05\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\x12\x14\n\x0cquantization\x18\x0b \x01(\t\"J\n\tLoadReply\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0enum_bytes_read\x18\x02 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x84\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobs\"\x88\x01\n\x08SeqEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06sample\x18\x04 \x01(\x08\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.meshllm.SamplingParams\x12\x0e\n\x06\x61ttach\x18\x06 \x03(\x04\">\n\x07Publish\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x0e\n\x06hashes\x18\x03 \x03(\x04\"[\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0breceived_at\x18\x03 \x01(\x01\x12\x0f\n\x07sent_at\x18\x04 \x01(\x01\"\xee\x01\n\x0bStepRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x1f\n\x04seqs\x18\x03 \x03(\x0b\x32\x11.meshllm.SeqEntry\x12\x1e\n\x05input\x18\x04 \x01(\x0b\x32\x0f.meshllm.Tensor\x12\x0f\n\x07release\x18\x05 \x03(\x04\x12%\n\x07timings\x18\x06 \x03(\x0b\x32\x14.meshllm.StageTiming\x12!\n\x07publish\x18\x07 \x03(\x0b\x32\x10.meshllm.Publish\x12\r\n\x05\x65vict\x18\x08 \x03(\x04\x12\x12\n\nblock_size\x18\t \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"v\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.meshllm.TokenLogprobB\n\n\x08_logprob\"\xab\x01\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.meshllm.SampledToken\x12%\n\x07timings\x18\x03 \x03(\x0b\x32\x14.meshllm.StageTiming\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61iled_stage\x18\x06 \x01(\x05\"2\n\x0eReleaseRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"$\n\x0cReleaseReply\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"\x12\n\x10StageInfoRequest\"\xab\x01\n\nShardState\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstage_index\x18\x07 \x01(\x05\x12\x19\n\x11num_prefix_blocks\x18\x08 \x01(\x05\"5\n\x0eStageInfoReply\x12#\n\x06shards\x18\x01 \x03(\x0b\x32\x13.meshllm.ShardState2\xe9\x01\n\x05Stage\x12\x30\n\x04Load\x12\x14.meshllm.LoadRequest\x1a\x12.meshllm.LoadReply\x12\x37\n\x07\x46orward\x12\x14.meshllm.StepRequest\x1a\x12.meshllm.StepReply(\x01\x30\x01\x12\x39\n\x07Release\x12\x17.meshllm.ReleaseRequest\x1a\x15.meshllm.ReleaseReply\x12:\n\x04Info\x12\x19.meshllm.StageInfoRequest\x1a\x17.meshllm.StageInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADREQUEST']._serialized_start=39
-  _globals['_LOADREQUEST']._serialized_end=252
-  _globals['_LOADREPLY']._serialized_start=254
-  _globals['_LOADREPLY']._serialized_end=328
-  _globals['_SAMPLINGPARAMS']._serialized_start=331
-  _globals['_SAMPLINGPARAMS']._serialized_end=463
-  _globals['_SEQENTRY']._serialized_start=466
-  _globals['_SEQENTRY']._serialized_end=602
-  _globals['_PUBLISH']._serialized_start=604
-  _globals['_PUBLISH']._serialized_end=666
-  _globals['_STAGETIMING']._serialized_start=668
-  _globals['_STAGETIMING']._serialized_end=759
-  _globals['_STEPREQUEST']._serialized_start=762
-  _globals['_STEPREQUEST']._serialized_end=1000
-  _globals['_TOKENLOGPROB']._serialized_start=1002
-  _globals['_TOKENLOGPROB']._serialized_end=1051
-  _globals['_SAMPLEDTOKEN']._serialized_start=1053
-  _globals['_SAMPLEDTOKEN']._serialized_end=1171
-  _globals['_STEPREPLY']._serialized_start=1174
-  _globals['_STEPREPLY']._serialized_end=1345
-  _globals['_RELEASEREQUEST']._serialized_start=1347
-  _globals['_RELEASEREQUEST']._serialized_end=1397
-  _globals['_RELEASEREPLY']._serialized_start=1399
-  _globals['_RELEASEREPLY']._serialized_end=1435
-  _globals['_STAGEINFOREQUEST']._serialized_start=1437
-  _globals['_STAGEINFOREQUEST']._serialized_end=1455
-  _globals['_SHARDSTATE']._serialized_start=1458
-  _globals['_SHARDSTATE']._serialized_end=1629
-  _globals['_STAGEINFOREPLY']._serialized_start=1631
-  _globals['_STAGEINFOREPLY']._serialized_end=1684
-  _globals['_STAGE']._serialized_start=1687
-  _globals['_STAGE']._serialized_end=1920
+  _globals['_LOADREQUEST']._serialized_end=274
+  _globals['_LOADREPLY']._serialized_start=276
+  _globals['_LOADREPLY']._serialized_end=350
+  _globals['_SAMPLINGPARAMS']._serialized_start=353
+  _globals['_SAMPLINGPARAMS']._serialized_end=485
+  _globals['_SEQENTRY']._serialized_start=488
+  _globals['_SEQENTRY']._serialized_end=624
+  _globals['_PUBLISH']._serialized_start=626
+  _globals['_PUBLISH']._serialized_end=688
+  _globals['_STAGETIMING']._serialized_start=690
+  _globals['_STAGETIMING']._serialized_end=781
+  _globals['_STEPREQUEST']._serialized_start=784
+  _globals['_STEPREQUEST']._serialized_end=1022
+  _globals['_TOKENLOGPROB']._serialized_start=1024
+  _globals['_TOKENLOGPROB']._serialized_end=1073
+  _globals['_SAMPLEDTOKEN']._serialized_start=1075
+  _globals['_SAMPLEDTOKEN']._serialized_end=1193
+  _globals['_STEPREPLY']._serialized_start=1196
+  _globals['_STEPREPLY']._serialized_end=1367
+  _globals['_RELEASEREQUEST']._serialized_start=1369
+  _globals['_RELEASEREQUEST']._serialized_end=1419
+  _globals['_RELEASEREPLY']._serialized_start=1421
+  _globals['_RELEASEREPLY']._serialized_end=1457
+  _globals['_STAGEINFOREQUEST']._serialized_start=1459
+  _globals['_STAGEINFOREQUEST']._serialized_end=1477
+  _globals['_SHARDSTATE']._serialized_start=1480
+  _globals['_SHARDSTATE']._serialized_end=1651
+  _globals['_STAGEINFOREPLY']._serialized_start=1653
+  _globals['_STAGEINFOREPLY']._serialized_end=1706
+  _globals['_STAGE']._serialized_start=1709
+  _globals['_STAGE']._serialized_end=1942
 # @@protoc_insertion_point(module_scope)
