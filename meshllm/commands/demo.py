@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         if backend is not None:
             backend.close()
         cluster.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)  # the demo's throwaway key and node state
     return 0
 
 
