@@ -59,6 +59,15 @@ def test_a_seed_makes_sampling_repeatable(aidreams_path):
     assert first.stdout == second.stdout and len(first.stdout) > 20
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--dtype", "bf16"), ("--int8",)])
+def test_cpu_weight_forms_generate(aidreams_path, flags):
+    result = _meshllm("--model", str(aidreams_path), "--prompt", "Echoes of vectors", "--temperature", "0",
+                      "--max-tokens", "16", *flags)
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.strip()) > 16 and "[16 tokens, finish_reason length" in result.stderr
+
+
 def test_a_prompt_longer_than_the_context_is_one_line(aidreams_path):
     line = _error_line(_meshllm("--model", str(aidreams_path), "--prompt", "dream " * 200))
     assert "[context_length_exceeded]" in line and "128" in line
