@@ -25,6 +25,7 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     device: torch.device = torch.device("cpu")
+    max_tokens: int | None = None  # the model's context: growth by doubling stops here
 
     @property
     def bytes_per_token(self) -> int:
@@ -56,7 +57,10 @@ class SequenceKV:
         """Make room for `num_tokens` in total; called before a forward writes them."""
         if num_tokens <= self.capacity:
             return
-        capacity = max(num_tokens, 2 * self.capacity)
+        doubled = 2 * self.capacity
+        if self.layout.max_tokens is not None:
+            doubled = min(doubled, self.layout.max_tokens)  # never hold more than a full context
+        capacity = max(num_tokens, doubled)
         for name in ("k", "v"):
             old = getattr(self, name)
             new = self._empty(capacity)

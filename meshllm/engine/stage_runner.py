@@ -15,7 +15,7 @@ from meshllm.engine.kv_cache import KVCache, SeqId
 from meshllm.engine.prefix_store import MissingBlock, PrefixStore
 from meshllm.engine.sampler import sample
 from meshllm.engine.step import SampledToken, Step
-from meshllm.errors import MeshError, ShardCorrupt
+from meshllm.errors import MalformedMessage, MeshError, ShardCorrupt
 from meshllm.model.decoder import Decoder, SeqSlice
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -62,7 +62,11 @@ class StageRunner:
             return [] if self.is_last else step.input
         x = self._checked_input(step)
         slices, positions, row = [], [], 0
+        context = self.decoder.config.max_position_embeddings
         for work in step.seqs:
+            if work.start + work.num_tokens > context:
+                raise MalformedMessage(f"sequence {work.seq_id} reaches position {work.start + work.num_tokens}, "
+                                       f"beyond the model's context of {context}")
             kv = self.cache.get_or_allocate(work.seq_id)
             if work.attach:
                 try:

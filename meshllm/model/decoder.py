@@ -216,7 +216,7 @@ class Decoder(nn.Module):
 
     def kv_layout(self, kv_dtype: torch.dtype | None = None) -> KVLayout:
         return KVLayout(len(self.layers), self.config.num_key_value_heads, self.config.head_dim,
-                        kv_dtype or self.dtype)
+                        kv_dtype or self.dtype, max_tokens=self.config.max_position_embeddings)
 
     @torch.inference_mode()
     def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice],
