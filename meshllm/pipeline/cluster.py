@@ -39,6 +39,7 @@ class ServingOptions:
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8": weight-only int8 linears on every stage
+    step_timeout_s: float = 120.0  # a micro-batch unanswered this long fails its sequences (stalled stage)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
@@ -62,7 +63,8 @@ def new_leader(files: ModelFiles, transport, options: ServingOptions,
     max_context = context_of(files, options)
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
     return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
-                  max_context=max_context, config=options.scheduler_config(max_context), observer=observer)
+                  max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
+                  step_timeout_s=options.step_timeout_s)
 
 
 def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:

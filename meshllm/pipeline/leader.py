@@ -80,11 +80,13 @@ class LeaderObserver:
 class Leader:
     def __init__(self, transport: StepTransport, *, eos_token_ids: Collection[int],
                  new_detokenizer: Callable[[], Detokenizer], max_context: int,
-                 config: SchedulerConfig | None = None, observer: LeaderObserver | None = None):
+                 config: SchedulerConfig | None = None, observer: LeaderObserver | None = None,
+                 step_timeout_s: float = 120.0):
         self.transport = transport
         self.eos_token_ids = frozenset(eos_token_ids)
         self.new_detokenizer = new_detokenizer
         self.max_context = max_context
+        self.step_timeout_s = step_timeout_s  # a micro-batch out longer than this means a stalled stage
         config = config or SchedulerConfig()
         self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages), on_admit=self._match_prefix)
         self.prefix_index = PrefixIndex(config.prefix_block_size, config.prefix_cache_blocks)
@@ -155,9 +157,11 @@ class Leader:
         while not self._closed.is_set():
             self._fill_pipeline()
             try:  # nothing more can be sent until a result or a request arrives
-                message = self._inbox.get(timeout=1.0)
+                message = self._inbox.get(timeout=self._wait_s())
             except queue.Empty:
+                self._expire_stalled_steps()
                 continue
+            self._expire_stalled_steps()
             self._handle(message)
             while True:  # drain whatever else arrived before scheduling again
                 try:
@@ -181,10 +185,31 @@ class Leader:
                 self._finish(request, "cancelled")
         elif kind == "result":
             _, step_id, result = message
+            if step_id not in self._in_flight:
+                return  # the step was given up as stalled; its sequences already failed
             batch, sent_at = self._in_flight.pop(step_id)
             self.observer.on_step(batch, result, time.perf_counter() - sent_at)
             self._apply(batch, result)
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
+
+    def _wait_s(self) -> float:
+        if not self._in_flight:
+            return 1.0
+        oldest = min(sent_at for _, sent_at in self._in_flight.values())
+        return max(0.01, min(1.0, oldest + self.step_timeout_s - time.perf_counter()))
+
+    def _expire_stalled_steps(self) -> None:
+        """Fail the sequences of micro-batches a stage has sat on past the step timeout, so a
+        stalled (not dead) stage gives clear errors instead of hanging every request."""
+        now = time.perf_counter()
+        for step_id, (batch, sent_at) in list(self._in_flight.items()):
+            if now - sent_at < self.step_timeout_s:
+                continue
+            del self._in_flight[step_id]
+            log.warning("step %d stalled for %.0fs; failing its %d sequences", step_id, now - sent_at,
+                        len(batch.works))
+            self._apply(batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
+                                          error_message=f"no answer within {self.step_timeout_s:g}s"))
 
     def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self.transport.num_stages:
@@ -219,8 +244,8 @@ class Leader:
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
         if not result.ok:
             # TODO(failover issue): re-plan without the failed stage and re-prefill.
-            error = PipelineStalled(f"stage {result.failed_stage} failed: [{result.error_code}] "
-                                    f"{result.error_message}")
+            where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
+            error = PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}")
             log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
             for w in batch.works:
                 w.seq.in_flight = False

@@ -155,3 +155,31 @@ def test_load_refuses_other_weights_and_unknown_models(cluster, model_files):
         deploy(plan, cluster.channels)  # a model of that name, but not those weights
     with pytest.raises(ModelLoadError, match="no model"):
         deploy(replace(plan, model_id="no-such-model"), cluster.channels)
+
+
+def test_a_stalled_stage_fails_its_requests_clearly_and_the_pipeline_recovers(cluster, model_files):
+    """SIGSTOP a real stage process: in-flight requests end with pipeline_stalled after the
+    step timeout instead of hanging; after SIGCONT the same leader serves again."""
+    import os
+    import signal
+    import time
+    from dataclasses import replace
+
+    files = model_files["aidreams"]
+    leader = cluster.leader(files, [(0, 2), (2, 4)], replace(OPTIONS, step_timeout_s=2.0))
+    stage_1 = cluster.local.processes[1]
+    ids = files.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    try:
+        assert len(tokens(leader, ids, params)) == 8
+        os.kill(stage_1.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            events = list(leader.generate(ids, params))
+            assert events[-1].finish_reason == "error" and events[-1].error.code == "pipeline_stalled"
+            assert time.monotonic() - started < 10
+        finally:
+            os.kill(stage_1.pid, signal.SIGCONT)
+        assert len(tokens(leader, ids, params)) == 8
+    finally:
+        leader.close()
