@@ -10,38 +10,17 @@ import pytest
 
 from meshllm.cluster.discovery import _instance_name
 from tests.cluster_fixtures import REPO_ROOT
+from tests.netns import namespace_pair
 
 pytestmark = pytest.mark.slow
 
-SUFFIX = f"{os.getpid() % 100000}"
-NS_A, NS_B = f"mla{SUFFIX}", f"mlb{SUFFIX}"
-IF_A, IF_B = f"mlva{SUFFIX}", f"mlvb{SUFFIX}"
-IP_A, IP_B = "10.77.0.1", "10.77.0.2"
-
-
-def ip(*args):
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
+IP_A, IP_B = "10.77.0.1", "10.77.0.2"  # inside the test's own namespaces only
 
 
 @pytest.fixture
 def namespaces():
-    try:
-        ip("netns", "add", NS_A)
-    except (FileNotFoundError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"cannot create network namespaces here (need root and iproute2): {getattr(e, 'stderr', e)}")
-    try:
-        ip("netns", "add", NS_B)
-        # Created straight inside the namespaces: the host's own interfaces are never touched.
-        ip("link", "add", IF_A, "netns", NS_A, "type", "veth", "peer", "name", IF_B, "netns", NS_B)
-        for ns, dev, address in ((NS_A, IF_A, f"{IP_A}/24"), (NS_B, IF_B, f"{IP_B}/24")):
-            ip("-n", ns, "addr", "add", address, "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-            ip("-n", ns, "route", "add", "224.0.0.0/4", "dev", dev)
-        yield
-    finally:
-        for ns in (NS_A, NS_B):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)  # removes the veth too
+    with namespace_pair(IP_A, IP_B, multicast=True) as pair:
+        yield pair
 
 
 POLL_VIEWS = textwrap.dedent("""
@@ -67,12 +46,12 @@ POLL_VIEWS = textwrap.dedent("""
 @pytest.mark.timeout(120)
 def test_two_nodes_without_peers_find_each_other_over_mdns(namespaces, mesh_cluster):
     fast = ["--gossip-interval", "0.3", "--ttl", "5"]
-    a = mesh_cluster.start([*fast, "--node-id", "alpha"], prefix=["ip", "netns", "exec", NS_A], host=IP_A,
+    a = mesh_cluster.start([*fast, "--node-id", "alpha"], prefix=["ip", "netns", "exec", namespaces.ns_a], host=IP_A,
                            discovery=True)
-    b = mesh_cluster.start([*fast, "--node-id", "beta"], prefix=["ip", "netns", "exec", NS_B], host=IP_B,
+    b = mesh_cluster.start([*fast, "--node-id", "beta"], prefix=["ip", "netns", "exec", namespaces.ns_b], host=IP_B,
                            discovery=True)
     address_a, address_b = mesh_cluster.wait_ready(a), mesh_cluster.wait_ready(b)
-    result = subprocess.run(["ip", "netns", "exec", NS_A, sys.executable, "-c", POLL_VIEWS,
+    result = subprocess.run(["ip", "netns", "exec", namespaces.ns_a, sys.executable, "-c", POLL_VIEWS,
                              str(mesh_cluster.key_file), address_a, address_b],
                             capture_output=True, text=True, timeout=60, cwd=REPO_ROOT,
                             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})

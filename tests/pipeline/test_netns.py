@@ -9,50 +9,26 @@ import os
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 
 from meshllm.engine.sampler import SamplingParams
 from meshllm.pipeline.cluster import local_leader
 from meshllm.transport.auth import generate_key, write_key
+from tests.netns import namespace_pair
 from tests.pipeline.conftest import OPTIONS
 
 pytestmark = pytest.mark.slow
 
-SUFFIX = uuid.uuid4().hex[:6]
-NS_A, NS_B = f"mlpa{SUFFIX}", f"mlpb{SUFFIX}"
-IF_A, IF_B = f"va{SUFFIX}", f"vb{SUFFIX}"
 IP_A, IP_B = "10.78.0.1", "10.78.0.2"  # inside the test's own namespaces only
 NODE_PORT, RELAY_PORT = 7701, 7702
 DELAY_MS = 2.0
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
-
-
 @pytest.fixture
 def namespaces():
-    try:
-        ip("netns", "add", NS_A)
-    except (OSError, subprocess.CalledProcessError) as e:
-        pytest.skip(f"cannot create network namespaces here (needs root and iproute2): {getattr(e, 'stderr', e)}")
-    try:
-        ip("netns", "add", NS_B)
-        ip("link", "add", IF_A, "netns", NS_A, "type", "veth", "peer", "name", IF_B, "netns", NS_B)
-        for ns, dev, address in ((NS_A, IF_A, IP_A), (NS_B, IF_B, IP_B)):
-            ip("-n", ns, "addr", "add", f"{address}/24", "dev", dev)
-            ip("-n", ns, "link", "set", dev, "up")
-            ip("-n", ns, "link", "set", "lo", "up")
-            # 1 Gbit/s each way: token bucket filter on both ends of the link.
-            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                            "rate", "1gbit", "burst", "128kb", "latency", "50ms"],
-                           check=True, capture_output=True, text=True, timeout=10)
-        yield
-    finally:
-        for ns in (NS_A, NS_B):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)  # removes the veth too
+    with namespace_pair(IP_A, IP_B, rate="1gbit") as pair:  # 1 Gbit/s each way (tc tbf)
+        yield pair
 
 
 def spawn(ns: str, args: list[str]) -> subprocess.Popen:
@@ -83,11 +59,11 @@ def test_two_stages_in_namespaces_over_a_shaped_delayed_link(namespaces, aidream
                  "--models", str(aidreams_path), "--no-discovery", "--gossip-interval", "0.3"]
     processes = []
     try:
-        a = spawn(NS_A, [*node_args, "--host", IP_A, "--node-id", "a", "--state-dir", str(tmp_path / "a")])
-        b = spawn(NS_B, [*node_args, "--host", IP_B, "--node-id", "b", "--state-dir", str(tmp_path / "b")])
+        a = spawn(namespaces.ns_a, [*node_args, "--host", IP_A, "--node-id", "a", "--state-dir", str(tmp_path / "a")])
+        b = spawn(namespaces.ns_b, [*node_args, "--host", IP_B, "--node-id", "b", "--state-dir", str(tmp_path / "b")])
         # Stage 0 (in A) reaches stage 1 (in B) through the relay in A: every byte both ways waits 2 ms.
-        relay = spawn(NS_A, ["-m", "tests.pipeline.delay_relay", IP_A, str(RELAY_PORT), IP_B, str(NODE_PORT),
-                             str(DELAY_MS)])
+        relay = spawn(namespaces.ns_a, ["-m", "tests.pipeline.delay_relay", IP_A, str(RELAY_PORT), IP_B,
+                                        str(NODE_PORT), str(DELAY_MS)])
         processes += [a, b, relay]
         wait_for_line(a, "listening on", 90)
         wait_for_line(b, "listening on", 90)
@@ -96,8 +72,8 @@ def test_two_stages_in_namespaces_over_a_shaped_delayed_link(namespaces, aidream
         files = open_model(aidreams_path)
         prompt = files.tokenizer.encode("Once upon a time, in a quiet lab")
         leader_run = subprocess.run(
-            ["ip", "netns", "exec", NS_A, sys.executable, "-m", "tests.pipeline.netns_leader", str(aidreams_path),
-             str(key_file), f"{IP_A}:{NODE_PORT}", f"{IP_A}:{RELAY_PORT}", "2", "24", json.dumps(prompt)],
+            ["ip", "netns", "exec", namespaces.ns_a, sys.executable, "-m", "tests.pipeline.netns_leader",
+             str(aidreams_path), str(key_file), f"{IP_A}:{NODE_PORT}", f"{IP_A}:{RELAY_PORT}", "2", "24", json.dumps(prompt)],
             capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert leader_run.returncode == 0, leader_run.stderr[-3000:]
         result = json.loads(leader_run.stdout.strip().splitlines()[-1])
