@@ -73,7 +73,8 @@ def test_two_stages_in_namespaces_over_a_shaped_delayed_link(namespaces, aidream
         prompt = files.tokenizer.encode("Once upon a time, in a quiet lab")
         leader_run = subprocess.run(
             ["ip", "netns", "exec", namespaces.ns_a, sys.executable, "-m", "tests.pipeline.netns_leader",
-             str(aidreams_path), str(key_file), f"{IP_A}:{NODE_PORT}", f"{IP_A}:{RELAY_PORT}", "2", "24", json.dumps(prompt)],
+             str(aidreams_path), str(key_file), f"{IP_A}:{NODE_PORT}", f"{IP_A}:{RELAY_PORT}", "2", "24",
+             json.dumps(prompt)],
             capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert leader_run.returncode == 0, leader_run.stderr[-3000:]
         result = json.loads(leader_run.stdout.strip().splitlines()[-1])
