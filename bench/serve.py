@@ -20,16 +20,13 @@ from pathlib import Path
 from openai import OpenAI
 
 from meshllm.api.app import create_app
-from meshllm.api.cluster_backend import build_cluster_backend
+from meshllm.api.cluster_backend import local_cluster_backend
 from meshllm.api.config import APIConfig
 from meshllm.api.server import APIServer
-from meshllm.cluster.gossip import fetch_view
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
-from meshllm.pipeline.cluster import ServingOptions, wait_for_fleet
+from meshllm.pipeline.cluster import ServingOptions
 from meshllm.pipeline.local_cluster import LocalCluster
-from meshllm.transport.auth import load_key
-from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 WORDS = ("the cluster of small machines serves one model together while each node holds a few layers "
          "and passes hidden states onward over the local network").split()
@@ -104,12 +101,9 @@ def main() -> int:
         cluster.start()
         backend = server = None
         try:
-            key = load_key(cluster.key_file)
-            view = lambda: fetch_view(cluster.addresses[0], key)  # noqa: E731
-            wait_for_fleet(view, files.source.fingerprint(), 2)
             options = ServingOptions(context_length=2048, max_batch=16, num_stages=2, dtype=args.dtype,
                                      scheduler=SchedulerConfig(max_batched_tokens=512, prefill_chunk=256))
-            backend, plan = build_cluster_backend(files, view, ChannelPool(ChannelConfig("bench", key)), options)
+            backend, plan, _ = local_cluster_backend(cluster, files, options, "bench")
             server = APIServer(create_app(backend, APIConfig(port=0)), "127.0.0.1", 0)
             server.start()
             client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)

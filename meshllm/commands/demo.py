@@ -19,16 +19,13 @@ import urllib.request
 from pathlib import Path
 
 from meshllm.api.app import create_app
-from meshllm.api.cluster_backend import build_cluster_backend
+from meshllm.api.cluster_backend import local_cluster_backend
 from meshllm.api.config import APIConfig
 from meshllm.api.server import APIServer
-from meshllm.cluster.gossip import fetch_view
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
-from meshllm.pipeline.cluster import ServingOptions, wait_for_fleet
+from meshllm.pipeline.cluster import ServingOptions
 from meshllm.pipeline.local_cluster import LocalCluster
-from meshllm.transport.auth import load_key
-from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 MODEL_ENV = "MESHLLM_MODEL"
 SAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -62,13 +59,9 @@ def run(args: argparse.Namespace) -> int:
     cluster.start()
     backend = server = None
     try:
-        key = load_key(cluster.key_file)
-        fleet_view = lambda: fetch_view(cluster.addresses[0], key)  # noqa: E731
-        wait_for_fleet(fleet_view, files.source.fingerprint(), args.nodes)
         options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
                                  dtype=args.dtype, scheduler=SchedulerConfig())
-        channels = ChannelPool(ChannelConfig("demo-leader", key))
-        backend, plan = build_cluster_backend(files, fleet_view, channels, options)
+        backend, plan, _ = local_cluster_backend(cluster, files, options, "demo-leader")
         if plan is None:
             raise backend.plan_error
         for i, s in enumerate(plan.stages):

@@ -41,6 +41,3 @@ class PrefixStore:
         kv.copy_prefix_from(torch.cat([self._blocks[h][0] for h in hashes], dim=2),
                             torch.cat([self._blocks[h][1] for h in hashes], dim=2))
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(2 * k.numel() * k.element_size() for k, _ in self._blocks.values())

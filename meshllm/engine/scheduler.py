@@ -11,7 +11,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.errors import ContextOverflow, MeshError
 
@@ -88,10 +87,6 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(not s.in_flight for s in self.running)
-
     def next_microbatch(self) -> MicroBatch | None:
         # Admit waiting sequences first-come first-served while the KV budget and the
         # running limit allow. Then take sequences that are not in flight: decode steps
@@ -149,9 +144,3 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self.num_reserved_tokens += seq.max_total_tokens
-
-    def get(self, seq_id: SeqId) -> Sequence | None:
-        for seq in self.running:
-            if seq.seq_id == seq_id:
-                return seq
-        return next((s for s in self.waiting if s.seq_id == seq_id), None)

@@ -47,7 +47,10 @@ class Sequence:
         return self.num_prompt_tokens + self.params.max_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        # Slices only: a decode step must not copy the whole context.
         n = self.num_prompt_tokens
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]

@@ -45,14 +45,6 @@ class GenerationEvent:
     num_cached_tokens: int = 0
 
 
-class StepError(MeshError):
-    """A stage reported an error for a micro-batch; carries the stage's code."""
-
-    def __init__(self, result: StepResult):
-        super().__init__(f"stage {result.failed_stage}: {result.error_message}")
-        self.code = result.error_code or "internal"
-
-
 @dataclass
 class _Request:
     seq: Sequence

@@ -116,12 +116,6 @@ class StageService(stage_pb2_grpc.StageServicer):
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return [s.request for s in self._stages.values()]
 
-    def unload(self, plan_id: str) -> bool:
-        removed = self._stages.pop(plan_id, None) is not None
-        if removed:
-            self._on_change()
-        return removed
-
     # --- data --------------------------------------------------------------------------------------
     def Forward(self, request_iterator, context):
         replies: queue.Queue = queue.Queue()

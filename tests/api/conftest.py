@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from pathlib import Path
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import httpx
 import pytest
@@ -18,6 +18,7 @@ from openai import OpenAI
 
 from meshllm.api.app import create_app
 from meshllm.api.backend import Backend, build_local_backend
+from meshllm.api.cluster_backend import local_cluster_backend
 from meshllm.api.config import APIConfig
 from meshllm.api.metrics import MetricsObserver
 from meshllm.api.server import APIServer
@@ -30,15 +31,8 @@ from meshllm.engine.step import Step, StepResult
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.cluster import ServingOptions, context_of, new_leader
-from meshllm.pipeline.transport import LocalPipeline
-from dataclasses import replace
-
-from meshllm.api.cluster_backend import build_cluster_backend
-from meshllm.cluster.gossip import fetch_view
-from meshllm.pipeline.cluster import wait_for_fleet
 from meshllm.pipeline.local_cluster import LocalCluster
-from meshllm.transport.auth import load_key
-from meshllm.transport.channels import ChannelConfig, ChannelPool
+from meshllm.pipeline.transport import LocalPipeline
 
 MODEL = "aidreams-260k"
 # Batch-invariant, so a sequence's output does not depend on what else is running.
@@ -149,11 +143,8 @@ def two_node_cluster(aidreams_path, long_model_path, tmp_path_factory) -> Iterat
 @pytest.fixture(scope="package")
 def cluster_server(two_node_cluster, aidreams_files) -> Iterator[LiveServer]:
     """The API backed by a 2-stage pipeline of node processes (aidreams layers 0-1 | 2-3)."""
-    key = load_key(two_node_cluster.key_file)
-    view = lambda: fetch_view(two_node_cluster.addresses[0], key)  # noqa: E731
-    wait_for_fleet(view, aidreams_files.source.fingerprint(), 2)
-    channels = ChannelPool(ChannelConfig("api-test-leader", key))
-    b, plan = build_cluster_backend(aidreams_files, view, channels, replace(OPTIONS, num_stages=2))
+    b, plan, channels = local_cluster_backend(two_node_cluster, aidreams_files, replace(OPTIONS, num_stages=2),
+                                              "api-test-leader")
     assert plan is not None and len(plan.stages) == 2, b.plan_error
     with serve(b, stage_addresses=tuple(two_node_cluster.addresses), channels=channels) as live:
         yield live
@@ -164,12 +155,9 @@ def cluster_server(two_node_cluster, aidreams_files) -> Iterator[LiveServer]:
 def long_cluster_server(two_node_cluster, long_model_path) -> Iterator[LiveServer]:
     """The long-context model across the same two stage nodes (layer 0 | layer 1)."""
     files = open_model(long_model_path)
-    key = load_key(two_node_cluster.key_file)
-    view = lambda: fetch_view(two_node_cluster.addresses[0], key)  # noqa: E731
-    wait_for_fleet(view, files.source.fingerprint(), 2)
-    channels = ChannelPool(ChannelConfig("api-test-long-leader", key))
-    b, plan = build_cluster_backend(files, view, channels,
-                                    replace(OPTIONS, context_length=2048, num_stages=2))
+    b, plan, channels = local_cluster_backend(two_node_cluster, files,
+                                              replace(OPTIONS, context_length=2048, num_stages=2),
+                                              "api-test-long-leader")
     assert plan is not None and len(plan.stages) == 2, b.plan_error
     with serve(b, stage_addresses=tuple(two_node_cluster.addresses), channels=channels) as live:
         yield live

@@ -103,3 +103,11 @@ def test_prefix_hit_starts_after_the_cached_blocks_and_attaches_them():
     complete(s, batch)
     [work] = s.next_microbatch().works
     assert (work.start, work.num_tokens, work.attach) == (64, 6, ())
+
+
+def test_token_ids_slice_prompt_output_and_both():
+    s = seq(1, 5)
+    s.output_ids += [50, 51, 52]
+    everything = s.prompt_ids + s.output_ids
+    for start, end in ((0, 3), (5, 6), (6, 8), (3, 7), (0, 8)):
+        assert s.token_ids(start, end) == everything[start:end]
