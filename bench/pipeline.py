@@ -30,7 +30,7 @@ from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions, new_leader, wait_for_fleet
 from meshllm.pipeline.deploy import deploy
-from meshllm.pipeline.leader import LeaderObserver
+from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.pipeline.transport import RemotePipeline
 from meshllm.transport.auth import load_key

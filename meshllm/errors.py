@@ -127,3 +127,10 @@ class SequenceFailed(MeshError):
     """A sequence ended without finishing: a stage failed, or the server cancelled it."""
 
     code = "generation_failed"
+
+
+class InvalidReply(MeshError):
+    """A stage answered a step with something other than what the step asked for (missing,
+    extra or misplaced tokens, drafts it claims to accept but that were not proposed)."""
+
+    code = "invalid_reply"

@@ -10,7 +10,7 @@ from meshllm.api.responses import ChatLogprobs, CompletionLogprobs, PromptTokens
 from meshllm.engine.sampler import TokenLogprobs
 from meshllm.errors import MeshError, SequenceFailed
 from meshllm.model.tokenizer import Tokenizer
-from meshllm.pipeline.leader import GenerationEvent
+from meshllm.pipeline.events import GenerationEvent
 
 
 def failure_of(event: GenerationEvent) -> MeshError | None:

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from meshllm.api.prompts import ChoiceRequest
 from meshllm.engine.kv_cache import SeqId
 from meshllm.errors import MeshError, RequestTimeout
-from meshllm.pipeline.leader import GenerationEvent, Leader
+from meshllm.pipeline.events import GenerationEvent
+from meshllm.pipeline.leader import Leader
 
 # How often a request whose client may have left asks the server whether it has.
 DISCONNECT_POLL_S = 0.25

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 
 from meshllm.engine.scheduler import MicroBatch
 from meshllm.engine.step import StepResult
-from meshllm.pipeline.leader import LeaderObserver
+from meshllm.pipeline.events import LeaderObserver
 
 # Seconds; from a fast GPU decode step to a slow CPU prefill over a LAN.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -27,7 +27,7 @@ from meshllm.api.replies import ReplyContext
 from meshllm.api.responses import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, Completion, CompletionChoice,
                                    Usage)
 from meshllm.errors import MeshError
-from meshllm.pipeline.leader import GenerationEvent
+from meshllm.pipeline.events import GenerationEvent
 
 log = logging.getLogger(__name__)
 

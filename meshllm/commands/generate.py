@@ -24,7 +24,7 @@ from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.errors import BadRequest, PeerUnreachable
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles, open_model
-from meshllm.pipeline.leader import GenerationEvent
+from meshllm.pipeline.events import GenerationEvent
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}

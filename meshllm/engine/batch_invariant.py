@@ -6,8 +6,10 @@ the same sequence decoded among 15 others differ in the last bits of their
 logits (measured: up to 7e-5 in fp32) — enough to flip a greedy choice between
 near-tied tokens. Here every linear layer runs on tiles of exactly TILE_ROWS
 rows (zero-padded), so each row always goes through the same kernel with the
-same summation order. Attention is already per sequence; the scheduler keeps
-prefill chunk boundaries independent of the batch (engine/scheduler.py).
+same summation order. Attention is already per sequence, and in this mode it runs
+one query row at a time with the decode kernel, so a row's bits do not depend on the
+chunk it is in either: a prefill chunk, a verification step of k + 1 draft rows and a
+failover re-prefill give each position exactly the bits of one-row decode steps.
 
 This costs speed (a decode row pays for TILE_ROWS rows of arithmetic), so it is
 a mode: exactness tests and users who need bit-reproducible output turn it on.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from meshllm.model.decoder import Attention
 
 TILE_ROWS = 8
 
@@ -36,8 +40,11 @@ class TiledLinear(nn.Linear):
 
 
 def make_batch_invariant(module: nn.Module) -> nn.Module:
-    """Switch every nn.Linear inside `module` to TiledLinear, in place (weights shared)."""
+    """Switch every nn.Linear inside `module` to TiledLinear and attention to one row at a
+    time, in place (weights shared)."""
     for m in module.modules():
         if type(m) is nn.Linear:
             m.__class__ = TiledLinear
+        elif isinstance(m, Attention):
+            m.per_row = True
     return module

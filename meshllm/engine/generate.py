@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from meshllm.engine.kv_cache import SequenceKV
-from meshllm.engine.sampler import SamplingParams, TokenLogprobs, sample
-from meshllm.engine.stage_runner import draw_seed
+from meshllm.engine.sampler import SamplingParams, TokenLogprobs, position_generator, sample
 from meshllm.engine.stopping import FinishReason, StopChecker
 from meshllm.errors import BadRequest, ContextOverflow
 from meshllm.model.decoder import Decoder, SeqSlice
@@ -79,9 +78,7 @@ class _Running:
         # Seed of the draw for the token at position kv.length, as the pipeline's last stage does.
         if self.params.greedy:
             return None
-        g = torch.Generator()
-        g.manual_seed(draw_seed(self.seed, self.kv.length))
-        return g
+        return position_generator(self.seed, self.kv.length)
 
 
 def stream_many(decoder: Decoder, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],

@@ -19,6 +19,8 @@ from torch import Tensor
 from meshllm.errors import BadRequest
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+_SEED_MIX = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +75,20 @@ class TokenLogprobs:
 class SampleOutput:
     token_ids: Tensor  # [n] int64
     logprobs: tuple[TokenLogprobs | None, ...]  # per row; None where the row did not ask
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """Seed of the draw for the token at `position`: a pure function, so a replayed
+    step (failover), another batch composition or a verification step draws exactly
+    the same number as plain decoding did."""
+    return (seed * _SEED_MIX + position) & _SEED_MASK
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator for the one draw of the token at `position` of a sequence seeded `seed`."""
+    g = torch.Generator()
+    g.manual_seed(draw_seed(seed, position))
+    return g
 
 
 def make_generator(seed: int | None) -> torch.Generator:

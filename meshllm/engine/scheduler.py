@@ -44,11 +44,14 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class Work:
+    """Rows [start, start + num_tokens) of `seq`; the last `num_scored` are scored (see SeqWork)."""
+
     seq: Sequence
     start: int
     num_tokens: int
-    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    num_scored: int  # 0: a chunk short of the last committed token; else 1 + len(draft)
     attach: tuple[int, ...] = ()  # prefix-cache blocks the stages copy in before computing
+    draft: tuple[int, ...] = ()  # proposed tokens riding as the last rows, verified by the last stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +93,10 @@ class Scheduler:
     def next_microbatch(self) -> MicroBatch | None:
         # Admit waiting sequences first-come first-served while the KV budget and the
         # running limit allow. Then take sequences that are not in flight: decode steps
-        # first (one token each, so running decodes never starve behind a long prompt),
-        # then prefill chunks, until the token budget is spent. With S stages, each
-        # micro-batch takes about 1/S of the running sequences so S micro-batches can
-        # be in flight at once and every stage stays busy.
+        # first (one token each plus any draft to verify, so running decodes never starve
+        # behind a long prompt), then prefill chunks, until the token budget is spent. With
+        # S stages, each micro-batch takes about 1/S of the running sequences so S
+        # micro-batches can be in flight at once and every stage stays busy.
         self._admit()
         ready = [s for s in self.running if not s.in_flight]
         if not ready:
@@ -117,22 +120,35 @@ class Scheduler:
 
     def _work_for(self, seq: Sequence, budget: int) -> Work | None:
         start = seq.num_computed
+        attach = tuple(seq.attach) if seq.attach and start == seq.num_cached else ()
         if not seq.is_prefilling:
-            return Work(seq, start, seq.num_tokens - start, sample=True)
-        # A chunk always ends at the next multiple of prefill_chunk (or the prompt's end),
-        # whatever else is in the batch: batch-invariant arithmetic needs the same chunks.
+            draft = self._draft_for(seq, budget)
+            n = 1 + len(draft)
+            return Work(seq, start, n, num_scored=n, attach=attach, draft=draft)
+        # A chunk always ends at the next multiple of prefill_chunk (or the last committed
+        # token), whatever else is in the batch: batch-invariant arithmetic needs the same chunks.
         chunk = self.config.prefill_chunk
-        end = min(seq.num_prompt_tokens, (start // chunk + 1) * chunk)
+        end = min(seq.num_tokens, (start // chunk + 1) * chunk)
         if end - start > budget:
             return None  # waits for a micro-batch with room (prefill_chunk <= max_batched_tokens)
-        attach = tuple(seq.attach) if start == seq.num_cached else ()
-        return Work(seq, start, end - start, sample=end == seq.num_prompt_tokens, attach=attach)
+        return Work(seq, start, end - start, num_scored=1 if end == seq.num_tokens else 0, attach=attach)
 
-    def on_computed(self, work: Work) -> None:
-        """The stages committed `work`'s tokens (the leader then appends any sampled token)."""
+    @staticmethod
+    def _draft_for(seq: Sequence, budget: int) -> tuple[int, ...]:
+        # A draft proposed for another position is stale. It may not exceed the token budget
+        # (its rows share the micro-batch) nor the tokens the sequence may still generate, so
+        # KV never grows past prompt + max_tokens: the reservation already covers draft rows.
+        if not seq.draft or seq.draft_position != seq.num_tokens:
+            return ()
+        return seq.draft[:max(0, min(budget - 1, seq.num_remaining - 1))]
+
+    def on_computed(self, work: Work, num_accepted: int = 0) -> None:
+        """The stages committed `work`'s rows except its rejected draft tokens (the leader then
+        appends the committed tokens the last stage returned)."""
+        assert 0 <= num_accepted <= len(work.draft), (num_accepted, work.draft)
         seq = work.seq
         seq.in_flight = False
-        seq.num_computed = work.start + work.num_tokens
+        seq.num_computed = work.start + work.num_tokens - len(work.draft) + num_accepted
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:

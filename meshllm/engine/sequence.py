@@ -20,14 +20,18 @@ class Sequence:
     seq_id: SeqId
     prompt_ids: list[int]
     params: SamplingParams  # seed is concrete: the last stage derives each draw from it
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV every stage holds
+    output_ids: list[int] = field(default_factory=list)  # committed: sampled, or accepted drafts
+    num_computed: int = 0  # committed tokens whose KV every stage holds
     num_cached: int = 0  # prompt tokens served from the prefix cache
     attach: list[int] = field(default_factory=list)  # cached blocks to attach on the first step
     block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks
     status: SeqStatus = SeqStatus.WAITING
     in_flight: bool = False
     cancelled: bool = False
+    # Proposed continuation (speculative decoding), valid while draft_position == num_tokens:
+    # draft[0] would be the token at draft_position. The scheduler sends it for verification.
+    draft: tuple[int, ...] = ()
+    draft_position: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -39,7 +43,15 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed < self.num_prompt_tokens
+        """More than the last committed token lacks KV: the prompt on admission, or prompt and
+        output after a failover emptied a stage. Such a sequence catches up in chunks and samples
+        only when a chunk reaches its last committed token, so no committed token is re-sampled."""
+        return self.num_computed + 1 < self.num_tokens
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens it may still generate."""
+        return self.params.max_tokens - len(self.output_ids)
 
     @property
     def max_total_tokens(self) -> int:

@@ -13,25 +13,16 @@ from torch import Tensor
 
 from meshllm.engine.kv_cache import KVCache, SeqId
 from meshllm.engine.prefix_store import MissingBlock, PrefixStore
-from meshllm.engine.sampler import sample
 from meshllm.engine.step import SampledToken, Step
 from meshllm.errors import MalformedMessage, MeshError, ShardCorrupt
 from meshllm.model.decoder import Decoder, SeqSlice
-
-_SEED_MIX = 0x9E3779B97F4A7C15
-_SEED_MASK = (1 << 63) - 1
+from meshllm.spec.verify import choose_tokens
 
 
 class KVMissing(MeshError):
     """A step asked to continue a sequence from a position this stage never computed."""
 
     code = "kv_missing"
-
-
-def draw_seed(seed: int, position: int) -> int:
-    """Seed of the draw for the token at `position`: a pure function, so a replayed
-    step (failover) or another batch composition draws exactly the same number."""
-    return (seed * _SEED_MIX + position) & _SEED_MASK
 
 
 class StageRunner:
@@ -82,31 +73,17 @@ class StageRunner:
             slices.append(SeqSlice(kv, row, work.num_tokens))
             positions.append(torch.arange(work.start, work.start + work.num_tokens))
             row += work.num_tokens
-        sampled = [(i, w) for i, w in enumerate(step.seqs) if w.sample]
+        scored = [w for w in step.seqs if w.num_scored]
         logit_rows = None
         if self.is_last:
-            ends = [s.row + s.num_tokens - 1 for s in slices]
-            logit_rows = torch.tensor([ends[i] for i, _ in sampled], dtype=torch.long)
+            # The last num_scored rows of each scored sequence, in batch order.
+            logit_rows = torch.tensor([r for s, w in zip(slices, step.seqs) if w.num_scored
+                                       for r in range(s.row + s.num_tokens - w.num_scored, s.row + s.num_tokens)],
+                                      dtype=torch.long)
         out = self.decoder(x, torch.cat(positions), slices, logit_rows)
         if not self.is_last:
             return out
-        return self._sample(out, [w for _, w in sampled])
-
-    def _sample(self, logits: Tensor, works) -> list[SampledToken]:
-        if not works:
-            return []
-        params = [w.sampling for w in works]
-        generators = []
-        for w in works:
-            if w.sampling.greedy:
-                generators.append(None)
-            else:
-                g = torch.Generator()
-                g.manual_seed(draw_seed(w.sampling.seed, w.start + w.num_tokens))
-                generators.append(g)
-        result = sample(logits, params, generators)
-        ids = result.token_ids.tolist()
-        return [SampledToken(w.seq_id, ids[i], result.logprobs[i]) for i, w in enumerate(works)]
+        return choose_tokens(out, scored)
 
     def _checked_input(self, step: Step) -> Tensor:
         # Everything here came from a peer: check before use (DESIGN.md "Wire protocol").

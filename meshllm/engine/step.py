@@ -16,20 +16,36 @@ from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 
 @dataclass(frozen=True, slots=True)
 class SeqWork:
-    """One sequence's rows in a micro-batch: tokens at positions [start, start + num_tokens)."""
+    """One sequence's rows in a micro-batch: tokens at positions [start, start + num_tokens).
+
+    The last stage scores the last `num_scored` rows: none for a prefill chunk that does not
+    reach the end of the known tokens, one for a chunk that does or a plain decode step, and
+    len(draft) + 1 when the step verifies draft tokens. The draft is the last len(draft) input
+    rows (proposed, not yet committed): row i's logits decide whether draft[i] is accepted.
+    """
 
     seq_id: SeqId
     start: int
     num_tokens: int
-    sample: bool = False  # sample a token after the last row (end of prompt, or a decode step)
-    sampling: SamplingParams | None = None  # with a concrete seed; set when sample is True
+    num_scored: int = 0
+    sampling: SamplingParams | None = None  # with a concrete seed; set when num_scored > 0
     attach: tuple[int, ...] = ()  # prefix-cache blocks to copy in first; start == len(attach) * block size
+    draft: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.start < 0 or self.num_tokens < 1:
             raise ValueError(f"sequence {self.seq_id}: start {self.start} / num_tokens {self.num_tokens} invalid")
-        if self.sample and (self.sampling is None or self.sampling.seed is None):
-            raise ValueError(f"sequence {self.seq_id} samples but carries no seeded SamplingParams")
+        if self.num_scored not in ((len(self.draft) + 1,) if self.draft else (0, 1)) \
+                or self.num_scored > self.num_tokens:
+            raise ValueError(f"sequence {self.seq_id}: {self.num_scored} scored rows for {len(self.draft)} draft "
+                             f"tokens in {self.num_tokens} rows; expected 0 or len(draft) + 1")
+        if self.num_scored and (self.sampling is None or self.sampling.seed is None):
+            raise ValueError(f"sequence {self.seq_id} is scored but carries no seeded SamplingParams")
+
+    @property
+    def first_new_position(self) -> int:
+        """Position of the first token this work can commit (the draft's first, else the next one)."""
+        return self.start + self.num_tokens - len(self.draft)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +83,14 @@ class Step:
 
 @dataclass(frozen=True, slots=True)
 class SampledToken:
+    """A token the last stage committed for `seq_id` at `position` (its index in the sequence).
+
+    A scored work yields 1 + the number of accepted draft tokens, at consecutive positions from
+    its `first_new_position`: the accepted drafts, then the verifier's own next token.
+    """
+
     seq_id: SeqId
+    position: int
     token_id: int
     logprobs: TokenLogprobs | None = None
 

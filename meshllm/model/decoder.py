@@ -117,6 +117,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        # Attend one query row at a time with the decode kernel, so a row's bits never depend on
+        # how many rows share its chunk (batch-invariant mode; see engine/batch_invariant.py).
+        self.per_row = False
 
     def forward(self, x: Tensor, rotation: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
         n, heads = x.shape[0], self.num_heads
@@ -141,6 +144,8 @@ class Attention(nn.Module):
         end = start + t
         s.kv.k[layer, :, start:end].copy_(k.transpose(0, 1))
         s.kv.v[layer, :, start:end].copy_(v.transpose(0, 1))
+        if self.per_row:
+            return torch.cat([self._attend_one(q[i], s, layer, start + i + 1) for i in range(t)])
         # 4-d inputs select torch's fused CPU attention kernel; 3-d ones fall back to ~10 separate ops.
         keys, values = s.kv.k[layer, None, :, :end], s.kv.v[layer, None, :, :end]  # [1, kv_heads, end, dim]
         windowed = self.sliding_window is not None and end > self.sliding_window
@@ -156,6 +161,13 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._mask(start, t, q.device),
                                                  enable_gqa=True)
         return out[0].transpose(0, 1)
+
+    def _attend_one(self, q: Tensor, s: SeqSlice, layer: int, end: int) -> Tensor:
+        # One query row [heads, dim] at position end - 1 against its visible keys -> [1, heads, dim].
+        first = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
+        keys, values = s.kv.k[layer, None, :, first:end], s.kv.v[layer, None, :, first:end]
+        qg = q.reshape(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        return F.scaled_dot_product_attention(qg, keys, values).view(1, self.num_heads, self.head_dim)
 
     def _mask(self, start: int, t: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)

@@ -21,7 +21,8 @@ from meshllm.errors import PeerUnreachable, ShardUnavailable
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles
 from meshllm.pipeline.deploy import deploy
-from meshllm.pipeline.leader import Leader, LeaderObserver
+from meshllm.pipeline.events import LeaderObserver
+from meshllm.pipeline.leader import Leader
 from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
 from meshllm.transport.channels import ChannelPool
 

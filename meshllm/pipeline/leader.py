@@ -1,9 +1,9 @@
 """The leader: runs the scheduler's micro-batches through a plan and streams tokens.
 
 Concurrency contract: `submit` and `cancel` may be called from any thread (HTTP
-handlers, the CLI); they post to the inbox. One loop thread owns the scheduler,
-the in-flight micro-batches, stop detection and event delivery, so none of that
-state needs a lock. `on_event` callbacks run on the loop thread and must not block.
+handlers, the CLI); they post typed messages to the inbox. One loop thread owns the
+scheduler, the in-flight micro-batches, stop detection and event delivery, so none of
+that state needs a lock. `on_event` callbacks run on the loop thread and must not block.
 """
 
 from __future__ import annotations
@@ -14,35 +14,26 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from meshllm.engine.kv_cache import SeqId
-from meshllm.engine.prefix_index import PrefixIndex, block_hashes
-from meshllm.engine.sampler import SamplingParams, TokenLogprobs
-from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Work
 from meshllm.engine.sequence import Sequence, SeqStatus
-from meshllm.engine.step import Publish, SeqWork, Step, StepResult
+from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
 from meshllm.errors import ContextOverflow, MeshError, PipelineStalled
+from meshllm.pipeline.chores import StageChores
+from meshllm.pipeline.events import GenerationEvent, LeaderObserver
+from meshllm.pipeline.leader_prefix import LeaderPrefixCache
+from meshllm.pipeline.replies import committed_tokens
 from meshllm.pipeline.transport import StepTransport, next_step_id
 
 log = logging.getLogger(__name__)
 
 Detokenizer = Callable[[int], str]
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationEvent:
-    seq_id: SeqId
-    text: str = ""
-    token_id: int | None = None
-    logprobs: TokenLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
-    error: MeshError | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -55,18 +46,34 @@ class _Request:
     last_token_at: float | None = None
 
 
-class LeaderObserver:
-    """Hooks for metrics; the default does nothing. Called on the loop thread."""
+# --- the loop's inbox: one small typed message per kind ------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Submit:
+    request: _Request
+    done: threading.Event = field(default_factory=threading.Event)
+    refused: list[MeshError] = field(default_factory=list)  # set by the loop when admission fails
 
-    def on_step(self, batch: MicroBatch, result: StepResult, seconds: float) -> None: ...
 
-    def on_token(self, first: bool, seconds: float) -> None: ...
+@dataclass(frozen=True, slots=True)
+class _Cancel:
+    seq_id: SeqId
 
-    def on_finish(self, reason: str, num_tokens: int) -> None: ...
 
-    def on_queue(self, num_waiting: int, num_running: int) -> None: ...
+@dataclass(frozen=True, slots=True)
+class _StepDone:
+    step_id: int
+    result: StepResult
 
-    def on_prefix(self, hit_tokens: int, miss_tokens: int) -> None: ...
+
+@dataclass(frozen=True, slots=True)
+class _Wake:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    batch: MicroBatch
+    sent_at: float
 
 
 class Leader:
@@ -80,16 +87,15 @@ class Leader:
         self.max_context = max_context
         self.step_timeout_s = step_timeout_s  # a micro-batch out longer than this means a stalled stage
         config = config or SchedulerConfig()
-        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages), on_admit=self._match_prefix)
-        self.prefix_index = PrefixIndex(config.prefix_block_size, config.prefix_cache_blocks)
         self.observer = observer or LeaderObserver()
+        self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
+        self._chores = StageChores()
+        self.prefix = LeaderPrefixCache(config.prefix_block_size, config.prefix_cache_blocks, self._seq_prefix,
+                                        self._chores, self.observer)
+        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages), on_admit=self.prefix.match)
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[SeqId, _Request] = {}
-        self._in_flight: dict[int, tuple[MicroBatch, float]] = {}
-        self._pending_release: list[SeqId] = []
-        self._pending_publish: list[Publish] = []
-        self._pending_evict: list[int] = []
-        self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
+        self._in_flight: dict[int, _InFlight] = {}
         self._seq_counter = 0
         self._id_lock = threading.Lock()
         self._closed = threading.Event()
@@ -114,16 +120,15 @@ class Leader:
             seq_id = SeqId(self._seq_prefix | self._seq_counter)
         seq = Sequence(seq_id, list(prompt_ids), params)
         checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
-        done = threading.Event()
-        outcome: list[MeshError] = []
-        self._inbox.put(("submit", _Request(seq, checker, on_event, time.perf_counter()), done, outcome))
-        done.wait()
-        if outcome:
-            raise outcome[0]
+        message = _Submit(_Request(seq, checker, on_event, time.perf_counter()))
+        self._inbox.put(message)
+        message.done.wait()
+        if message.refused:
+            raise message.refused[0]
         return seq_id
 
     def cancel(self, seq_id: SeqId) -> None:
-        self._inbox.put(("cancel", seq_id))
+        self._inbox.put(_Cancel(seq_id))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationEvent]:
         """Blocking convenience: yields events until the sequence finishes."""
@@ -140,7 +145,7 @@ class Leader:
 
     def close(self) -> None:
         self._closed.set()
-        self._inbox.put(("wake",))
+        self._inbox.put(_Wake())
         self._thread.join(timeout=10)
         self.transport.close()
 
@@ -161,47 +166,47 @@ class Leader:
                 except queue.Empty:
                     break
 
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "submit":
-            _, request, done, outcome = message
-            try:
-                self.scheduler.add(request.seq)
-                self._requests[request.seq.seq_id] = request
-            except MeshError as e:
-                outcome.append(e)
-            done.set()
-        elif kind == "cancel":
-            request = self._requests.get(message[1])
-            if request is not None:
-                self._finish(request, "cancelled")
-        elif kind == "result":
-            _, step_id, result = message
-            if step_id not in self._in_flight:
-                return  # the step was given up as stalled; its sequences already failed
-            batch, sent_at = self._in_flight.pop(step_id)
-            self.observer.on_step(batch, result, time.perf_counter() - sent_at)
-            self._apply(batch, result)
+    def _handle(self, message) -> None:
+        match message:
+            case _Submit(request=request):
+                try:
+                    self.scheduler.add(request.seq)
+                    self._requests[request.seq.seq_id] = request
+                except MeshError as e:
+                    message.refused.append(e)
+                message.done.set()
+            case _Cancel(seq_id=seq_id):
+                request = self._requests.get(seq_id)
+                if request is not None:
+                    self._finish(request, "cancelled")
+            case _StepDone(step_id=step_id, result=result):
+                flight = self._in_flight.pop(step_id, None)
+                if flight is None:
+                    return  # the step was given up as stalled; its sequences already failed
+                self.observer.on_step(flight.batch, result, time.perf_counter() - flight.sent_at)
+                self._apply(flight.batch, result)
+            case _Wake():
+                pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
 
     def _wait_s(self) -> float:
         if not self._in_flight:
             return 1.0
-        oldest = min(sent_at for _, sent_at in self._in_flight.values())
+        oldest = min(f.sent_at for f in self._in_flight.values())
         return max(0.01, min(1.0, oldest + self.step_timeout_s - time.perf_counter()))
 
     def _expire_stalled_steps(self) -> None:
         """Fail the sequences of micro-batches a stage has sat on past the step timeout, so a
         stalled (not dead) stage gives clear errors instead of hanging every request."""
         now = time.perf_counter()
-        for step_id, (batch, sent_at) in list(self._in_flight.items()):
-            if now - sent_at < self.step_timeout_s:
+        for step_id, flight in list(self._in_flight.items()):
+            if now - flight.sent_at < self.step_timeout_s:
                 continue
             del self._in_flight[step_id]
-            log.warning("step %d stalled for %.0fs; failing its %d sequences", step_id, now - sent_at,
-                        len(batch.works))
-            self._apply(batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
-                                          error_message=f"no answer within {self.step_timeout_s:g}s"))
+            log.warning("step %d stalled for %.0fs; failing its %d sequences", step_id, now - flight.sent_at,
+                        len(flight.batch.works))
+            self._apply(flight.batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
+                                                 error_message=f"no answer within {self.step_timeout_s:g}s"))
 
     def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self.transport.num_stages:
@@ -209,7 +214,7 @@ class Leader:
             if batch is None:
                 break
             self._send(batch)
-        if not self._in_flight and (self._pending_release or self._pending_publish or self._pending_evict):
+        if not self._in_flight and self._chores:
             self._send(MicroBatch(()))  # an empty step carries these through every stage
 
     def _send(self, batch: MicroBatch) -> None:
@@ -217,54 +222,58 @@ class Leader:
         ids: list[int] = []
         works = []
         for w in batch.works:
-            ids.extend(w.seq.token_ids(w.start, w.start + w.num_tokens))
-            works.append(SeqWork(w.seq.seq_id, w.start, w.num_tokens, w.sample,
-                                 w.seq.params if w.sample else None, w.attach))
-            if w.attach:
-                # Later steps (and so any eviction) reach each stage after this one: unpin now.
-                self.prefix_index.unpin(w.seq.attach)
-                w.seq.attach = []
-        release, self._pending_release = tuple(self._pending_release), []
-        publish, self._pending_publish = tuple(self._pending_publish), []
-        evict, self._pending_evict = tuple(self._pending_evict), []
+            committed_end = w.start + w.num_tokens - len(w.draft)
+            ids.extend(w.seq.token_ids(w.start, committed_end))
+            ids.extend(w.draft)
+            works.append(SeqWork(w.seq.seq_id, w.start, w.num_tokens, w.num_scored,
+                                 w.seq.params if w.num_scored else None, w.attach, w.draft))
+            self.prefix.sent(w)
+        release, publish, evict = self._chores.take()
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
-                    self.prefix_index.block_size)
-        self._in_flight[step_id] = (batch, time.perf_counter())
+                    self.prefix.block_size)
+        self._in_flight[step_id] = _InFlight(batch, time.perf_counter())
         future = self.transport.submit(step)
-        future.add_done_callback(lambda f, sid=step_id: self._inbox.put(("result", sid, f.result())))
+        future.add_done_callback(lambda f, sid=step_id: self._inbox.put(_StepDone(sid, f.result())))
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
         if not result.ok:
             # TODO(failover issue): re-plan without the failed stage and re-prefill.
             where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
-            error = PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}")
+            self._fail(batch.works, PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}"))
             log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
-            for w in batch.works:
-                w.seq.in_flight = False
-                request = self._requests.get(w.seq.seq_id)
-                if request is not None:
-                    self._finish(request, "error", error)
             return
-        sampled = {t.seq_id: t for t in result.tokens}
+        try:
+            committed = committed_tokens(batch.works, result.tokens)
+        except MeshError as e:  # the last stage answered something other than what was asked
+            log.warning("step %d: %s", result.step_id, e)
+            self._fail(batch.works, e)
+            return
         now = time.perf_counter()
         for w in batch.works:
-            self.scheduler.on_computed(w)
+            tokens = committed.get(w.seq.seq_id, ())
+            self.scheduler.on_computed(w, num_accepted=max(0, len(tokens) - 1) if w.draft else 0)
             request = self._requests.get(w.seq.seq_id)
             if request is None or w.seq.status is SeqStatus.FINISHED:
                 continue
-            if w.start + w.num_tokens == w.seq.num_prompt_tokens:
-                self._publish_prompt(w.seq)
-            if not w.sample:
-                continue
-            token = sampled[w.seq.seq_id]
-            w.seq.output_ids.append(token.token_id)
-            try:
-                self._deliver(request, token, now)
-            except Exception as e:  # noqa: BLE001 - one request's detokenizer or callback must not stop the loop
-                log.exception("request %d failed while delivering a token", w.seq.seq_id)
-                self._finish(request, "error", MeshError(f"internal error while streaming: {e}"))
+            self.prefix.computed(w)
+            for token in tokens:
+                w.seq.output_ids.append(token.token_id)
+                try:
+                    self._deliver(request, token, now)
+                except Exception as e:  # noqa: BLE001 - one request's detokenizer or callback must not stop the loop
+                    log.exception("request %d failed while delivering a token", w.seq.seq_id)
+                    self._finish(request, "error", MeshError(f"internal error while streaming: {e}"))
+                if w.seq.status is SeqStatus.FINISHED:
+                    break  # a stop inside accepted draft tokens: the rest are not part of the output
 
-    def _deliver(self, request: _Request, token, now: float) -> None:
+    def _fail(self, works: tuple[Work, ...], error: MeshError) -> None:
+        for w in works:
+            w.seq.in_flight = False
+            request = self._requests.get(w.seq.seq_id)
+            if request is not None:
+                self._finish(request, "error", error)
+
+    def _deliver(self, request: _Request, token: SampledToken, now: float) -> None:
         seq = request.seq
         text = request.checker.feed(token.token_id)
         first = request.first_token_at is None
@@ -279,40 +288,15 @@ class Leader:
                                          num_prompt_tokens=seq.num_prompt_tokens,
                                          num_cached_tokens=seq.num_cached))
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        """On admission: start the sequence after the longest cached prefix of its prompt."""
-        if not self.prefix_index.capacity_blocks:
-            return
-        seq.block_hashes = block_hashes(seq.prompt_ids, self.prefix_index.block_size, self._seq_prefix)
-        hits, misses = self.prefix_index.num_hit_tokens, self.prefix_index.num_miss_tokens
-        num_blocks = self.prefix_index.match(seq.block_hashes, seq.num_prompt_tokens)
-        self.observer.on_prefix(self.prefix_index.num_hit_tokens - hits, self.prefix_index.num_miss_tokens - misses)
-        if num_blocks:
-            seq.attach = seq.block_hashes[:num_blocks]
-            self.prefix_index.pin(seq.attach)
-            seq.num_cached = seq.num_computed = num_blocks * self.prefix_index.block_size
-
-    def _publish_prompt(self, seq: Sequence) -> None:
-        """The prompt is computed: have the stages keep its blocks for later requests."""
-        if not seq.block_hashes:
-            return
-        new, evicted = self.prefix_index.insert(seq.block_hashes)
-        self._pending_evict.extend(evicted)
-        position = {h: i for i, h in enumerate(seq.block_hashes)}
-        for h in new:
-            self._pending_publish.append(Publish(seq.seq_id, position[h], (h,)))
-
     def _finish(self, request: _Request, reason: str, error: MeshError | None = None,
                 notify: bool = True) -> None:
         seq = request.seq
-        if seq.attach:  # admitted with a cached prefix but never sent
-            self.prefix_index.unpin(seq.attach)
-            seq.attach = []
+        self.prefix.forget(seq)
         was_started = seq.status is SeqStatus.RUNNING
         self.scheduler.finish(seq)
         del self._requests[seq.seq_id]
         if was_started:
-            self._pending_release.append(seq.seq_id)
+            self._chores.release.append(seq.seq_id)
         self.observer.on_finish(reason, len(seq.output_ids))
         if notify:
             request.on_event(GenerationEvent(seq.seq_id, "", finish_reason=reason, error=error,

@@ -17,6 +17,13 @@ MAX_SEQS_PER_STEP = 4096
 MAX_TOKENS_PER_STEP = 1 << 20
 MAX_POSITION = 1 << 24
 MAX_BLOCK_SIZE = 1 << 16
+MAX_DRAFT_TOKENS = 64  # a verification step scores at most this many proposed tokens per sequence
+
+
+def scored_rows_fit(num_scored: int, num_draft: int, num_tokens: int) -> bool:
+    """A draft is always scored whole (plus the row before it); without one, at most the last row is."""
+    expected = (num_draft + 1,) if num_draft else (0, 1)
+    return num_scored in expected and num_scored <= num_tokens
 
 
 def sampling_to_pb(p: SamplingParams) -> stage_pb2.SamplingParams:
@@ -40,8 +47,9 @@ def sampling_from_pb(m: stage_pb2.SamplingParams) -> SamplingParams:
 def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
     return stage_pb2.StepRequest(
         plan_id=plan_id, step_id=step.step_id,
-        seqs=[stage_pb2.SeqEntry(seq_id=w.seq_id, start=w.start, num_tokens=w.num_tokens, sample=w.sample,
-                                 sampling=sampling_to_pb(w.sampling) if w.sampling else None, attach=w.attach)
+        seqs=[stage_pb2.SeqEntry(seq_id=w.seq_id, start=w.start, num_tokens=w.num_tokens, num_scored=w.num_scored,
+                                 sampling=sampling_to_pb(w.sampling) if w.sampling else None, attach=w.attach,
+                                 draft=w.draft)
               for w in step.seqs],
         input=codec.to_pb(step.input), release=step.release,
         timings=[timing_to_pb(t) for t in step.timings],
@@ -61,11 +69,16 @@ def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
             raise MalformedMessage(f"sequence {e.seq_id}: start {e.start} / num_tokens {e.num_tokens} out of range")
         seen.add(e.seq_id)
         total += e.num_tokens
-        sampling = sampling_from_pb(e.sampling) if e.sample else None
+        if len(e.draft) > MAX_DRAFT_TOKENS or not scored_rows_fit(e.num_scored, len(e.draft), e.num_tokens):
+            raise MalformedMessage(f"sequence {e.seq_id}: {e.num_scored} scored rows for {len(e.draft)} draft tokens "
+                                   f"in {e.num_tokens} rows (at most {MAX_DRAFT_TOKENS} drafts; scored must be 0 or "
+                                   f"drafts + 1)")
+        sampling = sampling_from_pb(e.sampling) if e.num_scored else None
         if e.attach and len(e.attach) * msg.block_size != e.start:
             raise MalformedMessage(f"sequence {e.seq_id} attaches {len(e.attach)} blocks of {msg.block_size} "
                                    f"tokens but starts at {e.start}")
-        seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.sample, sampling, tuple(e.attach)))
+        seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.num_scored, sampling, tuple(e.attach),
+                            tuple(e.draft)))
     if total > MAX_TOKENS_PER_STEP:
         raise MalformedMessage(f"step carries {total} tokens; the limit is {MAX_TOKENS_PER_STEP}")
     x = codec.from_pb(msg.input) if msg.HasField("input") else None
@@ -93,7 +106,7 @@ def timing_from_pb(m: stage_pb2.StageTiming) -> StageTiming:
 def tokens_to_pb(tokens: list[SampledToken]) -> list[stage_pb2.SampledToken]:
     out = []
     for t in tokens:
-        msg = stage_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id)
+        msg = stage_pb2.SampledToken(seq_id=t.seq_id, token_id=t.token_id, position=t.position)
         if t.logprobs is not None:
             msg.logprob = t.logprobs.logprob
             msg.top.extend(stage_pb2.TokenLogprob(token_id=i, logprob=lp)
@@ -109,7 +122,7 @@ def result_from_pb(msg: stage_pb2.StepReply) -> StepResult:
         if t.HasField("logprob"):
             lp = TokenLogprobs(t.token_id, t.logprob, tuple(x.token_id for x in t.top),
                                tuple(x.logprob for x in t.top))
-        tokens.append(SampledToken(SeqId(t.seq_id), t.token_id, lp))
+        tokens.append(SampledToken(SeqId(t.seq_id), t.position, t.token_id, lp))
     return StepResult(msg.step_id, tuple(tokens), tuple(timing_from_pb(t) for t in msg.timings),
                       msg.error_code or None, msg.error_message,
                       msg.failed_stage if msg.error_code else None)

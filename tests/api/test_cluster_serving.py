@@ -14,7 +14,7 @@ def test_shared_512_token_prefix_is_a_hit_and_only_the_suffix_is_prefilled(long_
     live = long_cluster_server
     client = live.client()
     model = live.backend.model_id
-    block = live.backend.leader.prefix_index.block_size
+    block = live.backend.leader.prefix.block_size
     prefix = [3 + (i * 37) % 500 for i in range(PREFIX_TOKENS)]  # token ids: no tokenizer ambiguity
     first = client.completions.create(model=model, prompt=prefix + [7, 8, 9, 10, 11], max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0

@@ -24,7 +24,7 @@ def sample(observer: MetricsObserver, name: str, **labels) -> float | None:
 def test_step_hook_records_stage_compute_and_hop_latency():
     m = MetricsObserver()
     seq = Sequence(SeqId(1), [1, 2, 3], SamplingParams())
-    batch = MicroBatch((Work(seq, 0, 3, True),))
+    batch = MicroBatch((Work(seq, 0, 3, 1),))
     timings = (StageTiming(0, 0.010, 0.0, 0.0), StageTiming(1, 0.020, 0.0, 0.0))
     m.on_step(batch, StepResult(7, (), timings), seconds=0.060)
     assert sample(m, "meshllm_stage_compute_seconds_sum", stage="0") == pytest.approx(0.010)

@@ -19,7 +19,7 @@ def complete(scheduler: Scheduler, batch, sampled: int = 42) -> None:
     """What the leader does with a successful result: commit, append sampled tokens."""
     for w in batch.works:
         scheduler.on_computed(w)
-        if w.sample:
+        if w.num_scored:
             w.seq.output_ids.append(sampled)
 
 
@@ -34,7 +34,7 @@ def test_long_prompt_is_chunked_and_never_stalls_running_decodes():
     while long.is_prefilling:
         batch = s.next_microbatch()
         kinds = {w.seq.seq_id: w for w in batch.works}
-        assert kinds[1].num_tokens == 1 and kinds[1].sample  # the decode rides along every step
+        assert kinds[1].num_tokens == 1 and kinds[1].num_scored == 1  # the decode rides along every step
         chunks.append((kinds[2].start, kinds[2].num_tokens))
         assert batch.num_tokens <= 64
         complete(s, batch)
@@ -111,3 +111,54 @@ def test_token_ids_slice_prompt_output_and_both():
     everything = s.prompt_ids + s.output_ids
     for start, end in ((0, 3), (5, 6), (6, 8), (3, 7), (0, 8)):
         assert s.token_ids(start, end) == everything[start:end]
+
+
+def test_a_draft_rides_as_extra_scored_rows_capped_by_budget_and_remaining_tokens():
+    s = Scheduler(SchedulerConfig(max_batched_tokens=4, prefill_chunk=4, prefix_block_size=2))
+    x = seq(1, 3, max_tokens=5)
+    s.add(x)
+    complete(s, s.next_microbatch())  # prompt computed, first token sampled: 4 known, 3 computed
+    x.draft, x.draft_position = (9, 9, 9, 9, 9), x.num_tokens
+    [work] = s.next_microbatch().works
+    # 1 + 3 draft rows fill the budget of 4.
+    assert (work.start, work.num_tokens, work.num_scored, work.draft) == (3, 4, 4, (9, 9, 9))
+    s.on_computed(work, num_accepted=1)
+    assert x.num_computed == 5  # the last committed token and one accepted draft
+    x.output_ids += [9, 3]
+    x.draft_position = x.num_tokens
+    [work] = s.next_microbatch().works
+    # 3 outputs of 5: this step may commit 2 tokens, so at most 1 draft row.
+    assert (work.num_tokens, work.draft) == (2, (9,))
+
+
+def test_a_stale_draft_is_not_sent():
+    s = Scheduler(SchedulerConfig(max_batched_tokens=8, prefill_chunk=8, prefix_block_size=2))
+    x = seq(1, 3)
+    s.add(x)
+    complete(s, s.next_microbatch())
+    x.draft, x.draft_position = (5, 6), x.num_tokens - 1  # proposed for an older position
+    [work] = s.next_microbatch().works
+    assert (work.num_tokens, work.draft) == (1, ())
+
+
+def test_catching_up_after_losing_kv_never_samples_a_committed_token_again():
+    # What failover does: a stage lost the KV, so every committed token is computed again.
+    s = Scheduler(SchedulerConfig(max_batched_tokens=64, prefill_chunk=32, prefix_block_size=16))
+    x = seq(1, 40, max_tokens=30)
+    s.add(x)
+    while x.is_prefilling:
+        complete(s, s.next_microbatch())
+    for _ in range(9):
+        complete(s, s.next_microbatch())
+    assert len(x.output_ids) == 10 and x.num_computed == 49
+    x.num_computed = 0
+    works = []
+    while x.is_prefilling:
+        batch = s.next_microbatch()
+        works += [(w.start, w.num_tokens, w.num_scored) for w in batch.works]
+        for w in batch.works:
+            s.on_computed(w)
+    # The same chunk boundaries as the prompt's; only the chunk reaching the last committed token
+    # (position 49) is scored, and what it scores is position 50: the next token, never sampled yet.
+    assert works == [(0, 32, 0), (32, 18, 1)]
+    assert x.num_computed == 50 and len(x.output_ids) == 10

@@ -1,0 +1,37 @@
+"""What a leader reports: per-sequence generation events, and hooks for metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import TokenLogprobs
+from meshllm.engine.scheduler import MicroBatch
+from meshllm.engine.step import StepResult
+from meshllm.errors import MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEvent:
+    seq_id: SeqId
+    text: str = ""
+    token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: MeshError | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class LeaderObserver:
+    """Hooks for metrics; the default does nothing. Called on the leader's loop thread."""
+
+    def on_step(self, batch: MicroBatch, result: StepResult, seconds: float) -> None: ...
+
+    def on_token(self, first: bool, seconds: float) -> None: ...
+
+    def on_finish(self, reason: str, num_tokens: int) -> None: ...
+
+    def on_queue(self, num_waiting: int, num_running: int) -> None: ...
+
+    def on_prefix(self, hit_tokens: int, miss_tokens: int) -> None: ...

@@ -1,0 +1,66 @@
+"""The leader's side of the prefix cache: which prompt blocks the stages hold.
+
+Hash blocks at the leader so all stages agree on reuse without sending KV. On
+admission a sequence starts after its longest cached prefix (the blocks are pinned
+until the step that attaches them is sent); when its prompt is computed, the stages
+are told to keep the new blocks, and the index's evictions are passed on. Called
+on the leader's loop thread only.
+"""
+
+from __future__ import annotations
+
+from meshllm.engine.prefix_index import PrefixIndex, block_hashes
+from meshllm.engine.scheduler import Work
+from meshllm.engine.sequence import Sequence
+from meshllm.engine.step import Publish
+from meshllm.pipeline.chores import StageChores
+from meshllm.pipeline.events import LeaderObserver
+
+
+class LeaderPrefixCache:
+    def __init__(self, block_size: int, capacity_blocks: int, salt: int, chores: StageChores,
+                 observer: LeaderObserver):
+        self.index = PrefixIndex(block_size, capacity_blocks)
+        self._salt = salt  # per leader: two leaders sharing stages never evict each other's blocks
+        self._chores = chores
+        self._observer = observer
+
+    @property
+    def block_size(self) -> int:
+        return self.index.block_size
+
+    def match(self, seq: Sequence) -> None:
+        """On admission: start the sequence after the longest cached prefix of its prompt."""
+        if not self.index.capacity_blocks:
+            return
+        seq.block_hashes = block_hashes(seq.prompt_ids, self.index.block_size, self._salt)
+        hits, misses = self.index.num_hit_tokens, self.index.num_miss_tokens
+        num_blocks = self.index.match(seq.block_hashes, seq.num_prompt_tokens)
+        self._observer.on_prefix(self.index.num_hit_tokens - hits, self.index.num_miss_tokens - misses)
+        if num_blocks:
+            seq.attach = seq.block_hashes[:num_blocks]
+            self.index.pin(seq.attach)
+            seq.num_cached = seq.num_computed = num_blocks * self.index.block_size
+
+    def sent(self, work: Work) -> None:
+        """`work` is on its way: later steps (and so any eviction) reach each stage after it."""
+        if work.attach:
+            self.index.unpin(work.seq.attach)
+            work.seq.attach = []
+
+    def computed(self, work: Work) -> None:
+        """The stages committed `work`: once it completes the prompt, have them keep its blocks."""
+        seq = work.seq
+        if not seq.block_hashes or not work.start < seq.num_prompt_tokens <= work.start + work.num_tokens:
+            return
+        new, evicted = self.index.insert(seq.block_hashes)
+        self._chores.evict.extend(evicted)
+        position = {h: i for i, h in enumerate(seq.block_hashes)}
+        for h in new:
+            self._chores.publish.append(Publish(seq.seq_id, position[h], (h,)))
+
+    def forget(self, seq: Sequence) -> None:
+        """The sequence ends: unpin blocks it was admitted with but never sent."""
+        if seq.attach:
+            self.index.unpin(seq.attach)
+            seq.attach = []

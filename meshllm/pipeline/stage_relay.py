@@ -1,0 +1,60 @@
+"""A stage's stream to the next stage: requests out, the next stage's replies straight into
+the upstream reply queue. A broken stream answers every pending and later step with
+`stage_unreachable` naming the next stage, so the leader learns which hop failed."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import grpc
+
+from meshllm.transport import stage_convert
+from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class Downstream:
+    def __init__(self, channel: grpc.Channel, replies: queue.Queue, next_index: int):
+        self._requests: queue.Queue = queue.Queue()
+        self._replies = replies
+        self._next_index = next_index
+        self._pending: set[int] = set()
+        self._lock = threading.Lock()
+        self.broken = False
+        call = stage_pb2_grpc.StageStub(channel).Forward(iter(self._requests.get, None))
+        self._reader = threading.Thread(target=self._read, args=(call,), daemon=True, name="stage-relay")
+        self._reader.start()
+
+    def send(self, request: stage_pb2.StepRequest) -> None:
+        with self._lock:
+            if self.broken:
+                self._fail(request.step_id)
+                return
+            self._pending.add(request.step_id)
+        self._requests.put(request)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._reader.join(timeout=30)
+
+    def _read(self, call) -> None:
+        try:
+            for reply in call:
+                with self._lock:
+                    self._pending.discard(reply.step_id)
+                self._replies.put(reply)
+        except grpc.RpcError as e:
+            log.warning("stage %d unreachable: %s", self._next_index, e.code())
+            with self._lock:
+                self.broken = True
+                pending, self._pending = self._pending, set()
+            for step_id in sorted(pending):
+                self._fail(step_id)
+
+    def _fail(self, step_id: int) -> None:
+        self._replies.put(stage_convert.error_reply(step_id, "stage_unreachable",
+                                                    f"stage {self._next_index} is unreachable",
+                                                    self._next_index))
