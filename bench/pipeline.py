@@ -104,13 +104,14 @@ def run_stages(cluster: LocalCluster, channels, files, num_stages: int, options:
                new_tokens: int) -> dict:
     n = files.config.num_hidden_layers
     bounds = [round(k * n / num_stages) for k in range(num_stages + 1)]
-    stages = tuple(StageAssignment(f"node-{k}", cluster.addresses[k], bounds[k], bounds[k + 1], 0, 0, 0)
+    stages = tuple(StageAssignment(cluster.node_ids[k], cluster.addresses[k], bounds[k], bounds[k + 1], 0, 0, 0)
                    for k in range(num_stages))
     plan = Plan(files.model_id, files.source.fingerprint(), n, options.context_length, options.max_batch, 2, 2,
                 stages, 0.0, False)
     plan_id = deploy(plan, channels, options.dtype, quantization=options.quantization)
     timer = HopTimer()
-    leader = new_leader(files, RemotePipeline(channels.get(stages[0].address), plan_id, num_stages), options,
+    first = channels.get(stages[0].address, stages[0].node_id)
+    leader = new_leader(files, RemotePipeline(first, plan_id, num_stages), options,
                         observer=timer)
     prompt = files.tokenizer.encode("The history of distributed computing begins with")[:32]
     try:

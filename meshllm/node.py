@@ -27,11 +27,12 @@ from meshllm.cluster.models_on_disk import ModelScan
 from meshllm.cluster.own_card import CardIdentity, OwnCard
 from meshllm.cluster.profile import load_or_probe, memory_of, platform_name
 from meshllm.cluster.registry import Registry
-from meshllm.transport.auth import TlsFiles, cluster_id
+from meshllm.transport.auth import cluster_id
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.convert import MAX_TTL_S
 from meshllm.transport.protos import cluster_pb2_grpc
 from meshllm.transport.server import NodeServer, ServerConfig, join_host_port
+from meshllm.transport.tls import PLAINTEXT, TlsMode
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class NodeConfig:
     ttl_s: float = 30.0
     discovery: bool = True
     state_dir: Path = field(default_factory=default_state_dir)
-    tls: TlsFiles | None = None
+    tls: TlsMode = None  # None: TLS with certificates derived from the cluster key
     device: str = "cpu"
 
     def __post_init__(self):
@@ -81,8 +82,12 @@ class Node:
 
     def __init__(self, config: NodeConfig, key: bytes):
         self.config = config
-        self.server = NodeServer(ServerConfig(host=config.host, port=config.port, key=key, tls=config.tls))
-        self.node_id = NodeId(config.node_id or f"{socket.gethostname()}-{self.server.port}")
+        if config.tls is PLAINTEXT:
+            log.warning("--insecure-plaintext: prompts, activations and tokens cross the network unencrypted "
+                        "and streamed messages can be altered on the way; use it on a trusted link only")
+        self.server = NodeServer(ServerConfig(host=config.host, port=config.port, key=key, node_id=config.node_id,
+                                              tls=config.tls))
+        self.node_id = NodeId(self.server.node_id)
         self.address = join_host_port(self._advertised_host(), self.server.port)
 
         self.models = ModelScan(config.model_paths)

@@ -5,6 +5,14 @@ nodes mDNS discovered, and one random node from its view); the peer merges it
 and answers with its own merged view, which the caller merges in turn. After
 one exchange both sides hold the union, so with a connected seed graph every
 view holds every live card within graph-diameter rounds.
+
+Only verified cards are merged: a request's cards are covered by its MAC (the
+server interceptor checks it before Exchange runs), a reply's by the
+responder's signature (the signed channel checks it before Exchange returns),
+and both travel over TLS from the cluster key. A host that knows the cluster id
+from mDNS but not the key fails the TLS handshake, and even over
+--insecure-plaintext its unsigned reply is refused: its cards never reach a
+registry, so it is never placed.
 """
 
 from __future__ import annotations
@@ -19,14 +27,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from meshllm.cluster.card import Card
+from meshllm.cluster.card import Card, NodeId
 from meshllm.cluster.registry import MergeResult, Registry
 from meshllm.errors import AuthError, MalformedMessage, MeshError, PeerUnreachable
-from meshllm.transport.auth import TlsFiles
-from meshllm.transport.channels import ChannelConfig, ChannelPool, open_channel
+from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.convert import (MAX_CARDS_PER_EXCHANGE, MAX_EXCHANGE_BYTES, card_to_pb,
                                        cards_from_pb)
 from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc
+from meshllm.transport.tls import TlsMode
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +46,7 @@ def outgoing_cards(cards: Iterable[Card], own: Card) -> list[cluster_pb2.Card]:
 
 
 def merge_reply(registry: Registry, cards: Iterable[cluster_pb2.Card], source: str, now: float) -> MergeResult:
+    """Merge the cards of a verified Exchange message (see the module docstring)."""
     valid, rejected = cards_from_pb(list(cards), now)
     for rejection in rejected:
         log.warning("dropped a card from %s: %s", source, rejection)
@@ -63,6 +72,13 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return cluster_pb2.ExchangeResponse(cards=outgoing_cards(self._registry.snapshot(),
                                                                  self._registry.own_card()))
+
+
+def node_id_at(channels: ChannelPool, address: str, timeout: float) -> NodeId:
+    """Who listens at `address`: its signed answer to Health.Check, the one call that
+    may be sent before the receiver is known. Every later call is addressed to it."""
+    reply = cluster_pb2_grpc.HealthStub(channels.get(address)).Check(cluster_pb2.HealthRequest(), timeout=timeout)
+    return NodeId(reply.node_id)
 
 
 class HealthServicer(cluster_pb2_grpc.HealthServicer):
@@ -102,6 +118,7 @@ class GossipLoop:
         self._clock = clock
         self._num_random_peers = num_random_peers
         self._errors: dict[str, PeerError] = {}
+        self._receivers: dict[str, NodeId] = {}  # address -> node id it answered with; under _errors_lock
         self._errors_lock = threading.Lock()
         self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gossip")
@@ -153,11 +170,17 @@ class GossipLoop:
         request = cluster_pb2.ExchangeRequest(cards=outgoing_cards(self._registry.snapshot(),
                                                                    self._registry.own_card()))
         try:
-            stub = cluster_pb2_grpc.ClusterStub(self._channels.get(address))
+            with self._errors_lock:
+                receiver = self._receivers.get(address)
+            if receiver is None:
+                receiver = node_id_at(self._channels, address, self._timeout_s)
+                with self._errors_lock:
+                    self._receivers[address] = receiver
+            stub = cluster_pb2_grpc.ClusterStub(self._channels.get(address, receiver))
             reply = stub.Exchange(request, timeout=self._timeout_s)
             merge_reply(self._registry, reply.cards, address, self._clock())
         except grpc.RpcError as e:
-            self._record_error(address, e.code().name, f"{e.code().name}: {e.details()}")
+            self._record_error(address, e.code().name, f"{e.code().name}: {explain_rpc_error(e)}")
         except MalformedMessage as e:
             self._record_error(address, "invalid_reply", str(e))
         else:
@@ -168,6 +191,7 @@ class GossipLoop:
 
     def _record_error(self, address: str, kind: str, message: str) -> None:
         with self._errors_lock:
+            self._receivers.pop(address, None)  # ask who is there again: it may have restarted as another node
             previous = self._errors.get(address)
             self._errors[address] = PeerError(address, kind, message, self._clock())
         # Once per kind of failure, not every round: a down peer would flood the log.
@@ -175,24 +199,42 @@ class GossipLoop:
             log.warning("gossip with %s failed (will keep trying): %s", address, message)
 
 
-def fetch_view(address: str, key: bytes, timeout: float = 5.0, *, tls: TlsFiles | None = None,
+def handshake_failed(e: grpc.RpcError) -> bool:
+    """The TLS handshake was refused: the peer's certificate is not from this cluster's
+    key (or ours not from theirs), or only one side runs with --insecure-plaintext."""
+    details = (e.details() or "").lower()
+    return e.code() == grpc.StatusCode.UNAVAILABLE and "tls handshake failed" in details
+
+
+def explain_rpc_error(e: grpc.RpcError) -> str:
+    """gRPC's details, plus what to do when the TLS handshake failed."""
+    if handshake_failed(e):
+        return (f"{e.details()} -- the TLS handshake failed: the peer does not hold this cluster's key (check "
+                f"--key-file), or one side runs with --insecure-plaintext and the other not")
+    return e.details() or ""
+
+
+def fetch_view(address: str, key: bytes, timeout: float = 5.0, *, tls: TlsMode = None,
                node_id: str = "meshllm-cli") -> list[Card]:
-    """The fleet as the node at `address` sees it: one authenticated Exchange that
-    sends no cards. Used by `meshllm status` and `meshllm plan`."""
-    channel = open_channel(address, ChannelConfig(node_id=node_id, key=key, tls=tls))
+    """The fleet as the node at `address` sees it: who is there (Health.Check), then one
+    authenticated Exchange addressed to it that sends no cards. Used by `meshllm status`,
+    `plan` and `generate`."""
+    channels = ChannelPool(ChannelConfig(node_id=node_id, key=key, tls=tls))
     try:
-        reply = cluster_pb2_grpc.ClusterStub(channel).Exchange(cluster_pb2.ExchangeRequest(), timeout=timeout)
+        receiver = node_id_at(channels, address, timeout)
+        stub = cluster_pb2_grpc.ClusterStub(channels.get(address, receiver))
+        reply = stub.Exchange(cluster_pb2.ExchangeRequest(), timeout=timeout)
     except grpc.RpcError as e:
-        code = e.code()
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            raise AuthError(f"{address} refused the call: {e.details()}. Pass the cluster's key file "
+        code, details = e.code(), explain_rpc_error(e)
+        if code == grpc.StatusCode.UNAUTHENTICATED or handshake_failed(e):
+            raise AuthError(f"{address} refused the call: {details}. Pass the cluster's key file "
                             f"with --key-file.") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise PeerUnreachable(f"no meshllm node answered at {address} within {timeout:.0f}s ({code.name}). "
-                                  f"Is `meshllm node` running there? Check --peer host:port.") from None
-        raise MeshError(f"{address} failed the Exchange call: {code.name}: {e.details()}") from None
+            raise PeerUnreachable(f"no meshllm node answered at {address} within {timeout:.0f}s ({code.name}: "
+                                  f"{details}). Is `meshllm node` running there? Check --peer host:port.") from None
+        raise MeshError(f"{address} failed the Exchange call: {code.name}: {details}") from None
     finally:
-        channel.close()
+        channels.close()
     cards, rejected = cards_from_pb(list(reply.cards), time.time())
     for rejection in rejected:
         log.warning("dropped a card from %s: %s", address, rejection)

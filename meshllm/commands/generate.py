@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.engine.generate import TextDelta, check_fits, stream_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.weight_forms import prepare_for_cpu
@@ -34,6 +35,7 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # AMX) and decodes as fast as fp32. Prepacked bf16 (--dtype bf16) decodes faster, 1.1x on
 # SmolLM2-135M and 1.6x on a 1.1B model, at that prefill cost; --int8 is faster still.
 AUTO_DTYPE = {"cpu": "fp16"}
+LEADER_ID = "meshllm-generate"  # who `generate --peer` is to the nodes it calls
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cluster key file (with --peer; default the node's state-dir key)")
     parser.add_argument("--stages", type=int, default=None,
                         help="with --peer: split the model over this many nodes (default: fewest that fit)")
+    add_transport_arguments(parser)
     parser.add_argument("--int8", action="store_true",
                         help="keep linear weights as int8 with one scale per row: decodes "
                              "~1.5x faster on CPU, output close to but not identical with 16-bit weights")
@@ -127,10 +130,11 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
     from meshllm.pipeline.cluster import ServingOptions, cluster_leader
 
     key = resolve_key(args.key_file, default_state_dir(), create=False)
+    tls = tls_from_args(args)
     fleet, failures = [], []
     for peer in args.peer:
         try:
-            fleet = fetch_view(peer, key)
+            fleet = fetch_view(peer, key, tls=tls, node_id=LEADER_ID)
             break
         except PeerUnreachable as e:
             failures.append(str(e))
@@ -140,7 +144,7 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
         AUTO_DTYPE["cpu"] if args.dtype == "auto" else args.dtype]
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
                              num_stages=args.stages, dtype=dtype, quantization="int8" if args.int8 else None)
-    leader, plan = cluster_leader(files, fleet, ChannelPool(ChannelConfig("meshllm-generate", key)), options)
+    leader, plan = cluster_leader(files, fleet, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
     print("[" + ", ".join(f"{s.node_id}: layers {s.first_layer}-{s.last_layer - 1}" for s in plan.stages) + "]",
           file=sys.stderr)
     try:

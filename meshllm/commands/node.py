@@ -7,7 +7,8 @@ from pathlib import Path
 
 from meshllm.pipeline.node_stage import attach_stage_service
 from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
-from meshllm.transport.auth import TlsFiles, load_key, load_or_create_key
+from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
+from meshllm.transport.auth import load_key, load_or_create_key
 
 _DEFAULTS = NodeConfig(state_dir=Path("unused"))  # each default lives in NodeConfig
 
@@ -32,19 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-discovery", action="store_true", help="turn off mDNS/DNS-SD discovery on the LAN")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help=f"folder for the cluster key and probe cache (default {default_state_dir()})")
-    parser.add_argument("--tls-cert", type=Path, help="this node's PEM certificate (mTLS; with --tls-key, --tls-ca)")
-    parser.add_argument("--tls-key", type=Path, help="this node's PEM private key")
-    parser.add_argument("--tls-ca", type=Path, help="PEM of the CA that signed every node's certificate")
+    add_transport_arguments(parser)
     parser.add_argument("--device", default=d.device, help=f"compute device: cpu, cuda:0, mps (default {d.device})")
-
-
-def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
-    files = (args.tls_cert, args.tls_key, args.tls_ca)
-    if not any(files):
-        return None
-    if not all(files):
-        raise SystemExit("meshllm: mTLS needs all of --tls-cert, --tls-key and --tls-ca")
-    return TlsFiles(cert=args.tls_cert, key=args.tls_key, ca=args.tls_ca)
 
 
 def resolve_key(key_file: Path | None, state_dir: Path, *, create: bool) -> bytes:

@@ -18,6 +18,7 @@ from pathlib import Path
 from meshllm.cluster.card import Card, ModelOnDisk, NodeId, Role
 from meshllm.cluster.placement import GIB, Plan, PlacementRequest, plan_placement
 from meshllm.cluster.stage_budget import usable_bytes
+from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.errors import BadRequest, ModelLoadError
 from meshllm.model.config import ModelConfig
 
@@ -57,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan over the fleet as the node at HOST:PORT sees it (default: this machine alone)")
     parser.add_argument("--key-file", type=Path, default=None, help="cluster key file; needed with --peer")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    add_transport_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,7 +160,7 @@ def _peer_view(args: argparse.Namespace) -> list[Card]:
     from meshllm.cluster.gossip import fetch_view
     from meshllm.transport.auth import load_key
 
-    return fetch_view(args.peer, load_key(args.key_file), PEER_TIMEOUT_S)
+    return fetch_view(args.peer, load_key(args.key_file), PEER_TIMEOUT_S, tls=tls_from_args(args))
 
 
 def _positive_int(text: str) -> int:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from meshllm.cluster.card import Card
 from meshllm.cluster.gossip import fetch_view
-from meshllm.commands.node import resolve_key, tls_from_args
+from meshllm.commands.node import resolve_key
+from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.node import KEY_FILE_NAME, NodeConfig, default_state_dir
 
 _DEFAULT_PEER = f"127.0.0.1:{NodeConfig(state_dir=Path('unused')).port}"
@@ -25,9 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"cluster key file (default <state-dir>/{KEY_FILE_NAME})")
     parser.add_argument("--state-dir", type=Path, default=None, help=f"default {default_state_dir()}")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the node (default 5)")
-    parser.add_argument("--tls-cert", type=Path, help="PEM certificate (mTLS; with --tls-key, --tls-ca)")
-    parser.add_argument("--tls-key", type=Path, help="PEM private key")
-    parser.add_argument("--tls-ca", type=Path, help="PEM of the cluster's CA")
+    add_transport_arguments(parser)
 
 
 def card_json(card: Card, now: float) -> dict:

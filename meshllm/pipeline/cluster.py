@@ -89,7 +89,8 @@ def cluster_leader(files: ModelFiles, fleet: list[Card], channels: ChannelPool, 
     log.info("plan for %s: %s", files.model_id,
              ", ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages))
     plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization)
-    transport = RemotePipeline(channels.get(plan.stages[0].address), plan_id, len(plan.stages))
+    first = plan.stages[0]
+    transport = RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages))
     return new_leader(files, transport, options, observer), plan
 
 

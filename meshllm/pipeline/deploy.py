@@ -33,6 +33,7 @@ def load_requests(plan: Plan, dtype: str, batch_invariant: bool,
         plan_id=plan_id, model_id=plan.model_id, fingerprint=plan.fingerprint, num_layers=plan.num_layers,
         first_layer=s.first_layer, last_layer=s.last_layer, dtype=dtype,
         next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
+        next_node_id=plan.stages[i + 1].node_id if i + 1 < len(plan.stages) else "",
         stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "")
         for i, s in enumerate(plan.stages)]
 
@@ -44,7 +45,7 @@ def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_inva
 
     def load(index: int) -> None:
         stage = plan.stages[index]
-        stub = stage_pb2_grpc.StageStub(channels.get(stage.address))
+        stub = stage_pb2_grpc.StageStub(channels.get(stage.address, stage.node_id))
         try:
             stub.Load(requests[index], timeout=LOAD_TIMEOUT_S)
         except grpc.RpcError as e:

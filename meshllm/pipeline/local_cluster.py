@@ -43,6 +43,7 @@ class LocalCluster:
         self.threads_per_node = threads_per_node
         self.key_file = state_dir / "cluster.key"
         self.addresses: list[str] = []
+        self.node_ids = [f"node-{i}" for i in range(num_nodes)]  # node i listens at addresses[i]
         self.processes: list[subprocess.Popen] = []
         self.logs: list[list[str]] = []
 
@@ -58,7 +59,7 @@ class LocalCluster:
         ready = []
         for i, port in enumerate(ports):
             args = [sys.executable, "-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--port", str(port),
-                    "--key-file", str(self.key_file), "--node-id", f"node-{i}", "--no-discovery",
+                    "--key-file", str(self.key_file), "--node-id", self.node_ids[i], "--no-discovery",
                     "--state-dir", str(self.state_dir / f"node-{i}"), *self.extra_args]
             for path in self.model_paths:
                 args += ["--models", str(path)]

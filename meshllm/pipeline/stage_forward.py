@@ -72,8 +72,8 @@ class ForwardStreams:
                                                     tokens=stage_convert.tokens_to_pb(out)))
                     continue
                 if downstream is None or downstream.broken:
-                    downstream = Downstream(self._channels.get(stage.request.next_address), replies,
-                                            stage.index + 1)
+                    next_stage = self._channels.get(stage.request.next_address, stage.request.next_node_id)
+                    downstream = Downstream(next_stage, replies, stage.index + 1)
                 # The same step onward, our output in place of our input (fields listed, not
                 # CopyFrom: that would copy the incoming activations only to overwrite them).
                 downstream.send(stage_pb2.StepRequest(

@@ -1,19 +1,27 @@
-"""Cluster authentication: a shared key, an HMAC on every call, optional mTLS.
+"""Cluster authentication: one shared key, and a MAC on every call and every reply.
 
-Every gRPC call carries metadata (node id, unix time, random nonce, method) and
-an HMAC-SHA256 of them under the cluster key. The server interceptor checks the
-MAC, the time window and that the nonce is new before any servicer runs, so a
-caller without the key, a stale call or a replayed one gets UNAUTHENTICATED and
-does no work. Message bodies are not covered by the MAC: use mTLS
-(--tls-cert/--tls-key/--tls-ca) where the network itself is not trusted.
+The key file is all a node needs: TLS certificates derive from it (tls.py), and
+so does the MAC key used here. TLS keeps outsiders out of the connection; the
+MACs bind each call to who sent it, who it is for, the method and the exact
+body, so that even a captured call (where --insecure-plaintext lets one be
+captured) cannot be redirected to another node, given another body or replayed.
+
+A request carries (sender, receiver, unix time, random nonce) and
+HMAC(sender, receiver, method, time, nonce, SHA-256 of the body). Streaming
+requests sign their opening only: the messages that follow ride the same TLS
+connection. The server (server_auth.py) checks the MAC, that it is the receiver,
+the time window and that the nonce is new, before any servicer runs. Its reply
+carries HMAC(responder, requester, method, the request's nonce, SHA-256 of the
+reply body) in trailing metadata (initial metadata for a streamed reply), which
+the client (signed_channel.py) checks before it believes a byte.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import hmac
-import logging
 import os
 import secrets
 import threading
@@ -23,10 +31,10 @@ from pathlib import Path
 from typing import Callable
 
 import grpc
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from meshllm.errors import KeyFileError
-
-log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 MIN_KEY_BYTES = 16
@@ -34,10 +42,16 @@ MAX_CLOCK_SKEW_S = 30.0  # calls stamped further from the server's clock are ref
 NONCE_HEX_CHARS = 32
 MAX_REMEMBERED_NONCES = 200_000  # ~ calls per 2 * MAX_CLOCK_SKEW_S; beyond, calls wait
 
-HEADER_NODE = "x-meshllm-node"
+HEADER_NODE = "x-meshllm-node"  # sender
+HEADER_TO = "x-meshllm-to"  # receiver's node id; empty for HEALTH_CHECK, which asks who is there
 HEADER_TIME = "x-meshllm-time"
 HEADER_NONCE = "x-meshllm-nonce"
 HEADER_MAC = "x-meshllm-mac"
+HEADER_FROM = "x-meshllm-from"  # in a reply: the responder's node id
+HEADER_REPLY_MAC = "x-meshllm-reply-mac"
+
+STREAM = "stream"  # the body digest of a streamed request or reply: TLS protects its messages
+HEALTH_CHECK = "/meshllm.Health/Check"
 
 
 # ---------------------------------------------------------------- key files
@@ -97,22 +111,58 @@ def cluster_id(key: bytes) -> str:
 
 # ---------------------------------------------------------------- signing
 
-def _mac(key: bytes, node_id: str, timestamp: str, nonce: str, method: str) -> str:
-    message = "\n".join((node_id, timestamp, nonce, method)).encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+@functools.lru_cache(maxsize=8)
+def mac_key(key: bytes) -> bytes:
+    """The key of call MACs, apart from the TLS CA's: one secret, two purposes, no overlap."""
+    return HKDF(hashes.SHA256(), length=32, salt=None, info=b"meshllm call mac v1").derive(key)
 
 
-def sign(key: bytes, node_id: str, method: str, *, now: float | None = None,
-         nonce: str | None = None) -> list[tuple[str, str]]:
-    """The auth metadata for one call of `method` ("/meshllm.Cluster/Exchange")."""
+def body_digest(body: bytes | None) -> str:
+    """SHA-256 of a unary message's bytes; STREAM for a stream."""
+    return STREAM if body is None else hashlib.sha256(body).hexdigest()
+
+
+def _mac(key: bytes, kind: str, *fields: str) -> str:
+    return hmac.new(mac_key(key), "\n".join((kind, *fields)).encode(), hashlib.sha256).hexdigest()
+
+
+def sign(key: bytes, node_id: str, method: str, *, receiver: str = "", body: bytes | None = None,
+         now: float | None = None, nonce: str | None = None) -> list[tuple[str, str]]:
+    """The auth metadata for one call of `method` ("/meshllm.Cluster/Exchange") from
+    `node_id` to `receiver` carrying `body` (None: a streaming request)."""
     timestamp = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(NONCE_HEX_CHARS // 2) if nonce is None else nonce
     return [
         (HEADER_NODE, node_id),
+        (HEADER_TO, receiver),
         (HEADER_TIME, timestamp),
         (HEADER_NONCE, nonce),
-        (HEADER_MAC, _mac(key, node_id, timestamp, nonce, method)),
+        (HEADER_MAC, _mac(key, "call", node_id, receiver, method, timestamp, nonce, body_digest(body))),
     ]
+
+
+def sign_reply(key: bytes, responder: str, requester: str, method: str, request_nonce: str,
+               body: bytes | None) -> list[tuple[str, str]]:
+    """The metadata that proves `responder` (holding the key) sent `body` in answer to
+    the call with `request_nonce`: it cannot be moved to another call or body."""
+    return [(HEADER_FROM, responder),
+            (HEADER_REPLY_MAC, _mac(key, "reply", responder, requester, method, request_nonce, body_digest(body)))]
+
+
+def verify_reply(key: bytes, metadata, *, receiver: str, requester: str, method: str, request_nonce: str,
+                 body: bytes | None) -> str | None:
+    """None when `metadata` signs `body` as the reply to our call (from `receiver`, when
+    the call named one); else why not."""
+    fields = {k: v for k, v in (metadata or ()) if isinstance(v, str)}
+    responder, mac = fields.get(HEADER_FROM), fields.get(HEADER_REPLY_MAC)
+    if responder is None or mac is None:
+        return "the reply carries no meshllm signature: the peer is not a node of this cluster"
+    expected = _mac(key, "reply", responder, requester, method, request_nonce, body_digest(body))
+    if not hmac.compare_digest(mac, expected):
+        return "the reply's signature does not match: another cluster key, or the reply was altered"
+    if receiver and responder != receiver:
+        return f"the reply comes from node {responder!r}, the call was for node {receiver!r}"
+    return None
 
 
 class ReplayGuard:
@@ -120,7 +170,8 @@ class ReplayGuard:
 
     A nonce must be remembered while its timestamp can still pass the skew
     check, i.e. at most 2 * max_skew after it arrived; older ones are pruned in
-    arrival order.
+    arrival order. Each node keeps its own; calls name their receiver, so a nonce
+    used at one node cannot be spent at another.
     """
 
     def __init__(self, max_skew_s: float = MAX_CLOCK_SKEW_S, capacity: int = MAX_REMEMBERED_NONCES,
@@ -153,24 +204,40 @@ class Rejection:
     reason: str
 
 
-def check(key: bytes, method: str, metadata: dict[str, str], guard: ReplayGuard, now: float,
-          max_skew_s: float = MAX_CLOCK_SKEW_S) -> Rejection | None:
-    """None when the call's metadata authenticates it; else why not."""
-    fields = [metadata.get(h) for h in (HEADER_NODE, HEADER_TIME, HEADER_NONCE, HEADER_MAC)]
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who an admitted call came from, and its nonce (the reply is bound to it)."""
+
+    node_id: str
+    nonce: str
+
+
+def check(key: bytes, own_id: str, method: str, metadata: dict[str, str], digest: str, guard: ReplayGuard,
+          now: float, max_skew_s: float = MAX_CLOCK_SKEW_S) -> Caller | Rejection:
+    """The caller when the call's metadata authenticates it for this node (`own_id`)
+    and body (`digest`, from body_digest); else why not."""
+    fields = [metadata.get(h) for h in (HEADER_NODE, HEADER_TO, HEADER_TIME, HEADER_NONCE, HEADER_MAC)]
     if any(f is None for f in fields):
         return Rejection(grpc.StatusCode.UNAUTHENTICATED,
                          "call carries no meshllm cluster signature; pass the cluster --key-file")
-    node_id, timestamp, nonce, mac = fields
-    if not hmac.compare_digest(mac, _mac(key, node_id, timestamp, nonce, method)):
+    node_id, receiver, timestamp, nonce, mac = fields
+    if not hmac.compare_digest(mac, _mac(key, "call", node_id, receiver, method, timestamp, nonce, digest)):
         return Rejection(grpc.StatusCode.UNAUTHENTICATED,
-                         "cluster key mismatch: the caller signed with a different --key-file")
+                         "cluster key mismatch: the caller signed with a different --key-file (or the call "
+                         "was altered on the way)")
+    if receiver != own_id and not (receiver == "" and method == HEALTH_CHECK):
+        meant = f"addressed to node {receiver!r}" if receiver else "addressed to no node"
+        return Rejection(grpc.StatusCode.UNAUTHENTICATED,
+                         f"call is {meant}, this is node {own_id!r}: a call replayed or misrouted from "
+                         f"another node, or the node at this address restarted under another id")
     try:
         sent_at = float(timestamp)
     except ValueError:
         return Rejection(grpc.StatusCode.UNAUTHENTICATED, f"bad timestamp {timestamp!r}")
     if not abs(now - sent_at) <= max_skew_s:
+        # Positive: the caller's clock is ahead of ours; negative: behind (or the call is stale).
         return Rejection(grpc.StatusCode.UNAUTHENTICATED,
-                         f"call timestamp is {now - sent_at:+.1f}s off this node's clock (limit "
+                         f"call timestamp is {sent_at - now:+.1f}s off this node's clock (limit "
                          f"{max_skew_s:.0f}s): a stale or replayed call, or clocks out of sync (run NTP)")
     if len(nonce) != NONCE_HEX_CHARS:
         return Rejection(grpc.StatusCode.UNAUTHENTICATED, "bad nonce")
@@ -179,110 +246,4 @@ def check(key: bytes, method: str, metadata: dict[str, str], guard: ReplayGuard,
         return Rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many calls in the replay window; retry later")
     if not first:
         return Rejection(grpc.StatusCode.UNAUTHENTICATED, "replayed call (nonce already used)")
-    return None
-
-
-# ---------------------------------------------------------------- interceptors
-
-class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
-        self.method = method
-        self.timeout = timeout
-        self.metadata = metadata
-        self.credentials = credentials
-        self.wait_for_ready = wait_for_ready
-        self.compression = compression
-
-
-class ClientAuthInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
-                            grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """Signs every outgoing call with the cluster key."""
-
-    def __init__(self, key: bytes, node_id: str):
-        self._key = key
-        self._node_id = node_id
-
-    def _signed(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = list(details.metadata or []) + sign(self._key, self._node_id, details.method)
-        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                            details.wait_for_ready, details.compression)
-
-    def intercept_unary_unary(self, continuation, details, request):
-        return continuation(self._signed(details), request)
-
-    def intercept_unary_stream(self, continuation, details, request):
-        return continuation(self._signed(details), request)
-
-    def intercept_stream_unary(self, continuation, details, request_iterator):
-        return continuation(self._signed(details), request_iterator)
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        return continuation(self._signed(details), request_iterator)
-
-
-def _rejecting_handler(handler: grpc.RpcMethodHandler, rejection: Rejection) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind as `handler` that only aborts."""
-
-    def abort(_request, context):
-        context.abort(rejection.code, rejection.reason)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
-
-
-class ServerAuthInterceptor(grpc.ServerInterceptor):
-    """Rejects unauthenticated calls before the servicer sees them.
-
-    Runs on gRPC's server threads; the replay guard is shared and thread-safe.
-    """
-
-    def __init__(self, key: bytes, max_skew_s: float = MAX_CLOCK_SKEW_S,
-                 clock: Callable[[], float] = time.time):
-        self._key = key
-        self._max_skew_s = max_skew_s
-        self._clock = clock
-        self._guard = ReplayGuard(max_skew_s)
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)  # a lookup only; runs no servicer code
-        if handler is None:
-            return None
-        metadata = {k: v for k, v in (handler_call_details.invocation_metadata or ()) if isinstance(v, str)}
-        rejection = check(self._key, handler_call_details.method, metadata, self._guard,
-                          self._clock(), self._max_skew_s)
-        if rejection is None:
-            return handler
-        log.warning("rejected %s from node %r: %s", handler_call_details.method,
-                    metadata.get(HEADER_NODE), rejection.reason)
-        return _rejecting_handler(handler, rejection)
-
-
-# ---------------------------------------------------------------- mTLS
-
-@dataclass(frozen=True, slots=True)
-class TlsFiles:
-    """PEM files for mutual TLS: this node's certificate and key, and the CA that
-    signed every node's certificate."""
-
-    cert: Path
-    key: Path
-    ca: Path
-
-    def _read(self) -> tuple[bytes, bytes, bytes]:
-        try:
-            return self.cert.read_bytes(), self.key.read_bytes(), self.ca.read_bytes()
-        except OSError as e:
-            raise KeyFileError(f"cannot read TLS file: {e}. Check --tls-cert/--tls-key/--tls-ca.") from e
-
-    def server_credentials(self) -> grpc.ServerCredentials:
-        cert, key, ca = self._read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials:
-        cert, key, ca = self._read()
-        return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return Caller(node_id, nonce)

@@ -18,7 +18,7 @@ CARD_MAX_BYTES = 4096
 MAX_CARDS_PER_EXCHANGE = 512
 # Room for a full message of maximal cards plus per-field framing.
 MAX_EXCHANGE_BYTES = MAX_CARDS_PER_EXCHANGE * (CARD_MAX_BYTES + 8)
-MAX_FUTURE_S = 60.0  # clock skew tolerated on announced_at
+MAX_FUTURE_S = 10.0  # clock skew tolerated on announced_at; more wins last-writer-wins unfairly
 MAX_TTL_S = 86_400.0
 MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
 MAX_BANDWIDTH_GBPS = 1e5
@@ -123,6 +123,9 @@ def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
     unknown_roles = [r for r in msg.roles if r not in _PB_TO_ROLE]
     if unknown_roles or len(set(msg.roles)) != len(msg.roles):
         raise InvalidCard(f"card has unknown or repeated roles {list(msg.roles)}")
+    if math.isfinite(msg.announced_at) and msg.announced_at > now + MAX_FUTURE_S:
+        raise InvalidCard(f"announced_at is {msg.announced_at - now:.1f}s ahead of this node's clock (limit "
+                          f"{MAX_FUTURE_S:.0f}s): clocks out of sync (run NTP), or a forged card")
     announced_at = _bounded(msg.announced_at, "announced_at", 0.0, now + MAX_FUTURE_S)
     return Card(
         node_id=NodeId(node_id),

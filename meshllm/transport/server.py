@@ -1,7 +1,7 @@
 """One gRPC server per node: every service (Cluster, Health, later Stage and
-Proposer) shares one port, one thread pool and one auth interceptor.
+Proposer) shares one port, one thread pool, one TLS identity and one auth interceptor.
 
-    server = NodeServer(ServerConfig(host="0.0.0.0", port=7650, key=key))
+    server = NodeServer(ServerConfig(host="0.0.0.0", port=7650, key=key, node_id="mac-mini"))
     server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(...))
     server.add(stage_pb2_grpc.add_StageServicer_to_server, stage_servicer)
     server.start()
@@ -10,15 +10,17 @@ Proposer) shares one port, one thread pool and one auth interceptor.
 from __future__ import annotations
 
 import logging
+import socket
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
 
 from meshllm.errors import BindFailed
-from meshllm.transport.auth import ServerAuthInterceptor, TlsFiles
-from meshllm.transport.channels import DEFAULT_MAX_MESSAGE_BYTES, channel_options
+from meshllm.transport.channels import DEFAULT_MAX_MESSAGE_BYTES, KeepalivePolicy
+from meshllm.transport.server_auth import ServerAuthInterceptor
+from meshllm.transport.tls import TlsMode, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +34,12 @@ class ServerConfig:
     host: str
     port: int  # 0 picks a free port; NodeServer.port tells which
     key: bytes
-    tls: TlsFiles | None = None
+    node_id: str | None = None  # calls must be addressed to it; default <hostname>-<port>
+    tls: TlsMode = None  # None: certificates derived from `key` (the default)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Each open stream (a pipeline Forward stream) holds one thread for its life.
     max_workers: int = 32
+    keepalive: KeepalivePolicy = field(default_factory=KeepalivePolicy)  # the same as the clients'
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -50,23 +54,31 @@ class NodeServer:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        options = channel_options(config.max_message_bytes) + [
+        options = [
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            *config.keepalive.server_options(),
             ("grpc.so_reuseport", 0),  # a second node on the same port must fail, not share it
         ]
+        # The id is known only once the port is (its default names the port): set after binding.
+        self._auth = ServerAuthInterceptor(config.key, node_id="")
         self._server = grpc.server(ThreadPoolExecutor(max_workers=config.max_workers, thread_name_prefix="grpc"),
-                                   interceptors=[ServerAuthInterceptor(config.key)], options=options)
+                                   interceptors=[self._auth], options=options)
         bind = join_host_port(config.host, config.port)
+        credentials = server_credentials(config.key, config.tls, config.node_id or socket.gethostname())
         try:
-            if config.tls is None:
+            if credentials is None:
                 self.port = self._server.add_insecure_port(bind)
             else:
-                self.port = self._server.add_secure_port(bind, config.tls.server_credentials())
+                self.port = self._server.add_secure_port(bind, credentials)
         except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind to address ...")
             raise BindFailed(f"cannot listen on {bind}: {e}. Is another node using the port? "
                              f"Pick another --port (0 picks a free one).") from e
         if self.port == 0:
             raise BindFailed(f"cannot listen on {bind}. Is another node using the port? "
                              f"Pick another --port (0 picks a free one).")
+        self.node_id = config.node_id or f"{socket.gethostname()}-{self.port}"
+        self._auth.node_id = self.node_id
         self._started = False
 
     @property

@@ -54,7 +54,7 @@ class LiveServer:
     backend: Backend
     url: str
     api_key: str | None = None
-    stage_addresses: tuple[str, ...] = ()  # stage nodes of a cluster backend
+    stage_addresses: tuple[tuple[str, str], ...] = ()  # (address, node id) of a cluster backend's stage nodes
     channels: object = None  # ChannelPool to them
 
     def client(self, api_key: str | None = None, timeout: float = 60.0) -> OpenAI:
@@ -92,13 +92,13 @@ class LiveServer:
     def stage_infos(self) -> list:
         from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
-        return [stage_pb2_grpc.StageStub(self.channels.get(a)).Info(stage_pb2.StageInfoRequest(), timeout=10)
-                for a in self.stage_addresses]
+        return [stage_pb2_grpc.StageStub(self.channels.get(a, n)).Info(stage_pb2.StageInfoRequest(), timeout=10)
+                for a, n in self.stage_addresses]
 
 
 @contextlib.contextmanager
-def serve(backend: Backend, config: APIConfig | None = None, stage_addresses: tuple[str, ...] = (),
-          channels=None) -> Iterator[LiveServer]:
+def serve(backend: Backend, config: APIConfig | None = None,
+          stage_addresses: tuple[tuple[str, str], ...] = (), channels=None) -> Iterator[LiveServer]:
     config = config or APIConfig(port=0)
     server = APIServer(create_app(backend, config), "127.0.0.1", 0)
     server.start()
@@ -146,7 +146,8 @@ def cluster_server(two_node_cluster, aidreams_files) -> Iterator[LiveServer]:
     b, plan, channels = local_cluster_backend(two_node_cluster, aidreams_files, replace(OPTIONS, num_stages=2),
                                               "api-test-leader")
     assert plan is not None and len(plan.stages) == 2, b.plan_error
-    with serve(b, stage_addresses=tuple(two_node_cluster.addresses), channels=channels) as live:
+    stages = tuple(zip(two_node_cluster.addresses, two_node_cluster.node_ids))
+    with serve(b, stage_addresses=stages, channels=channels) as live:
         yield live
     b.close()
 
@@ -159,7 +160,8 @@ def long_cluster_server(two_node_cluster, long_model_path) -> Iterator[LiveServe
                                               replace(OPTIONS, context_length=2048, num_stages=2),
                                               "api-test-long-leader")
     assert plan is not None and len(plan.stages) == 2, b.plan_error
-    with serve(b, stage_addresses=tuple(two_node_cluster.addresses), channels=channels) as live:
+    stages = tuple(zip(two_node_cluster.addresses, two_node_cluster.node_ids))
+    with serve(b, stage_addresses=stages, channels=channels) as live:
         yield live
     b.close()
 

@@ -9,7 +9,7 @@ import pytest
 
 from meshllm.cli import main
 from meshllm.cluster.card import Card, ModelOnDisk, NodeId
-from meshllm.cluster.gossip import ClusterServicer
+from meshllm.cluster.gossip import ClusterServicer, HealthServicer
 from meshllm.cluster.registry import Registry
 from meshllm.model.weights import fingerprint
 from meshllm.transport.auth import generate_key, write_key
@@ -81,8 +81,9 @@ def peer_with_fleet(tmp_path, aidreams_path):
     registry = Registry(_card("node-a", 64 * MIB, (weights,), bandwidth=40.0))
     registry.merge([_card("node-b", 32 * MIB, (weights,)),
                     _card("node-c", 512 * MIB, (ModelOnDisk("aidreams-260k", "0" * 64, 4),))])
-    server = NodeServer(ServerConfig(host="127.0.0.1", port=0, key=key))
+    server = NodeServer(ServerConfig(host="127.0.0.1", port=0, key=key, node_id="node-a"))
     server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(registry))
+    server.add(cluster_pb2_grpc.add_HealthServicer_to_server, HealthServicer(registry))
     server.start()
     try:
         yield server.address, tmp_path / "cluster.key"

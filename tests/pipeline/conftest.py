@@ -48,12 +48,12 @@ class Cluster:
         """A leader over a plan with exactly these stage ranges, stage i on node i."""
         wait_for_fleet(lambda: fetch_view(self.local.addresses[0], self.key), files.source.fingerprint(),
                        len(ranges), timeout_s=60)
-        stages = tuple(StageAssignment(f"node-{i}", self.local.addresses[i], a, b, 0, 0, 0)
+        stages = tuple(StageAssignment(self.local.node_ids[i], self.local.addresses[i], a, b, 0, 0, 0)
                        for i, (a, b) in enumerate(ranges))
         plan = Plan(files.model_id, files.source.fingerprint(), files.config.num_hidden_layers,
                     options.context_length, options.max_batch, 4, 4, stages, 0.0, False)
         plan_id = deploy(plan, self.channels, options.dtype, options.batch_invariant)
-        transport = RemotePipeline(self.channels.get(stages[0].address), plan_id, len(stages))
+        transport = RemotePipeline(self.channels.get(stages[0].address, stages[0].node_id), plan_id, len(stages))
         return new_leader(files, transport, options)
 
 

@@ -106,7 +106,8 @@ def test_stage_reports_what_it_holds_and_frees_released_sequences(cluster, model
     try:
         ids = files.tokenizer.encode(PROMPTS[1])
         tokens(leader, ids, SamplingParams(temperature=0.0, max_tokens=5))
-        stubs = [stage_pb2_grpc.StageStub(cluster.channels.get(a)) for a in cluster.local.addresses[:2]]
+        stubs = [stage_pb2_grpc.StageStub(cluster.channels.get(a, n))
+                 for a, n in zip(cluster.local.addresses[:2], cluster.local.node_ids)]
 
         def held() -> int:
             return sum(len(s.seq_ids) for stub in stubs for s in stub.Info(stage_pb2.StageInfoRequest()).shards)
@@ -127,7 +128,8 @@ def test_corrupt_activations_are_refused_by_the_stage(cluster, model_files):
     leader = cluster.leader(files, [(0, 2), (2, 4)])
     try:
         plan_id = leader.transport.plan_id
-        to_stage_1 = RemotePipeline(cluster.channels.get(cluster.local.addresses[1]), plan_id, 1)
+        to_stage_1 = RemotePipeline(cluster.channels.get(cluster.local.addresses[1], cluster.local.node_ids[1]),
+                                    plan_id, 1)
         hidden = torch.full((3, files.config.hidden_size), float("nan"))
         bad = Step(next_step_id(), (SeqWork(999, 0, 3),), hidden)
         result = to_stage_1.submit(bad).result(timeout=30)

@@ -26,7 +26,7 @@ class Health(cluster_pb2_grpc.HealthServicer):
 @pytest.fixture
 def server():
     key = auth.generate_key()
-    server = NodeServer(ServerConfig("127.0.0.1", 0, key, max_message_bytes=64 * 1024))
+    server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id="n1", max_message_bytes=64 * 1024))
     server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, SlowCluster())
     server.add(cluster_pb2_grpc.add_HealthServicer_to_server, Health())
     server.start()
@@ -38,7 +38,7 @@ def server():
 
 def test_services_share_one_port_and_calls_get_a_default_deadline(server):
     key, srv = server
-    with open_channel(srv.address, ChannelConfig("c", key, default_deadline_s=0.3)) as channel:
+    with open_channel(srv.address, ChannelConfig("c", key, default_deadline_s=0.3), receiver="n1") as channel:
         assert cluster_pb2_grpc.HealthStub(channel).Check(cluster_pb2.HealthRequest()).node_id == "n1"
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as info:
@@ -50,7 +50,7 @@ def test_services_share_one_port_and_calls_get_a_default_deadline(server):
 def test_messages_over_the_size_limit_are_refused(server):
     key, srv = server
     huge = cluster_pb2.ExchangeRequest(cards=[cluster_pb2.Card(node_id="x" * 100_000)])
-    with open_channel(srv.address, ChannelConfig("c", key)) as channel:
+    with open_channel(srv.address, ChannelConfig("c", key), receiver="n1") as channel:
         with pytest.raises(grpc.RpcError) as info:
             cluster_pb2_grpc.ClusterStub(channel).Exchange(huge, timeout=5)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -1,4 +1,4 @@
-"""Optional mutual TLS: with certificates, only holders of a CA-signed cert (and the key) get in."""
+"""Mutual TLS with the user's own PKI (--tls-*): only holders of a CA-signed cert (and the key) get in."""
 
 import shutil
 import subprocess
@@ -8,10 +8,10 @@ import pytest
 
 from meshllm.errors import KeyFileError
 from meshllm.transport import auth
-from meshllm.transport.auth import TlsFiles
 from meshllm.transport.channels import ChannelConfig, open_channel
 from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc
 from meshllm.transport.server import NodeServer, ServerConfig
+from meshllm.transport.tls import TlsFiles
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make test certificates")
 
@@ -54,6 +54,7 @@ def test_mutual_tls(tmp_path):
     try:
         with open_channel(server.address, ChannelConfig("c", key, tls=client_tls)) as channel:
             assert cluster_pb2_grpc.HealthStub(channel).Check(cluster_pb2.HealthRequest(), timeout=10).serving
+        # Neither certificates derived from the cluster key nor another CA's are admitted.
         for config in (ChannelConfig("c", key), ChannelConfig("c", key, tls=stranger_tls)):
             with open_channel(server.address, config) as channel:
                 with pytest.raises(grpc.RpcError) as info:

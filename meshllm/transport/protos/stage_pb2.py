@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\x07meshllm\x1a\x0c\x63ommon.proto\"\xeb\x01\n\x0bLoadRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x05 \x01(\x05\x12\x12\n\nlast_layer\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0cnext_address\x18\x08 \x01(\t\x12\x13\n\x0bstage_index\x18\t \x01(\x05\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\x12\x14\n\x0cquantization\x18\x0b \x01(\t\"J\n\tLoadReply\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0enum_bytes_read\x18\x02 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x84\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobs\"\x9b\x01\n\x08SeqEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_scored\x18\x04 \x01(\x05\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.meshllm.SamplingParams\x12\x0e\n\x06\x61ttach\x18\x06 \x03(\x04\x12\r\n\x05\x64raft\x18\x07 \x03(\x03\">\n\x07Publish\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x0e\n\x06hashes\x18\x03 \x03(\x04\"[\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0breceived_at\x18\x03 \x01(\x01\x12\x0f\n\x07sent_at\x18\x04 \x01(\x01\"\xee\x01\n\x0bStepRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x1f\n\x04seqs\x18\x03 \x03(\x0b\x32\x11.meshllm.SeqEntry\x12\x1e\n\x05input\x18\x04 \x01(\x0b\x32\x0f.meshllm.Tensor\x12\x0f\n\x07release\x18\x05 \x03(\x04\x12%\n\x07timings\x18\x06 \x03(\x0b\x32\x14.meshllm.StageTiming\x12!\n\x07publish\x18\x07 \x03(\x0b\x32\x10.meshllm.Publish\x12\r\n\x05\x65vict\x18\x08 \x03(\x04\x12\x12\n\nblock_size\x18\t \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x88\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.meshllm.TokenLogprob\x12\x10\n\x08position\x18\x05 \x01(\x05\x42\n\n\x08_logprob\"\xab\x01\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.meshllm.SampledToken\x12%\n\x07timings\x18\x03 \x03(\x0b\x32\x14.meshllm.StageTiming\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61iled_stage\x18\x06 \x01(\x05\"2\n\x0eReleaseRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"$\n\x0cReleaseReply\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"\x12\n\x10StageInfoRequest\"\xab\x01\n\nShardState\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstage_index\x18\x07 \x01(\x05\x12\x19\n\x11num_prefix_blocks\x18\x08 \x01(\x05\"5\n\x0eStageInfoReply\x12#\n\x06shards\x18\x01 \x03(\x0b\x32\x13.meshllm.ShardState2\xe9\x01\n\x05Stage\x12\x30\n\x04Load\x12\x14.meshllm.LoadRequest\x1a\x12.meshllm.LoadReply\x12\x37\n\x07\x46orward\x12\x14.meshllm.StepRequest\x1a\x12.meshllm.StepReply(\x01\x30\x01\x12\x39\n\x07Release\x12\x17.meshllm.ReleaseRequest\x1a\x15.meshllm.ReleaseReply\x12:\n\x04Info\x12\x19.meshllm.StageInfoRequest\x1a\x17.meshllm.StageInfoReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0bstage.proto\x12\x07meshllm\x1a\x0c\x63ommon.proto\"\x81\x02\n\x0bLoadRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x13\n\x0b\x66irst_layer\x18\x05 \x01(\x05\x12\x12\n\nlast_layer\x18\x06 \x01(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x14\n\x0cnext_address\x18\x08 \x01(\t\x12\x13\n\x0bstage_index\x18\t \x01(\x05\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\x12\x14\n\x0cquantization\x18\x0b \x01(\t\x12\x14\n\x0cnext_node_id\x18\x0c \x01(\t\"J\n\tLoadReply\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x16\n\x0enum_bytes_read\x18\x02 \x01(\x03\x12\x14\n\x0cload_seconds\x18\x03 \x01(\x01\"\x84\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x15\n\x08logprobs\x18\x05 \x01(\x05H\x01\x88\x01\x01\x42\x08\n\x06_top_kB\x0b\n\t_logprobs\"\x9b\x01\n\x08SeqEntry\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x12\n\nnum_tokens\x18\x03 \x01(\x05\x12\x12\n\nnum_scored\x18\x04 \x01(\x05\x12)\n\x08sampling\x18\x05 \x01(\x0b\x32\x17.meshllm.SamplingParams\x12\x0e\n\x06\x61ttach\x18\x06 \x03(\x04\x12\r\n\x05\x64raft\x18\x07 \x03(\x03\">\n\x07Publish\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x66irst_block\x18\x02 \x01(\x05\x12\x0e\n\x06hashes\x18\x03 \x03(\x04\"[\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x13\n\x0breceived_at\x18\x03 \x01(\x01\x12\x0f\n\x07sent_at\x18\x04 \x01(\x01\"\xee\x01\n\x0bStepRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x1f\n\x04seqs\x18\x03 \x03(\x0b\x32\x11.meshllm.SeqEntry\x12\x1e\n\x05input\x18\x04 \x01(\x0b\x32\x0f.meshllm.Tensor\x12\x0f\n\x07release\x18\x05 \x03(\x04\x12%\n\x07timings\x18\x06 \x03(\x0b\x32\x14.meshllm.StageTiming\x12!\n\x07publish\x18\x07 \x03(\x0b\x32\x10.meshllm.Publish\x12\r\n\x05\x65vict\x18\x08 \x03(\x04\x12\x12\n\nblock_size\x18\t \x01(\x05\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x88\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\x03\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.meshllm.TokenLogprob\x12\x10\n\x08position\x18\x05 \x01(\x05\x42\n\n\x08_logprob\"\xab\x01\n\tStepReply\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12%\n\x06tokens\x18\x02 \x03(\x0b\x32\x15.meshllm.SampledToken\x12%\n\x07timings\x18\x03 \x03(\x0b\x32\x14.meshllm.StageTiming\x12\x12\n\nerror_code\x18\x04 \x01(\t\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x61iled_stage\x18\x06 \x01(\x05\"2\n\x0eReleaseRequest\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x0f\n\x07seq_ids\x18\x02 \x03(\x04\"$\n\x0cReleaseReply\x12\x14\n\x0cnum_released\x18\x01 \x01(\x05\"\x12\n\x10StageInfoRequest\"\xab\x01\n\nShardState\x12\x0f\n\x07plan_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x0f\n\x07seq_ids\x18\x05 \x03(\x04\x12\x10\n\x08kv_bytes\x18\x06 \x01(\x03\x12\x13\n\x0bstage_index\x18\x07 \x01(\x05\x12\x19\n\x11num_prefix_blocks\x18\x08 \x01(\x05\"5\n\x0eStageInfoReply\x12#\n\x06shards\x18\x01 \x03(\x0b\x32\x13.meshllm.ShardState2\xe9\x01\n\x05Stage\x12\x30\n\x04Load\x12\x14.meshllm.LoadRequest\x1a\x12.meshllm.LoadReply\x12\x37\n\x07\x46orward\x12\x14.meshllm.StepRequest\x1a\x12.meshllm.StepReply(\x01\x30\x01\x12\x39\n\x07Release\x12\x17.meshllm.ReleaseRequest\x1a\x15.meshllm.ReleaseReply\x12:\n\x04Info\x12\x19.meshllm.StageInfoRequest\x1a\x17.meshllm.StageInfoReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOADREQUEST']._serialized_start=39
-  _globals['_LOADREQUEST']._serialized_end=274
-  _globals['_LOADREPLY']._serialized_start=276
-  _globals['_LOADREPLY']._serialized_end=350
-  _globals['_SAMPLINGPARAMS']._serialized_start=353
-  _globals['_SAMPLINGPARAMS']._serialized_end=485
-  _globals['_SEQENTRY']._serialized_start=488
-  _globals['_SEQENTRY']._serialized_end=643
-  _globals['_PUBLISH']._serialized_start=645
-  _globals['_PUBLISH']._serialized_end=707
-  _globals['_STAGETIMING']._serialized_start=709
-  _globals['_STAGETIMING']._serialized_end=800
-  _globals['_STEPREQUEST']._serialized_start=803
-  _globals['_STEPREQUEST']._serialized_end=1041
-  _globals['_TOKENLOGPROB']._serialized_start=1043
-  _globals['_TOKENLOGPROB']._serialized_end=1092
-  _globals['_SAMPLEDTOKEN']._serialized_start=1095
-  _globals['_SAMPLEDTOKEN']._serialized_end=1231
-  _globals['_STEPREPLY']._serialized_start=1234
-  _globals['_STEPREPLY']._serialized_end=1405
-  _globals['_RELEASEREQUEST']._serialized_start=1407
-  _globals['_RELEASEREQUEST']._serialized_end=1457
-  _globals['_RELEASEREPLY']._serialized_start=1459
-  _globals['_RELEASEREPLY']._serialized_end=1495
-  _globals['_STAGEINFOREQUEST']._serialized_start=1497
-  _globals['_STAGEINFOREQUEST']._serialized_end=1515
-  _globals['_SHARDSTATE']._serialized_start=1518
-  _globals['_SHARDSTATE']._serialized_end=1689
-  _globals['_STAGEINFOREPLY']._serialized_start=1691
-  _globals['_STAGEINFOREPLY']._serialized_end=1744
-  _globals['_STAGE']._serialized_start=1747
-  _globals['_STAGE']._serialized_end=1980
+  _globals['_LOADREQUEST']._serialized_end=296
+  _globals['_LOADREPLY']._serialized_start=298
+  _globals['_LOADREPLY']._serialized_end=372
+  _globals['_SAMPLINGPARAMS']._serialized_start=375
+  _globals['_SAMPLINGPARAMS']._serialized_end=507
+  _globals['_SEQENTRY']._serialized_start=510
+  _globals['_SEQENTRY']._serialized_end=665
+  _globals['_PUBLISH']._serialized_start=667
+  _globals['_PUBLISH']._serialized_end=729
+  _globals['_STAGETIMING']._serialized_start=731
+  _globals['_STAGETIMING']._serialized_end=822
+  _globals['_STEPREQUEST']._serialized_start=825
+  _globals['_STEPREQUEST']._serialized_end=1063
+  _globals['_TOKENLOGPROB']._serialized_start=1065
+  _globals['_TOKENLOGPROB']._serialized_end=1114
+  _globals['_SAMPLEDTOKEN']._serialized_start=1117
+  _globals['_SAMPLEDTOKEN']._serialized_end=1253
+  _globals['_STEPREPLY']._serialized_start=1256
+  _globals['_STEPREPLY']._serialized_end=1427
+  _globals['_RELEASEREQUEST']._serialized_start=1429
+  _globals['_RELEASEREQUEST']._serialized_end=1479
+  _globals['_RELEASEREPLY']._serialized_start=1481
+  _globals['_RELEASEREPLY']._serialized_end=1517
+  _globals['_STAGEINFOREQUEST']._serialized_start=1519
+  _globals['_STAGEINFOREQUEST']._serialized_end=1537
+  _globals['_SHARDSTATE']._serialized_start=1540
+  _globals['_SHARDSTATE']._serialized_end=1711
+  _globals['_STAGEINFOREPLY']._serialized_start=1713
+  _globals['_STAGEINFOREPLY']._serialized_end=1766
+  _globals['_STAGE']._serialized_start=1769
+  _globals['_STAGE']._serialized_end=2002
 # @@protoc_insertion_point(module_scope)
