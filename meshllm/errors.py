@@ -117,6 +117,12 @@ class UnknownModel(MeshError):
     code = "model_not_found"
 
 
+class RequestTooLarge(BadRequest):
+    """An HTTP request body over the API's --max-body-mib, refused before it is read."""
+
+    code = "request_too_large"
+
+
 class InvalidAPIKey(AuthError):
     """An HTTP request to the API carries no key or the wrong one (`--api-key`)."""
 

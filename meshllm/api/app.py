@@ -18,8 +18,9 @@ from meshllm.api.backend import Backend
 from meshllm.api.choices import ChoiceState, LogprobFormatter
 from meshllm.api.cluster_view import ClusterView, cluster_view
 from meshllm.api.config import APIConfig
-from meshllm.api.errors import install_error_handlers
+from meshllm.api.errors import document_errors, error_responses, install_error_handlers
 from meshllm.api.generation import ClientDisconnected, Generation
+from meshllm.api.limits import BodyLimitMiddleware
 from meshllm.api.metrics import CONTENT_TYPE_LATEST
 from meshllm.api.prompts import ChoiceRequest, chat_choices, completion_choices
 from meshllm.api.replies import ReplyContext
@@ -38,9 +39,15 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
                   redoc_url=None)
     metrics = backend.metrics
     install_error_handlers(app, metrics)
+    document_errors(app)
+    # The last added runs first: the key is checked before the body's size, both before it is read.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.max_body_bytes, metrics=metrics)
     if config.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key, metrics=metrics)
+    keyed = (401,) if config.api_key is not None else ()
+    generating = error_responses(400, *keyed, 404, 413, 429, 503, 504)
     formatter = LogprobFormatter(backend.tokenizer)
+    backend.tokenizer.max_token_chars  # noqa: B018 - computed once here rather than in the first request
     started = now()
 
     def leader_for(model: str) -> Leader:
@@ -78,7 +85,7 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     async def dashboard() -> HTMLResponse:
         return HTMLResponse(_DASHBOARD.read_text())
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "No plan fits the fleet: the model cannot run now"}})
     async def health() -> JSONResponse:
         ready = backend.leader is not None
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
@@ -87,28 +94,28 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/cluster")
+    @app.get("/v1/cluster", responses=error_responses(*keyed))
     async def cluster() -> ClusterView:
         return cluster_view(backend, metrics)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(*keyed))
     async def list_models() -> ModelList:
         return ModelList(data=[ModelEntry(id=backend.model_id, created=started, max_model_len=backend.max_context)])
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=error_responses(*keyed, 404))
     async def get_model(model: str) -> ModelEntry:
         if model != backend.model_id:
             raise UnknownModel(f"model {model!r} is not served here; GET /v1/models lists {backend.model_id!r}")
         return ModelEntry(id=backend.model_id, created=started, max_model_len=backend.max_context)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=generating)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
         leader = leader_for(body.model)
         choices = await run_in_threadpool(chat_choices, backend.tokenizer, backend.max_context, body)
         ctx = ReplyContext.new("chatcmpl", backend.model_id, formatter, body.logprobs)
         return await answer(request, leader, choices, body, ctx, chat=True)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=generating)
     async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
         leader = leader_for(body.model)
         choices = await run_in_threadpool(completion_choices, backend.tokenizer, backend.max_context, body)

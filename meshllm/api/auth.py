@@ -16,8 +16,10 @@ from meshllm.api.errors import mesh_error_body
 from meshllm.api.metrics import MetricsObserver
 from meshllm.errors import InvalidAPIKey
 
-# Monitoring shows no prompts or completions, and a dashboard cannot send a key.
-OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/v1/cluster"})
+# Probes and Prometheus cannot send a key, and these show no prompts, addresses or
+# topology. The dashboard page is static (no data in it); its script asks for the key
+# and sends it to /v1/cluster, which needs one like every other route.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/"})
 
 
 class APIKeyMiddleware:

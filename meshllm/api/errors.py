@@ -1,7 +1,9 @@
 """Errors as OpenAI clients expect them: {"error": {message, type, param, code}} with the right status.
 
 Every failure of a request (our MeshErrors, pydantic validation, unknown routes)
-leaves through here, so clients always get the same shape.
+leaves through here, so clients always get the same shape. Validation errors are
+400, as OpenAI, vLLM and llama-server answer, not FastAPI's 422; the OpenAPI
+document lists exactly the statuses each route can answer (`document_errors`).
 """
 
 from __future__ import annotations
@@ -10,18 +12,21 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from meshllm.api.metrics import MetricsObserver
 from meshllm.engine.scheduler import QueueFull
 from meshllm.errors import (AuthError, BadRequest, ContextOverflow, MalformedMessage, MeshError, PipelineStalled,
-                            RequestTimeout, ShardUnavailable, UnknownModel)
+                            RequestTimeout, RequestTooLarge, ShardUnavailable, UnknownModel)
 
 log = logging.getLogger(__name__)
 
 # (status, OpenAI error type) by exception class; the first match in order wins.
 _STATUS: tuple[tuple[type[MeshError], int, str], ...] = (
+    (RequestTooLarge, 413, "invalid_request_error"),
     (ContextOverflow, 400, "invalid_request_error"),
     (BadRequest, 400, "invalid_request_error"),
     (MalformedMessage, 400, "invalid_request_error"),
@@ -41,8 +46,14 @@ def status_of(error: MeshError) -> tuple[int, str]:
     return 500, "server_error"
 
 
+def _encodable(text: str | None) -> str | None:
+    # A message may quote the client's input, which can hold lone surrogates: escape them, or
+    # the JSON response itself could not be encoded (a 500 instead of the client's 400).
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(message: str, kind: str, code: str | None, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": kind, "param": _encodable(param), "code": code}}
 
 
 def mesh_error_body(error: MeshError) -> dict:
@@ -73,7 +84,7 @@ def install_error_handlers(app: FastAPI, metrics: MetricsObserver) -> None:
         details = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e['msg']}"
                             for e in problems[:5])
         return JSONResponse(error_body(f"invalid request: {details}", "invalid_request_error", "invalid_value",
-                                       param), status_code=422)
+                                       param), status_code=400)
 
     async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
@@ -86,3 +97,52 @@ def install_error_handlers(app: FastAPI, metrics: MetricsObserver) -> None:
     app.add_exception_handler(MeshError, on_mesh_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """What every error answer carries (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON, a field out of range, text that is not valid Unicode, or a prompt "
+         "longer than the context",
+    401: "Missing or wrong API key (only when the server runs with --api-key)",
+    404: "The model is not served here",
+    413: "The request body is over the server's --max-body-mib",
+    429: "The queue is full; retry later",
+    500: "Internal error",
+    503: "The model cannot run on the fleet right now, or a stage stalled",
+    504: "The request ran past the server's --request-timeout",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """The `responses=` entry of a route that can answer `statuses` (and 500)."""
+    return {status: {"model": ErrorResponse, "description": _DESCRIPTIONS[status]} for status in (*statuses, 500)}
+
+
+def document_errors(app: FastAPI) -> None:
+    """Make the OpenAPI document list what the API really answers: FastAPI adds a 422
+    to every route with a body or parameters, which this API never sends."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -2,7 +2,9 @@
 per-choice sampling parameters.
 
 Runs in a worker thread (chat templates and tokenizing a long prompt take time
-the event loop should not spend).
+the event loop should not spend). Text is checked before it is tokenized: a lone
+UTF-16 surrogate is a 400, and a text too long for the context whatever its
+tokens is refused by its length alone, so no request tokenizes megabytes.
 """
 
 from __future__ import annotations
@@ -28,8 +30,33 @@ class ChoiceRequest:
     params: SamplingParams
 
 
+# Normalizers may fold a few characters into one (composed accents): allow for it, so
+# the length check never refuses a prompt that would fit.
+_NORMALIZER_SLACK = 2
+
+
+def checked_text(tokenizer: Tokenizer, text: str, max_context: int, what: str) -> str:
+    """`text`, once it is known to be valid Unicode and not certainly over the context."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRequest(f"{what} is not valid Unicode: it holds a lone UTF-16 surrogate "
+                         f"(U+{ord(e.object[e.start]):04X}) at character {e.start}, as a client that splits an "
+                         f"emoji or other character in two sends; send whole characters") from None
+    at_least = len(text) // (tokenizer.max_token_chars * _NORMALIZER_SLACK)
+    if at_least > max_context:
+        raise ContextOverflow(f"{what} has {len(text)} characters, so at least {at_least} tokens; the context "
+                              f"holds {max_context} tokens. Shorten the prompt")
+    return text
+
+
 def chat_choices(tokenizer: Tokenizer, max_context: int, body: ChatCompletionRequest) -> list[ChoiceRequest]:
-    text = tokenizer.apply_chat_template([m.as_template_input() for m in body.messages])
+    messages = [m.as_template_input() for m in body.messages]
+    for i, message in enumerate(messages):
+        for field in ("content", "name"):
+            if field in message:
+                checked_text(tokenizer, message[field], max_context, f"messages[{i}].{field}")
+    text = checked_text(tokenizer, tokenizer.apply_chat_template(messages), max_context, "the rendered chat")
     # A model's own template writes BOS itself where it wants one (transformers encodes the
     # rendered text without special tokens); the plain fallback template does not.
     ids = tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
@@ -42,9 +69,9 @@ def completion_choices(tokenizer: Tokenizer, max_context: int, body: CompletionR
         raise BadRequest("prompt is empty: give a string, a list of strings, or token ids")
     vocab = tokenizer.vocab_size
     all_ids = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            all_ids.append(tokenizer.encode(prompt))
+            all_ids.append(tokenizer.encode(checked_text(tokenizer, prompt, max_context, f"prompt {i}")))
             continue
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

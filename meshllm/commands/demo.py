@@ -20,7 +20,7 @@ from pathlib import Path
 
 from meshllm.api.app import create_app
 from meshllm.api.cluster_backend import local_cluster_backend
-from meshllm.api.config import APIConfig
+from meshllm.api.config import API_KEY_ENV, MIB, APIConfig, add_api_guard_arguments, api_key_from
 from meshllm.api.server import APIServer
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
@@ -42,11 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "AVX-512 BF16 it decodes through meshllm's own matrix-vector kernel)")
     parser.add_argument("--max-context", type=int, default=2048, help="tokens per request (default 2048)")
     parser.add_argument("--once", action="store_true", help="exit after the sample completion")
+    add_api_guard_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise SystemExit("meshllm demo: --nodes must be at least 1")
+    try:
+        api = APIConfig(host="127.0.0.1", port=args.port, api_key=api_key_from(args.api_key),
+                        max_body_bytes=int(args.max_body_mib * MIB))
+    except ValueError as e:
+        raise SystemExit(f"meshllm demo: {e}") from None
     files = open_model(args.model or os.environ.get(MODEL_ENV) or None)
     print(f"meshllm demo: model {files.model_id} ({files.config.num_hidden_layers} layers) from {files.path}",
           flush=True)
@@ -67,13 +73,12 @@ def run(args: argparse.Namespace) -> int:
         for i, s in enumerate(plan.stages):
             print(f"  stage {i}: {s.node_id} at {s.address} holds layers {s.first_layer}-{s.last_layer - 1}",
                   flush=True)
-        server = APIServer(create_app(backend, APIConfig(host="127.0.0.1", port=args.port)), "127.0.0.1",
-                           args.port)
+        server = APIServer(create_app(backend, api), api.host, api.port)
         server.start()
         print(f"meshllm demo: cluster ready in {time.perf_counter() - started:.1f}s; API at {server.url}/v1",
               flush=True)
-        _ask(server.url, files.model_id)
-        _print_next_steps(server.url, files.model_id)
+        _ask(server.url, files.model_id, api.api_key)
+        _print_next_steps(server.url, files.model_id, api.api_key is not None)
         if not args.once:
             _wait_for_ctrl_c()
     finally:
@@ -86,11 +91,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask(url: str, model_id: str) -> None:
+def _ask(url: str, model_id: str, api_key: str | None) -> None:
     body = {"model": model_id, "messages": [{"role": "user", "content": SAMPLE_QUESTION}],
             "max_tokens": 48, "temperature": 0}
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
     started = time.perf_counter()
     with urllib.request.urlopen(request, timeout=300) as response:
         reply = json.load(response)
@@ -101,11 +108,14 @@ def _ask(url: str, model_id: str) -> None:
           flush=True)
 
 
-def _print_next_steps(url: str, model_id: str) -> None:
+def _print_next_steps(url: str, model_id: str, needs_key: bool) -> None:
+    # The key itself is never printed: the lines read it from the environment.
+    auth = f" -H \"Authorization: Bearer ${API_KEY_ENV}\"" if needs_key else ""
+    key = f"__import__('os').environ['{API_KEY_ENV}']" if needs_key else "'none'"
     print("Try it yourself:\n"
-          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
           f"    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'\n"
-          f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); "
+          f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key}); "
           f"print(c.chat.completions.create(model='{model_id}', messages=[{{'role': 'user', 'content': "
           f"'Hello!'}}]).choices[0].message.content)\"\n"
           f"  fleet: {url}/v1/cluster   metrics: {url}/metrics   dashboard: {url}/\n", flush=True)

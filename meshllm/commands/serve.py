@@ -8,14 +8,13 @@ stage nodes (this node is one of them); otherwise it runs whole in this process.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 from pathlib import Path
 
 from meshllm.api.app import create_app
 from meshllm.api.cluster_backend import build_cluster_backend
 from meshllm.api.backend import Backend, build_local_backend
-from meshllm.api.config import APIConfig
+from meshllm.api.config import MIB, APIConfig, add_api_guard_arguments, api_key_from
 from meshllm.api.server import APIServer
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
@@ -27,7 +26,6 @@ from meshllm.pipeline.node_stage import attach_stage_service
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.server import join_host_port
 
-API_KEY_ENV = "MESHLLM_API_KEY"
 _API = APIConfig()
 _SERVING = ServingOptions()
 _SCHEDULER = SchedulerConfig()
@@ -58,16 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"address the HTTP API listens on (default {_API.host}; 0.0.0.0 for the LAN)")
     parser.add_argument("--api-port", type=int, default=_API.port,
                         help=f"HTTP API port (default {_API.port}; 0 picks a free one)")
-    parser.add_argument("--api-key", default=None,
-                        help=f"key clients must send as 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}, "
-                             f"or no key when that is unset)")
+    add_api_guard_arguments(parser)
     parser.add_argument("--request-timeout", type=float, default=_API.request_timeout_s,
                         help=f"seconds before a running request is cancelled (default {_API.request_timeout_s:g})")
 
 
 def api_config(args: argparse.Namespace) -> APIConfig:
-    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    return APIConfig(host=args.api_host, port=args.api_port, api_key=key, request_timeout_s=args.request_timeout)
+    return APIConfig(host=args.api_host, port=args.api_port, api_key=api_key_from(args.api_key),
+                     request_timeout_s=args.request_timeout, max_body_bytes=int(args.max_body_mib * MIB))
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:

@@ -9,6 +9,7 @@ the Hub produces the same prompt here as there.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -109,7 +110,15 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while Rust works (encode holds it): a long prompt
+        # tokenized on a worker thread then leaves the server's event loop free.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (the longest vocabulary
+        string), so a text of n characters has at least n / max_token_chars tokens."""
+        return max((len(t) for t in self.backend.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -47,7 +47,7 @@ def test_cluster_view_lists_nodes_and_load(backend):
 def test_dashboard_page_is_plain_html_polling_the_cluster_view(server):
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
-    assert 'fetch("/v1/cluster")' in page.text and "<script>" in page.text
+    assert 'fetch("/v1/cluster"' in page.text and "<script>" in page.text
     assert "<script src" not in page.text  # no build step, no external assets
     view = httpx.get(f"{server.url}/v1/cluster", timeout=10).json()
     if server.stage_addresses:  # the cluster backend: both stage nodes, each holding its shard

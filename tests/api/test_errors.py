@@ -50,25 +50,25 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 @pytest.mark.parametrize("path, body, status, code, param", [
     (CHAT, b'{"model": "aidreams-260k", "messages": [', 400, "invalid_json", None),
     (COMPLETIONS, b"not json at all", 400, "invalid_json", None),
-    (CHAT, {"model": MODEL, "messages": "Hi"}, 422, "invalid_value", "messages"),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": "ten"}, 422, "invalid_value", "max_tokens"),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": "hot"}, 422, "invalid_value", "temperature"),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": -5}, 422, "invalid_value", "max_tokens"),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "n": 0}, 422, "invalid_value", "n"),
-    (CHAT, {"model": MODEL, "messages": []}, 422, "invalid_value", "messages"),
-    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 422, "invalid_value", None),
-    (CHAT, {"messages": MESSAGES}, 422, "invalid_value", "model"),
-    (CHAT, {"model": None, "messages": MESSAGES}, 422, "invalid_value", "model"),
+    (CHAT, {"model": MODEL, "messages": "Hi"}, 400, "invalid_value", "messages"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": "ten"}, 400, "invalid_value", "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "temperature": "hot"}, 400, "invalid_value", "temperature"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": -5}, 400, "invalid_value", "max_tokens"),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "n": 0}, 400, "invalid_value", "n"),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "invalid_value", "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400, "invalid_value", None),
+    (CHAT, {"messages": MESSAGES}, 400, "invalid_value", "model"),
+    (CHAT, {"model": None, "messages": MESSAGES}, 400, "invalid_value", "model"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     422, "invalid_value", None),
-    (CHAT, {"model": MODEL, "messages": MESSAGES, "presence_penalty": 1.0}, 422, "invalid_value", None),
-    (COMPLETIONS, {"model": MODEL, "prompt": 42}, 422, "invalid_value", None),
-    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "top_p": 0}, 422, "invalid_value", "top_p"),
-    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 422, "invalid_value", "max_tokens"),
+     400, "invalid_value", None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "presence_penalty": 1.0}, 400, "invalid_value", None),
+    (COMPLETIONS, {"model": MODEL, "prompt": 42}, 400, "invalid_value", None),
+    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "top_p": 0}, 400, "invalid_value", "top_p"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, 99999]}, 400, "bad_request", None),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "bad_request", None),
     (COMPLETIONS, {"model": MODEL, "prompt": [[5, 6], []]}, 400, "bad_request", None),
-    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "top_k": -2}, 422, "invalid_value", "top_k"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "top_k": -2}, 400, "invalid_value", "top_k"),
     (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "stop": [""]}, 400, "bad_request", None),
     (COMPLETIONS, {"model": MODEL, "prompt": "Hi " * 200}, 400, "context_length_exceeded", None),
     (CHAT, {"model": MODEL, "messages": MESSAGES, "max_tokens": 120}, 400, "context_length_exceeded", None),
@@ -93,8 +93,9 @@ def test_openai_client_raises_the_matching_exceptions(server):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="Hi " * 200)
     assert caught.value.body["code"] == "context_length_exceeded"
-    with pytest.raises(openai.UnprocessableEntityError):
+    with pytest.raises(openai.BadRequestError) as caught:  # validation: 400 as from OpenAI, not 422
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=-1)
+    assert caught.value.body["code"] == "invalid_value" and caught.value.body["param"] == "max_tokens"
 
 
 def test_api_key(backend):
@@ -109,9 +110,14 @@ def test_api_key(backend):
                      401, "invalid_api_key")
         reply = live.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
         assert reply.choices[0].message.content is not None
-        # Monitoring stays open: it shows no prompts.
+        # Probes and monitoring stay open: they show no prompts, addresses or topology.
         assert httpx.get(f"{live.url}/metrics", timeout=10).status_code == 200
-        assert httpx.get(f"{live.url}/v1/cluster", timeout=10).status_code == 200
+        assert httpx.get(f"{live.url}/health", timeout=10).status_code == 200
+        # Everything else needs the key: the fleet view shows addresses and memory.
+        for path in ("/v1/cluster", "/v1/models", f"/v1/models/{MODEL}", "/openapi.json", "/v1/nowhere"):
+            assert_error(httpx.get(f"{live.url}{path}", timeout=10), 401, "invalid_api_key")
+        keyed = {"authorization": "Bearer s3cret"}
+        assert httpx.get(f"{live.url}/v1/cluster", headers=keyed, timeout=10).json()["served"]["model_id"] == MODEL
 
 
 def test_full_queue_answers_429_and_recovers(slow_backend):
