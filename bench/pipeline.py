@@ -35,6 +35,7 @@ from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.pipeline.transport import RemotePipeline
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
+from meshllm.transport.tls import PLAINTEXT
 
 AIDREAMS = Path(__file__).resolve().parents[2] / "shared" / "models" / "aidreams-260k"
 TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -162,6 +163,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stages", default="1,2,3")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshllm-bench")
+    parser.add_argument("--insecure-plaintext", action="store_true",
+                        help="nodes and leader without TLS, to measure what TLS costs the data plane")
     args = parser.parse_args()
     path = {"tinyllama": lambda: tinyllama_folder(args.cache), "smollm2": lambda: None}.get(
         args.model, lambda: Path(args.model))()
@@ -170,16 +173,18 @@ def main() -> int:
     options = ServingOptions(context_length=512, max_batch=16, dtype=args.dtype,
                              quantization="int8" if args.int8 else None,
                              scheduler=SchedulerConfig(max_batched_tokens=512, prefill_chunk=256))
-    results = {"model": files.model_id, "dtype": args.dtype, "int8": args.int8, "threads_per_stage": args.threads,
+    results = {"model": files.model_id, "tls": not args.insecure_plaintext, "dtype": args.dtype, "int8": args.int8, "threads_per_stage": args.threads,
                "new_tokens": args.new_tokens, "stages": {}}
     with tempfile.TemporaryDirectory() as state:
-        cluster = LocalCluster(max(stage_counts), [files.path], Path(state), threads_per_node=args.threads)
+        tls = PLAINTEXT if args.insecure_plaintext else None
+        cluster = LocalCluster(max(stage_counts), [files.path], Path(state), threads_per_node=args.threads,
+                               extra_args=("--insecure-plaintext",) if tls is PLAINTEXT else ())
         cluster.start()
         try:
             key = load_key(cluster.key_file)
-            wait_for_fleet(lambda: fetch_view(cluster.addresses[0], key), files.source.fingerprint(),
+            wait_for_fleet(lambda: fetch_view(cluster.addresses[0], key, tls=tls), files.source.fingerprint(),
                            cluster.num_nodes, timeout_s=300)
-            channels = ChannelPool(ChannelConfig("bench", key))
+            channels = ChannelPool(ChannelConfig("bench", key, tls))
             for count in stage_counts:
                 results["stages"][str(count)] = run_stages(cluster, channels, files, count, options,
                                                            args.new_tokens)
