@@ -158,8 +158,9 @@ def test_prompt_tokens_cross_the_wire_only_as_ciphertext(aidreams_path, tls, in_
         pipeline = RemotePipeline(channels.get(address, "stage"), plan_id, 1)
         prompt = files.tokenizer.encode("the secret plans of the quiet lab are hidden under the old oak")
         greedy = SamplingParams(temperature=0.0, seed=0)
-        result = pipeline.submit(Step(next_step_id(), (SeqWork(1, 0, len(prompt), True, greedy),),
-                                      torch.tensor(prompt, dtype=torch.int64))).result(timeout=60)
+        work = SeqWork(1, 0, len(prompt), num_scored=1, sampling=greedy)
+        result = pipeline.submit(Step(next_step_id(), (work,), torch.tensor(prompt, dtype=torch.int64))).result(
+            timeout=60)
         assert result.error_code is None and len(result.tokens) == 1
         pipeline.close()
     finally:
