@@ -20,9 +20,9 @@ def add_api_guard_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help=f"key clients must send as 'Authorization: Bearer <key>' for everything but /health "
                              f"and /metrics (default: ${API_KEY_ENV}, or no key when that is unset)")
-    parser.add_argument("--max-body-mib", type=float, default=APIConfig.max_body_bytes / MIB,
-                        help=f"largest request body in MiB, refused unread above (default "
-                             f"{APIConfig.max_body_bytes / MIB:g})")
+    default_mib = APIConfig().max_body_bytes / MIB
+    parser.add_argument("--max-body-mib", type=float, default=default_mib,
+                        help=f"largest request body in MiB, refused unread above (default {default_mib:g})")
 
 
 @dataclass(frozen=True, slots=True)

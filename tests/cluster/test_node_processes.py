@@ -62,9 +62,9 @@ def test_node_with_the_wrong_key_can_neither_read_nor_write(mesh_cluster, tmp_pa
     other_key = tmp_path / "other.key"
     auth.write_key(other_key, auth.generate_key())
     good = mesh_cluster.start([*FAST, "--node-id", "good"], port=ports[0])
+    address = mesh_cluster.wait_ready(good)  # up first: the intruder's first failure is the handshake
     intruder = mesh_cluster.start([*FAST, "--node-id", "intruder", "--peer", f"127.0.0.1:{ports[0]}"],
                                   port=ports[1], key_file=other_key)
-    address = mesh_cluster.wait_ready(good)
     mesh_cluster.wait_ready(intruder)
     # Its certificates are not from our key's CA: every handshake fails, both ways.
     wait_until(lambda: "TLS handshake failed" in intruder.log(), timeout=10,

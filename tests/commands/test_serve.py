@@ -59,7 +59,8 @@ def test_serve_answers_openai_requests_and_stops_on_sigterm(aidreams_path, tmp_p
         # model scan has fingerprinted it) the served model.
         deadline = time.monotonic() + 60
         while True:
-            [node] = httpx.get(f"{url}/v1/cluster", timeout=10).json()["nodes"]
+            # The fleet view (addresses, memory) needs the key too.
+            [node] = httpx.get(f"{url}/v1/cluster", headers={"authorization": "Bearer k3y"}, timeout=10).json()["nodes"]
             if node["models"] or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
