@@ -21,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
 
 from meshllm.errors import BadRequest, ModelLoadError
+from meshllm.model.token_bytes import gpt2_byte_alphabet, strips_leading_space, vocabulary_bytes
 
 if TYPE_CHECKING:
     from meshllm.model.gguf import GGUFFile
@@ -108,6 +109,16 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def token_bytes(self) -> tuple[bytes, ...]:
+        """The raw bytes of each token id (a piece of a UTF-8 character for some tokens)."""
+        return vocabulary_bytes(self.backend)
+
+    @functools.cached_property
+    def strips_leading_space(self) -> bool:
+        """Decoding drops the space that begins a text (so the first token adds one byte less)."""
+        return strips_leading_space(self.backend)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while Rust works (encode holds it): a long prompt
@@ -285,7 +296,7 @@ def _gguf_backend(file: "GGUFFile") -> Backend:
                              f"and 'llama' (sentencepiece BPE) tokenizers from GGUF")
     # Control tokens (<|im_end|>) stay whole and are special; user-defined ones (<think>) stay whole.
     # A control token outside the byte alphabet in a byte-level vocabulary is a llama.cpp mislabel.
-    alphabet = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
+    alphabet = set(gpt2_byte_alphabet().values()) if kind == "gpt2" else None
     control = [AddedToken(t, special=True, normalized=False) for t, kind_ in zip(tokens, token_types)
                if kind_ == _CONTROL and (alphabet is None or set(t) <= alphabet)]
     backend.add_special_tokens(control)
@@ -296,7 +307,7 @@ def _gguf_backend(file: "GGUFFile") -> Backend:
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Backend:
-    spelling = _bytes_to_unicode()
+    spelling = gpt2_byte_alphabet()
     alphabet = set(spelling.values())
     # Tokens written with raw characters (an added "\n\n") are re-spelled in the byte alphabet.
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
@@ -338,11 +349,3 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
         merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's byte alphabet: printable bytes stand for themselves, the rest map above U+0100.
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
-                 *range(ord("\xae"), ord("\xff") + 1)]
-    extra = (b for b in range(256) if b not in printable)
-    return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(extra)}}
