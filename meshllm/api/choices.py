@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 
 from meshllm.api.prompts import ChoiceRequest
@@ -59,46 +60,79 @@ def usage(states: list[ChoiceState]) -> Usage:
                      cached_tokens=sum(s.num_cached_tokens for s in prompts.values())))
 
 
+class TextCursor:
+    """Where one choice's text stands, for its logprob entries: whether any byte of text has come
+    out yet (sentencepiece decoding drops the text's leading space) and how many characters."""
+
+    def __init__(self, strips_leading_space: bool):
+        self._strip = strips_leading_space
+        self._started = False
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = 0
+
+    def adjusted(self, data: bytes) -> bytes:
+        """The bytes a token of raw bytes `data` would add to the text here."""
+        return data[1:] if self._strip and not self._started and data.startswith(b" ") else data
+
+    def advance(self, data: bytes) -> bytes:
+        """Account for a token of raw bytes `data`; returns the bytes it adds to the text."""
+        data = self.adjusted(data)
+        self._started = True  # the decoder strips at most the first token's space
+        self.num_chars += len(self._utf8.decode(data))
+        return data
+
+
+def shown(data: bytes) -> str:
+    """A token's bytes as text. Bytes that are only part of a UTF-8 character are escaped as OpenAI
+    shows them: the byte 0xf0 becomes the four characters \\xf0."""
+    return data.decode("utf-8", errors="backslashreplace")
+
+
 class LogprobFormatter:
-    """Token ids -> the token strings OpenAI's logprob shapes carry. Thread-safe enough: the
-    cache is a dict written with whole values."""
+    """Token ids -> what OpenAI's logprob shapes carry. Each entry's `bytes` are the bytes its
+    token adds to the text, so joining them gives the text's UTF-8 bytes exactly: raw token
+    bytes (part of a character for some byte-level tokens), none for special tokens (the text
+    skips them), and without the leading space a sentencepiece decode drops."""
 
     def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        # Decoding a token alone drops the leading space sentencepiece marks with U+2581; decoding
-        # it after an anchor character and removing the anchor keeps it, for every tokenizer kind.
-        self._anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
-        self._anchor_text = tokenizer.decode(self._anchor, skip_special_tokens=False)
-        self._texts: dict[int, str] = {}
+        self._bytes = tokenizer.token_bytes
+        self._strip = tokenizer.strips_leading_space
+        self._special = frozenset(i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special)
 
-    def token(self, token_id: int) -> str:
-        # A token that is part of a UTF-8 character decodes to U+FFFD; OpenAI has the same
-        # limitation, and `bytes` in the chat shape is what clients use to reassemble it.
-        text = self._texts.get(token_id)
-        if text is None:
-            joined = self.tokenizer.decode(self._anchor + [token_id], skip_special_tokens=False)
-            text = joined[len(self._anchor_text):] if joined.startswith(self._anchor_text) else \
-                self.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._texts[token_id] = text
-        return text
+    def cursor(self) -> TextCursor:
+        """One per choice, fed every entry of that choice in order."""
+        return TextCursor(self._strip)
 
-    def chat(self, entries: list[TokenLogprobs]) -> ChatLogprobs:
+    def _raw(self, token_id: int) -> bytes:
+        return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+
+    def _in_text(self, token_id: int, cursor: TextCursor, commit: bool) -> tuple[str, bytes]:
+        """(token as shown, bytes it adds to the text) at the cursor; `commit` moves the cursor."""
+        raw = self._raw(token_id)
+        if token_id in self._special:
+            return shown(raw), b""
+        data = cursor.advance(raw) if commit else cursor.adjusted(raw)
+        return shown(data), data
+
+    def _alternatives(self, e: TokenLogprobs, cursor: TextCursor) -> list[tuple[str, bytes, float]]:
+        # Shown as they would have added to the text at this point, like the chosen token.
+        return [(*self._in_text(i, cursor, commit=False), lp) for i, lp in zip(e.top_ids, e.top_logprobs)]
+
+    def chat(self, entries: list[TokenLogprobs], cursor: TextCursor) -> ChatLogprobs:
         content = []
         for e in entries:
-            text = self.token(e.token_id)
-            tops = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                    for t, lp in zip(map(self.token, e.top_ids), e.top_logprobs)]
-            content.append(TokenLogprob(token=text, logprob=e.logprob, bytes=list(text.encode()), top_logprobs=tops))
+            tops = [TopLogprob(token=t, logprob=lp, bytes=list(b)) for t, b, lp in self._alternatives(e, cursor)]
+            token, data = self._in_text(e.token_id, cursor, commit=True)
+            content.append(TokenLogprob(token=token, logprob=e.logprob, bytes=list(data), top_logprobs=tops))
         return ChatLogprobs(content=content)
 
-    def completion(self, entries: list[TokenLogprobs], text_offset: int = 0) -> CompletionLogprobs:
-        """`text_offset`: characters of completion text before the first of `entries` (streaming)."""
+    def completion(self, entries: list[TokenLogprobs], cursor: TextCursor) -> CompletionLogprobs:
+        """`text_offset` of each token: characters of the choice's text before it."""
         out = CompletionLogprobs()
         for e in entries:
-            text = self.token(e.token_id)
-            out.tokens.append(text)
+            out.text_offset.append(cursor.num_chars)
+            out.top_logprobs.append({t: lp for t, _, lp in self._alternatives(e, cursor)})
+            token, _ = self._in_text(e.token_id, cursor, commit=True)
+            out.tokens.append(token)
             out.token_logprobs.append(e.logprob)
-            out.top_logprobs.append({self.token(i): lp for i, lp in zip(e.top_ids, e.top_logprobs)})
-            out.text_offset.append(text_offset)
-            text_offset += len(text)
         return out

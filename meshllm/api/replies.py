@@ -36,7 +36,7 @@ async def collect(generation: Generation, states: list[ChoiceState]) -> None:
 
 def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatCompletion:
     choices = [ChatChoice(index=s.request.index, message=AssistantMessage(content="".join(s.text)),
-                          logprobs=ctx.formatter.chat(s.logprobs) if ctx.wants_logprobs else None,
+                          logprobs=ctx.formatter.chat(s.logprobs, ctx.formatter.cursor()) if ctx.wants_logprobs else None,
                           finish_reason=s.finish_reason)
                for s in states]
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))
@@ -44,7 +44,7 @@ def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatComplet
 
 def completion(states: list[ChoiceState], ctx: ReplyContext) -> Completion:
     choices = [CompletionChoice(index=s.request.index, text="".join(s.text),
-                                logprobs=ctx.formatter.completion(s.logprobs) if ctx.wants_logprobs else None,
+                                logprobs=ctx.formatter.completion(s.logprobs, ctx.formatter.cursor()) if ctx.wants_logprobs else None,
                                 finish_reason=s.finish_reason)
                for s in states]
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from meshllm.api.choices import ChoiceState, failure_of, usage
+from meshllm.api.choices import ChoiceState, TextCursor, failure_of, usage
 from meshllm.api.errors import mesh_error_body
 from meshllm.api.generation import ClientDisconnected, Generation
 from meshllm.api.metrics import MetricsObserver
@@ -92,6 +92,7 @@ async def _stream(generation: Generation, events: AsyncIterator[Item], states: l
 class _ChatChunks:
     def __init__(self, ctx: ReplyContext):
         self.ctx = ctx
+        self._cursors: dict[int, TextCursor] = {}  # per choice
 
     def _chunk(self, choices: list[ChatChunkChoice], **extra) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model, choices=choices,
@@ -102,8 +103,10 @@ class _ChatChunks:
         return self._chunk([ChatChunkChoice(index=state.request.index, delta=ChatDelta(role="assistant", content=""))])
 
     def delta(self, state: ChoiceState, event: GenerationEvent) -> ChatCompletionChunk:
-        logprobs = (self.ctx.formatter.chat([event.logprobs])
-                    if self.ctx.wants_logprobs and event.logprobs is not None else None)
+        logprobs = None
+        if self.ctx.wants_logprobs and event.logprobs is not None:
+            cursor = self._cursors.setdefault(state.request.index, self.ctx.formatter.cursor())
+            logprobs = self.ctx.formatter.chat([event.logprobs], cursor)
         return self._chunk([ChatChunkChoice(index=state.request.index, delta=ChatDelta(content=event.text),
                                             logprobs=logprobs)])
 
@@ -118,7 +121,7 @@ class _ChatChunks:
 class _CompletionChunks:
     def __init__(self, ctx: ReplyContext):
         self.ctx = ctx
-        self._text_offsets: dict[int, int] = {}  # per choice: characters of token text streamed so far
+        self._cursors: dict[int, TextCursor] = {}  # per choice
 
     def _chunk(self, choices: list[CompletionChoice], **extra) -> Completion:
         return Completion(id=self.ctx.id, created=self.ctx.created, model=self.ctx.model, choices=choices, **extra)
@@ -129,9 +132,8 @@ class _CompletionChunks:
     def delta(self, state: ChoiceState, event: GenerationEvent) -> Completion:
         logprobs = None
         if self.ctx.wants_logprobs and event.logprobs is not None:
-            index = state.request.index
-            logprobs = self.ctx.formatter.completion([event.logprobs], self._text_offsets.get(index, 0))
-            self._text_offsets[index] = self._text_offsets.get(index, 0) + len(logprobs.tokens[0])
+            cursor = self._cursors.setdefault(state.request.index, self.ctx.formatter.cursor())
+            logprobs = self.ctx.formatter.completion([event.logprobs], cursor)
         return self._chunk([CompletionChoice(index=state.request.index, text=event.text, logprobs=logprobs)])
 
     def finish(self, state: ChoiceState) -> Completion:

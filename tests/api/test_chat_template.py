@@ -4,31 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.api.backend import build_local_backend
 from meshllm.engine.batch_invariant import make_batch_invariant
 from meshllm.engine.generate import generate_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
-from meshllm.pipeline.cluster import ServingOptions
-
-from .conftest import serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 MESSAGES = [{"role": "system", "content": "You are a concise assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def smollm2_server(smollm2_gguf_path):
-    backend = build_local_backend(smollm2_gguf_path, ServingOptions(context_length=256, max_batch=4,
-                                                                    batch_invariant=True))
-    try:
-        with serve(backend) as live:
-            yield live
-    finally:
-        backend.close()
 
 
 def test_chat_uses_the_models_template_and_matches_single_process(smollm2_server, smollm2_gguf_path):

@@ -1,0 +1,99 @@
+"""Logprob `bytes` rebuild the text exactly: emoji and non-Latin replies of SmolLM2 (byte-level
+BPE, where one emoji spans several tokens that are not UTF-8 on their own), whole and streamed,
+chat and legacy completions; and sentencepiece's dropped leading space on aidreams."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .conftest import MODEL
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPEAT = [{"role": "user", "content": "Repeat exactly: 🎉🦀 こんにちは 世界 🌍"}]
+
+
+def _assert_rebuilds(text: str, joined: bytes, finish_reason: str) -> None:
+    data = text.encode()
+    if finish_reason == "length" and joined != data:
+        # Cut mid-character by max_tokens: the text cannot hold the incomplete tail.
+        tail = joined[len(data):]
+        assert joined.startswith(data) and 0 < len(tail) < 4, (joined, data)
+        with pytest.raises(UnicodeDecodeError):
+            tail.decode()
+        return
+    assert joined == data
+
+
+def test_chat_logprob_bytes_rebuild_emoji_and_non_latin_text(smollm2_server):
+    client = smollm2_server.client()
+    model = smollm2_server.backend.model_id
+    reply = client.chat.completions.create(model=model, messages=REPEAT, temperature=0, max_tokens=24,
+                                           logprobs=True, top_logprobs=2)
+    text = reply.choices[0].message.content
+    assert "🦀" in text and "こんにちは" in text, text
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    partial = [e for e in content if e.bytes and not _utf8(bytes(e.bytes))]
+    assert partial, "an emoji reply should hold tokens that are part of a character"
+    for e in partial:  # shown escaped, as OpenAI shows them
+        assert "\\x" in e.token and "\ufffd" not in e.token
+    _assert_rebuilds(text, b"".join(bytes(e.bytes) for e in content), reply.choices[0].finish_reason)
+    for e in content:
+        if e.top_logprobs[0].logprob == pytest.approx(e.logprob):
+            assert e.top_logprobs[0].bytes == e.bytes
+
+    chunks = list(client.chat.completions.create(model=model, messages=REPEAT, temperature=0, max_tokens=24,
+                                                 logprobs=True, stream=True))
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed_text == text
+    assert [e.bytes for e in entries] == [e.bytes for e in content]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    _assert_rebuilds(streamed_text, b"".join(bytes(e.bytes) for e in entries), finish[0])
+
+
+def test_completion_tokens_rebuild_the_text(smollm2_server):
+    client = smollm2_server.client()
+    kwargs = dict(model=smollm2_server.backend.model_id, prompt="🎉🦀🎉🦀 日本語 🎉🦀🎉🦀 日本語 🎉🦀", temperature=0,
+                  max_tokens=16, logprobs=1)
+    whole = client.completions.create(**kwargs).choices[0]
+    assert any("\\x" in t for t in whole.logprobs.tokens), whole.logprobs.tokens
+    _assert_rebuilds(whole.text, b"".join(_unescape(t) for t in whole.logprobs.tokens), whole.finish_reason)
+    # text_offset counts whole characters of the text before each token
+    assert whole.logprobs.text_offset[0] == 0
+    assert whole.logprobs.text_offset == sorted(whole.logprobs.text_offset)
+    assert whole.logprobs.text_offset[-1] <= len(whole.text)
+    streamed = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == whole.logprobs.tokens
+    assert [o for c in streamed if c.logprobs for o in c.logprobs.text_offset] == whole.logprobs.text_offset
+
+
+def test_sentencepiece_leading_space_is_not_in_the_bytes(server):
+    # aidreams decodes like Llama 2: the space sentencepiece puts before the first word is dropped.
+    client = server.client()
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once upon"}],
+                                           temperature=0, max_tokens=12, logprobs=True)
+    content = reply.choices[0].logprobs.content
+    joined = b"".join(bytes(e.bytes) for e in content)
+    _assert_rebuilds(reply.choices[0].message.content, joined, reply.choices[0].finish_reason)
+    chunks = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once upon"}],
+                                            temperature=0, max_tokens=12, logprobs=True, stream=True)
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert b"".join(bytes(e.bytes) for e in entries) == joined
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _unescape(token: str) -> bytes:
+    """Undo `\\xNN` escapes of bytes that are part of a character (the prompt holds no backslash)."""
+    return b"".join(bytes([int(part[2:], 16)]) if part.startswith("\\x") else part.encode()
+                    for part in re.split(r"(\\x[0-9a-f]{2})", token) if part)
