@@ -9,6 +9,7 @@ the batch (or on whether a row was greedy, filtered, or alone).
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,11 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from meshllm.engine.logit_processors import RowInputs, process_logits
 from meshllm.errors import BadRequest
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _SEED_MIX = 0x9E3779B97F4A7C15
 _SEED_MASK = (1 << 63) - 1
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,12 @@ class SamplingParams:
     token; top_p 1.0 keeps the whole distribution. seed None draws a fresh seed.
     logprobs None returns none; N returns the chosen token's logprob plus the N most
     likely alternatives, from the unmodified model distribution.
+
+    Logit processing (logit_processors.py): logit_bias adds to token logits (OpenAI: -100
+    bans, 100 forces); frequency_penalty and presence_penalty subtract count * f + p from
+    tokens generated so far; repetition_penalty (vLLM's extension) divides positive and
+    multiplies negative logits of tokens in the prompt or output. min_p drops tokens less
+    likely than min_p times the likeliest one (after temperature).
     """
 
     temperature: float = 1.0
@@ -41,6 +51,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None
     ignore_eos: bool = False  # benchmarks generate exactly max_tokens
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
 
     def __post_init__(self):
         if not 0.0 <= self.temperature <= 100.0:
@@ -55,6 +70,29 @@ class SamplingParams:
             raise BadRequest(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise BadRequest(f"min_p must be in [0, 1], got {self.min_p}; use 0 to disable it")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise BadRequest(f"{name} must be in [-2, 2], got {value}; use 0 to disable it")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise BadRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                             f"{self.repetition_penalty}; use 1 to disable it")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise BadRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise BadRequest("logit_bias names a token twice")
+        for token_id, bias in self.logit_bias:
+            if token_id < 0:
+                raise BadRequest(f"logit_bias token id {token_id} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise BadRequest(f"logit_bias of token {token_id} must be in [-100, 100], got {bias}")
+
+    @property
+    def penalises(self) -> bool:
+        """Whether the sequence's history shapes its logits (the leader then ships its counts)."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:
@@ -98,19 +136,21 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def sample(logits: Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> SampleOutput:
+def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+           rows: Sequence[RowInputs] | None = None) -> SampleOutput:
     """Pick one token per row of `logits` [n, vocab] (fp32).
 
     `generators[i]` belongs to row i's sequence and is advanced by one draw when the
-    row samples (greedy rows may pass None and draw nothing).
+    row samples (greedy rows may pass None and draw nothing). `rows[i]` carries row i's
+    penalty counts and allowed tokens (None: none for any row).
     """
     n = logits.shape[0]
     assert len(params) == n == len(generators), (logits.shape, len(params), len(generators))
-    token_ids = logits.argmax(dim=-1)  # greedy rows; ties go to the lowest id
+    processed = logits if rows is None else process_logits(logits, params, rows)
+    token_ids = processed.argmax(dim=-1)  # greedy rows; ties go to the lowest id
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     for i in sampled:
-        token_ids[i] = _draw(logits[i], params[i], generators[i])
+        token_ids[i] = _draw(processed[i], params[i], generators[i])
     logprobs = tuple(None if p.logprobs is None else _logprobs(logits[i], int(token_ids[i]), p.logprobs)
                      for i, p in enumerate(params))
     return SampleOutput(token_ids, logprobs)
@@ -122,6 +162,9 @@ def _draw(row: Tensor, p: SamplingParams, generator: torch.Generator | None) -> 
     assert generator is not None, "a sampled row needs its sequence's generator"
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
     scaled = row.float() / p.temperature
+    if p.min_p > 0.0:
+        # min_p: keep tokens at least min_p times as likely as the likeliest (same as a logit gap).
+        scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
     if p.top_k is None and p.top_p >= 1.0:
         probs = torch.softmax(scaled, dim=-1)
         ids = None
