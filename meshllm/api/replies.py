@@ -35,16 +35,18 @@ async def collect(generation: Generation, states: list[ChoiceState]) -> None:
 
 
 def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatCompletion:
+    f = ctx.formatter
     choices = [ChatChoice(index=s.request.index, message=AssistantMessage(content="".join(s.text)),
-                          logprobs=ctx.formatter.chat(s.logprobs, ctx.formatter.cursor()) if ctx.wants_logprobs else None,
+                          logprobs=f.chat(s.logprobs, f.cursor()) if ctx.wants_logprobs else None,
                           finish_reason=s.finish_reason)
                for s in states]
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))
 
 
 def completion(states: list[ChoiceState], ctx: ReplyContext) -> Completion:
+    f = ctx.formatter
     choices = [CompletionChoice(index=s.request.index, text="".join(s.text),
-                                logprobs=ctx.formatter.completion(s.logprobs, ctx.formatter.cursor()) if ctx.wants_logprobs else None,
+                                logprobs=f.completion(s.logprobs, f.cursor()) if ctx.wants_logprobs else None,
                                 finish_reason=s.finish_reason)
                for s in states]
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))

@@ -87,7 +87,8 @@ def test_mask_follows_a_valid_document_and_allows_eos_only_at_its_end(tokenizer)
     # a token that breaks the schema is masked out, and committing it anyway is an error
     matcher = compiler.matcher(compiler.json_schema(SCHEMA))
     bad = _ids(tokenizer, '{"name": "Ada", "zzz": 1}')
-    first_bad = next(i for i, token in enumerate(bad) if not allows(matcher.allowed(), token) or not matcher.accept(token))
+    first_bad = next(i for i, token in enumerate(bad)
+                     if not allows(matcher.allowed(), token) or not matcher.accept(token))
     assert tokenizer.decode(bad[:first_bad + 1]).startswith('{"name": "Ada", "')
     assert not matcher.accept(bad[first_bad]) and matcher.error
 
