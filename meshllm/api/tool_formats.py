@@ -1,0 +1,150 @@
+"""How a model's chat template speaks tool calls: one `ToolFormat` per template family.
+
+The family is read from the template's own protocol markers, as llama.cpp does:
+
+- mistral: `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects;
+- llama3: a bare JSON object {"name", "parameters"} (maybe after `<|python_tag|>`);
+- hermes: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>` blocks (Qwen2.5, Qwen3, Hermes,
+  SmolLM3 templates);
+- a template that never mentions tools (SmolLM2's, the plain fallback) gets the Hermes
+  protocol too, written by us: the tool list goes into the system message the way Qwen2.5's
+  template writes it, earlier tool calls become `<tool_call>` blocks and tool results
+  `<tool_response>` blocks in a user turn.
+
+Templates that know tools get `tools` and the messages as transformers passes them
+(arguments of earlier calls as objects, not JSON strings). A format also gives the
+grammar that forces a call (tool_choice "required" or a named function): the call's
+wrapper with the function's parameter schema embedded, so arguments always validate.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+from dataclasses import dataclass
+from typing import Literal
+
+from meshllm.engine.grammar import schema_text
+from meshllm.model.tokenizer import Tokenizer
+
+Family = Literal["hermes", "llama3", "mistral"]
+
+HERMES_SYSTEM = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolFormat:
+    family: Family
+    template_renders_tools: bool  # False: we write tools and tool turns into the messages ourselves
+    begin_text: str | None  # text that opens a call block (hermes "<tool_call>", mistral "[TOOL_CALLS]")
+    begin_token: int | None  # special token that opens calls (skipped in the text, seen by its id)
+    arguments_key: str  # "arguments", or "parameters" for llama3
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> "ToolFormat":
+        template = tokenizer.chat_template or ""
+        if "[TOOL_CALLS]" in template:
+            return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments")
+        if "<|python_tag|>" in template or "ipython" in template:
+            return cls("llama3", True, None, _special_id(tokenizer, "<|python_tag|>"), "parameters")
+        return cls("hermes", "<tool_call>" in template and "tools" in template, "<tool_call>", None, "arguments")
+
+    def new_call_id(self) -> str:
+        if self.family == "mistral":  # Mistral's templates refuse ids that are not 9 letters or digits
+            return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+        return f"call_{secrets.token_hex(12)}"
+
+    # --- prompt ----------------------------------------------------------------------------------
+    def template_inputs(self, messages: list[dict], tools: list[dict] | None) -> tuple[list[dict], list[dict] | None]:
+        """(messages, tools) to render with the chat template. `messages` are OpenAI-shaped dicts
+        whose tool calls carry `arguments` as JSON text."""
+        if self.template_renders_tools:
+            return [_with_argument_objects(m) for m in messages], tools or None
+        return _hermes_messages(messages, tools), None
+
+    # --- forcing a call --------------------------------------------------------------------------
+    def forced_call_grammar(self, tools: list[dict], parallel: bool) -> str:
+        """Lark grammar (llguidance) for one call (or several when `parallel`) to any of `tools`."""
+        options = [{"type": "object", "properties": {
+            "name": {"const": t["function"]["name"]},
+            self.arguments_key: t["function"].get("parameters") or {"type": "object"}},
+            "required": ["name", self.arguments_key], "additionalProperties": False} for t in tools]
+        call = options[0] if len(options) == 1 else {"anyOf": options}
+        if self.family == "mistral":
+            array = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+            return f"start: {self._begin()} body\nbody: %json {schema_text(array)}\n"
+        if self.family == "llama3":  # one call per turn: Llama 3.x's JSON tool calling has no parallel form
+            return f"start: body\nbody: %json {schema_text(call)}\n"
+        repeat = ' ("\\n" call)*' if parallel else ""
+        return (f"start: call{repeat}\ncall: {self._begin()} \"\\n\" body \"\\n</tool_call>\"\n"
+                f"body: %json {schema_text(call)}\n")
+
+    def _begin(self) -> str:
+        if self.begin_token is not None:
+            return f"<[{self.begin_token}]>"
+        return json.dumps(self.begin_text)
+
+
+def _special_id(tokenizer: Tokenizer, text: str) -> int | None:
+    """Id of `text` when it is a special token (decoding skips it), else None (plain text)."""
+    for token_id, added in tokenizer.backend.get_added_tokens_decoder().items():
+        if added.content == text and added.special:
+            return token_id
+    return None
+
+
+def _arguments_object(arguments: str):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments  # not JSON: the template shows it as the client sent it
+
+
+def _with_argument_objects(message: dict) -> dict:
+    # transformers' templates expect arguments as objects (they apply `tojson` themselves)
+    if not message.get("tool_calls"):
+        return message
+    calls = [{**c, "function": {**c["function"], "arguments": _arguments_object(c["function"]["arguments"])}}
+             for c in message["tool_calls"]]
+    return {**message, "tool_calls": calls}
+
+
+def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    out: list[dict] = []
+    if tools:
+        listing = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if messages and messages[0]["role"] in ("system", "developer"):
+            out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{listing}"})
+            messages = messages[1:]
+        else:
+            out.append({"role": "system", "content": listing})
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            blocks = [json.dumps({"name": c["function"]["name"],
+                                  "arguments": _arguments_object(c["function"]["arguments"])}, ensure_ascii=False)
+                      for c in m["tool_calls"]]
+            text = "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in blocks)
+            out.append({"role": "assistant", "content": f"{m['content']}\n{text}" if m.get("content") else text})
+        elif m["role"] == "tool":
+            block = f"<tool_response>\n{m['content']}\n</tool_response>"
+            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_response>"):
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{block}"}  # one turn per batch
+            else:
+                out.append({"role": "user", "content": block})
+        else:
+            out.append({k: v for k, v in m.items() if k in ("role", "content", "name")})
+    return out
