@@ -22,11 +22,12 @@ from meshllm.api.errors import document_errors, error_responses, install_error_h
 from meshllm.api.generation import ClientDisconnected, Generation
 from meshllm.api.limits import BodyLimitMiddleware
 from meshllm.api.metrics import CONTENT_TYPE_LATEST
-from meshllm.api.prompts import ChoiceRequest, chat_choices, completion_choices
+from meshllm.api.prompts import ChoiceRequest, ModelText, chat_choices, completion_choices
 from meshllm.api.replies import ReplyContext
 from meshllm.api.responses import ChatCompletion, Completion, ModelEntry, ModelList, now
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
+from meshllm.api.tool_parser import ToolCallParser
 from meshllm.errors import ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
 
@@ -48,6 +49,7 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     generating = error_responses(400, *keyed, 404, 413, 429, 503, 504)
     formatter = LogprobFormatter(backend.tokenizer)
     backend.tokenizer.max_token_chars  # noqa: B018 - computed once here rather than in the first request
+    model_text = ModelText.of(backend.tokenizer, backend.max_context)
     started = now()
 
     def leader_for(model: str) -> Leader:
@@ -65,7 +67,9 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     async def answer(request: Request, leader: Leader, choices: list[ChoiceRequest], body: SamplingFields,
                      ctx: ReplyContext, chat: bool) -> Response | ChatCompletion | Completion:
         generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected)
-        states = [ChoiceState(c) for c in choices]
+        reads_calls = isinstance(body, ChatCompletionRequest) and body.calls_tools
+        states = [ChoiceState(c, ToolCallParser(model_text.tool_format, body.parallel_tool_calls)
+                              if reads_calls else None) for c in choices]
         streaming = False
         try:
             await run_in_threadpool(generation.submit)
@@ -111,14 +115,14 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     @app.post("/v1/chat/completions", response_model=None, responses=generating)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
         leader = leader_for(body.model)
-        choices = await run_in_threadpool(chat_choices, backend.tokenizer, backend.max_context, body)
+        choices = await run_in_threadpool(chat_choices, model_text, body)
         ctx = ReplyContext.new("chatcmpl", backend.model_id, formatter, body.logprobs)
         return await answer(request, leader, choices, body, ctx, chat=True)
 
     @app.post("/v1/completions", response_model=None, responses=generating)
     async def completions(body: CompletionRequest, request: Request) -> Response | Completion:
         leader = leader_for(body.model)
-        choices = await run_in_threadpool(completion_choices, backend.tokenizer, backend.max_context, body)
+        choices = await run_in_threadpool(completion_choices, model_text, body)
         ctx = ReplyContext.new("cmpl", backend.model_id, formatter, body.logprobs is not None)
         return await answer(request, leader, choices, body, ctx, chat=False)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from meshllm.api.prompts import ChoiceRequest
 from meshllm.api.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
+from meshllm.api.tool_parser import CallDelta, ParsedCall, ToolCallParser
 from meshllm.engine.sampler import TokenLogprobs
 from meshllm.errors import MeshError, SequenceFailed
 from meshllm.model.tokenizer import Tokenizer
@@ -23,18 +24,30 @@ def failure_of(event: GenerationEvent) -> MeshError | None:
 
 @dataclass
 class ChoiceState:
-    """Everything a choice produced so far. Touched only on the event loop."""
+    """Everything a choice produced so far. Touched only on the event loop.
+
+    With `tool_parser`, the text is read for tool calls: `text` then holds only the content,
+    and `delta` is what the last event added (content, call deltas) for streaming."""
 
     request: ChoiceRequest
+    tool_parser: ToolCallParser | None = None
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    delta: tuple[str, list[CallDelta]] = ("", [])
 
     def add(self, event: GenerationEvent) -> MeshError | None:
         """Account for `event`; returns the error when the sequence failed."""
-        self.text.append(event.text)
+        if self.tool_parser is None:
+            self.delta = (event.text, [])
+        else:
+            content, calls = self.tool_parser.feed(event.text, event.token_id)
+            if event.finish_reason is not None:
+                content += self.tool_parser.finish()
+            self.delta = (content, calls)
+        self.text.append(self.delta[0])
         if event.token_id is not None:
             self.num_tokens += 1
         if event.logprobs is not None:
@@ -44,7 +57,13 @@ class ChoiceState:
         if error is not None:
             return error
         self.finish_reason = event.finish_reason or self.finish_reason
+        if self.finish_reason == "stop" and self.tool_calls:
+            self.finish_reason = "tool_calls"
         return None
+
+    @property
+    def tool_calls(self) -> list[ParsedCall]:
+        return self.tool_parser.calls if self.tool_parser is not None else []
 
 
 def usage(states: list[ChoiceState]) -> Usage:

@@ -13,6 +13,8 @@ import secrets
 from dataclasses import dataclass
 
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from meshllm.api.tool_formats import ToolFormat
+from meshllm.engine.grammar import Grammar, GrammarCompiler
 from meshllm.engine.sampler import SamplingParams
 from meshllm.errors import BadRequest, ContextOverflow
 from meshllm.model.tokenizer import Tokenizer
@@ -28,6 +30,7 @@ class ChoiceRequest:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    grammar: Grammar | None = None  # what the output must match (response_format, forced tool call)
 
 
 # Normalizers may fold a few characters into one (composed accents): allow for it, so
@@ -50,20 +53,62 @@ def checked_text(tokenizer: Tokenizer, text: str, max_context: int, what: str) -
     return text
 
 
-def chat_choices(tokenizer: Tokenizer, max_context: int, body: ChatCompletionRequest) -> list[ChoiceRequest]:
+@dataclass(frozen=True, slots=True)
+class ModelText:
+    """What turning requests into prompts needs of the served model (built once per model)."""
+
+    tokenizer: Tokenizer
+    max_context: int
+    tool_format: ToolFormat
+    grammars: GrammarCompiler
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer, max_context: int) -> "ModelText":
+        return cls(tokenizer, max_context, ToolFormat.of(tokenizer), GrammarCompiler(tokenizer))
+
+
+def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRequest]:
+    tokenizer = model.tokenizer
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     messages = [m.as_template_input() for m in body.messages]
     for i, message in enumerate(messages):
         for field in ("content", "name"):
             if field in message:
-                checked_text(tokenizer, message[field], max_context, f"messages[{i}].{field}")
-    text = checked_text(tokenizer, tokenizer.apply_chat_template(messages), max_context, "the rendered chat")
+                checked_text(tokenizer, message[field], model.max_context, f"messages[{i}].{field}")
+    messages, template_tools = model.tool_format.template_inputs(messages, tools)
+    text = checked_text(tokenizer, tokenizer.apply_chat_template(messages, tools=template_tools), model.max_context,
+                        "the rendered chat")
     # A model's own template writes BOS itself where it wants one (transformers encodes the
     # rendered text without special tokens); the plain fallback template does not.
     ids = tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
-    return _expand([ids], body, body.completion_limit, body.num_logprobs, max_context)
+    return _expand([ids], body, body.completion_limit, body.num_logprobs, model, _chat_grammar(model, body))
 
 
-def completion_choices(tokenizer: Tokenizer, max_context: int, body: CompletionRequest) -> list[ChoiceRequest]:
+def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | None:
+    """The grammar the reply must match: a forced tool call; else the response_format (or, with
+    tools on auto, the response_format or a tool call); else none."""
+    fmt, compiler = model.tool_format, model.grammars
+    answer = None
+    if body.response_format is not None and body.response_format.type == "json_object":
+        answer, what = {"type": "object"}, "response_format json_object"
+    elif body.response_format is not None and body.response_format.type == "json_schema":
+        spec = body.response_format.json_schema
+        answer, what = spec.json_schema, f"response_format json_schema {spec.name!r}"
+    forced = body.forced_tools
+    if forced is not None:
+        tools = [t.model_dump(exclude_none=True) for t in forced]
+        return compiler.lark(fmt.call_grammar(tools, body.parallel_tool_calls),
+                             f"tool_choice {', '.join(t.function.name for t in forced)}")
+    if answer is None:
+        return None
+    if body.calls_tools:
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        return compiler.lark(fmt.call_grammar(tools, body.parallel_tool_calls, answer), f"{what} or a tool call")
+    return compiler.json_schema(answer, what)
+
+
+def completion_choices(model: ModelText, body: CompletionRequest) -> list[ChoiceRequest]:
+    tokenizer = model.tokenizer
     prompts = body.prompts
     if not prompts:
         raise BadRequest("prompt is empty: give a string, a list of strings, or token ids")
@@ -71,20 +116,35 @@ def completion_choices(tokenizer: Tokenizer, max_context: int, body: CompletionR
     all_ids = []
     for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            all_ids.append(tokenizer.encode(checked_text(tokenizer, prompt, max_context, f"prompt {i}")))
+            all_ids.append(tokenizer.encode(checked_text(tokenizer, prompt, model.max_context, f"prompt {i}")))
             continue
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise BadRequest(f"token id {bad[0]} in the prompt is outside this model's vocabulary [0, {vocab})")
         all_ids.append(list(prompt))
-    return _expand(all_ids, body, body.max_tokens, body.logprobs, max_context)
+    return _expand(all_ids, body, body.max_tokens, body.logprobs, model)
+
+
+def _logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias keys are token ids, got {key!r}") from None
+        if not 0 <= token_id < vocab_size:
+            raise BadRequest(f"logit_bias token id {token_id} is outside this model's vocabulary [0, {vocab_size})")
+        out.append((token_id, float(bias)))
+    return tuple(out)
 
 
 def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-            max_context: int) -> list[ChoiceRequest]:
+            model: ModelText, grammar: Grammar | None = None) -> list[ChoiceRequest]:
     """n choices per prompt, OpenAI's order (prompt-major). Choice j gets seed base + j, so a
     request with a seed is reproducible and its choices still differ from one another."""
     base_seed = body.seed if body.seed is not None else secrets.randbits(63)
+    max_context = model.max_context
+    logit_bias = _logit_bias(body, model.tokenizer.vocab_size)
     choices = []
     for prompt_index, ids in enumerate(prompts):
         if not ids:
@@ -98,6 +158,9 @@ def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | No
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k_or_none,
                 seed=(base_seed + j) % _SEED_RANGE, max_tokens=limit, stop=body.stop_strings,
-                logprobs=logprobs, ignore_eos=body.ignore_eos)
-            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params))
+                logprobs=logprobs, ignore_eos=body.ignore_eos, min_p=body.min_p or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=logit_bias)
+            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params, grammar))
     return choices

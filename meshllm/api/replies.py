@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from meshllm.api.choices import ChoiceState, LogprobFormatter, usage
 from meshllm.api.generation import Generation
 from meshllm.api.responses import (AssistantMessage, ChatChoice, ChatCompletion, Completion, CompletionChoice,
-                                   new_id, now)
+                                   ResponseFunction, ResponseToolCall, new_id, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +34,18 @@ async def collect(generation: Generation, states: list[ChoiceState]) -> None:
             raise error
 
 
+def assistant_message(state: ChoiceState) -> AssistantMessage:
+    content = "".join(state.text)
+    if not state.tool_calls:
+        return AssistantMessage(content=content)
+    calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+             for c in state.tool_calls]
+    return AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
+
+
 def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatCompletion:
     f = ctx.formatter
-    choices = [ChatChoice(index=s.request.index, message=AssistantMessage(content="".join(s.text)),
+    choices = [ChatChoice(index=s.request.index, message=assistant_message(s),
                           logprobs=f.chat(s.logprobs, f.cursor()) if ctx.wants_logprobs else None,
                           finish_reason=s.finish_reason)
                for s in states]

@@ -2,9 +2,10 @@
 
 Types are strict (a string where a number belongs is a 422, as OpenAI rejects it
 too); unknown fields are ignored so newer clients keep working, and an explicit
-null means "the default", as it does for OpenAI. Fields we accept
-but cannot honour (penalties, logit_bias, tools, echo) are refused with a message
-rather than silently ignored, since they would change what the client gets.
+null means "the default", as it does for OpenAI. Values out of OpenAI's ranges are
+400s from SamplingParams, which states the range. Fields we accept but cannot honour
+(echo, suffix) are refused with a message rather than silently ignored, since they
+would change what the client gets.
 """
 
 from __future__ import annotations
@@ -37,19 +38,79 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(_Body):
+    """A call an assistant message made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
 
     def as_template_input(self) -> dict:
-        """The message as a chat template expects it: role and plain-text content."""
+        """The message as OpenAI-shaped plain data: role, plain-text content, tool calls."""
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(part.text for part in self.content)
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict = Field(default_factory=dict, alias="schema")  # {} allows any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs a json_schema object')
+        return self
 
 
 class SamplingFields(_Body):
@@ -65,17 +126,15 @@ class SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens, for benchmarks
-    frequency_penalty: float | None = None
+    frequency_penalty: float | None = None  # [-2, 2], checked by SamplingParams (400 with the range)
     presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None  # extension (vLLM): (0, 10], 1 disables
+    min_p: float | None = None  # extension (vLLM): [0, 1]
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> [-100, 100]
     user: str | None = None
 
     @model_validator(mode="after")
-    def _refuse_unsupported(self):
-        if self.frequency_penalty or self.presence_penalty:
-            raise ValueError("frequency_penalty and presence_penalty are not supported; leave them at 0")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported; leave it empty")
+    def _check_stop(self):
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         return self
@@ -101,18 +160,38 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
-    response_format: dict | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.tools:
-            raise ValueError("tools (function calling) are not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format {\"type\": \"text\"} is supported")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: two functions share a name")
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools: there is nothing to call")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                             f"among tools ({', '.join(names)})")
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the reply is read for tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tools(self) -> list[ToolDefinition] | None:
+        """The tools one of which must be called (tool_choice required or named), else None."""
+        if self.tool_choice == "required":
+            return self.tools
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == self.tool_choice.function.name]
+        return None
 
     @property
     def completion_limit(self) -> int | None:

@@ -25,7 +25,7 @@ from meshllm.api.generation import ClientDisconnected, Generation
 from meshllm.api.metrics import MetricsObserver
 from meshllm.api.replies import ReplyContext
 from meshllm.api.responses import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, Completion, CompletionChoice,
-                                   Usage)
+                                   DeltaFunction, DeltaToolCall, Usage)
 from meshllm.errors import MeshError
 from meshllm.pipeline.events import GenerationEvent
 
@@ -72,7 +72,8 @@ async def _stream(generation: Generation, events: AsyncIterator[Item], states: l
             error = state.add(event)
             if error is not None:
                 raise error
-            if event.text or event.logprobs is not None:
+            content, calls = state.delta
+            if content or calls or event.logprobs is not None:
                 yield _sse(chunks.delta(state, event))
             if event.finish_reason is not None:
                 yield _sse(chunks.finish(state))
@@ -107,7 +108,12 @@ class _ChatChunks:
         if self.ctx.wants_logprobs and event.logprobs is not None:
             cursor = self._cursors.setdefault(state.request.index, self.ctx.formatter.cursor())
             logprobs = self.ctx.formatter.chat([event.logprobs], cursor)
-        return self._chunk([ChatChunkChoice(index=state.request.index, delta=ChatDelta(content=event.text),
+        content, calls = state.delta
+        tool_calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                                    function=DeltaFunction(name=d.name, arguments=d.arguments)) for d in calls]
+        return self._chunk([ChatChunkChoice(index=state.request.index,
+                                            delta=ChatDelta(content=content or None if calls else content,
+                                                            tool_calls=tool_calls or None),
                                             logprobs=logprobs)])
 
     def finish(self, state: ChoiceState) -> ChatCompletionChunk:
@@ -134,7 +140,7 @@ class _CompletionChunks:
         if self.ctx.wants_logprobs and event.logprobs is not None:
             cursor = self._cursors.setdefault(state.request.index, self.ctx.formatter.cursor())
             logprobs = self.ctx.formatter.completion([event.logprobs], cursor)
-        return self._chunk([CompletionChoice(index=state.request.index, text=event.text, logprobs=logprobs)])
+        return self._chunk([CompletionChoice(index=state.request.index, text=state.delta[0], logprobs=logprobs)])
 
     def finish(self, state: ChoiceState) -> Completion:
         return self._chunk([CompletionChoice(index=state.request.index, text="", finish_reason=state.finish_reason)])

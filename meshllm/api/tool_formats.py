@@ -76,9 +76,16 @@ class ToolFormat:
             return [_with_argument_objects(m) for m in messages], tools or None
         return _hermes_messages(messages, tools), None
 
-    # --- forcing a call --------------------------------------------------------------------------
-    def forced_call_grammar(self, tools: list[dict], parallel: bool) -> str:
-        """Lark grammar (llguidance) for one call (or several when `parallel`) to any of `tools`."""
+    # --- grammar ---------------------------------------------------------------------------------
+    def call_grammar(self, tools: list[dict], parallel: bool, answer: dict | None = None) -> str:
+        """Lark grammar (llguidance) for one call (or several when `parallel`) to any of `tools`,
+        or, when `answer` (a JSON schema) is given, either that or a plain answer matching it."""
+        calls = self._calls_grammar(tools, parallel)
+        if answer is None:
+            return f"start: calls\n{calls}"
+        return f"start: calls | answer\nanswer: %json {schema_text(answer)}\n{calls}"
+
+    def _calls_grammar(self, tools: list[dict], parallel: bool) -> str:
         options = [{"type": "object", "properties": {
             "name": {"const": t["function"]["name"]},
             self.arguments_key: t["function"].get("parameters") or {"type": "object"}},
@@ -86,11 +93,11 @@ class ToolFormat:
         call = options[0] if len(options) == 1 else {"anyOf": options}
         if self.family == "mistral":
             array = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-            return f"start: {self._begin()} body\nbody: %json {schema_text(array)}\n"
+            return f"calls: {self._begin()} body\nbody: %json {schema_text(array)}\n"
         if self.family == "llama3":  # one call per turn: Llama 3.x's JSON tool calling has no parallel form
-            return f"start: body\nbody: %json {schema_text(call)}\n"
+            return f"calls: body\nbody: %json {schema_text(call)}\n"
         repeat = ' ("\\n" call)*' if parallel else ""
-        return (f"start: call{repeat}\ncall: {self._begin()} \"\\n\" body \"\\n</tool_call>\"\n"
+        return (f"calls: call{repeat}\ncall: {self._begin()} \"\\n\" body \"\\n</tool_call>\"\n"
                 f"body: %json {schema_text(call)}\n")
 
     def _begin(self) -> str:

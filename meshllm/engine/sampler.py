@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from meshllm.engine.logit_processors import RowInputs, process_logits
+from meshllm.engine.logit_processors import NO_INPUTS, RowInputs, process_logits
 from meshllm.errors import BadRequest
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
@@ -146,7 +146,7 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
     """
     n = logits.shape[0]
     assert len(params) == n == len(generators), (logits.shape, len(params), len(generators))
-    processed = logits if rows is None else process_logits(logits, params, rows)
+    processed = process_logits(logits, params, rows if rows is not None else [NO_INPUTS] * n)
     token_ids = processed.argmax(dim=-1)  # greedy rows; ties go to the lowest id
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     for i in sampled:

@@ -137,15 +137,18 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> "DecodeStream":
         return DecodeStream(self, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]).
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); `tools` (OpenAI
+        function definitions) go to the template as transformers passes them.
 
         Raises BadRequest when the template rejects the conversation (e.g. roles that do not
         alternate): that is the caller's input, and the template's message says what is wrong.
         """
         variables = {name: text for name, text in self.special_tokens.items() if text is not None}
         try:
-            return self._template.render(messages=json.loads(json.dumps(messages)), tools=None, documents=None,
+            return self._template.render(messages=json.loads(json.dumps(messages)),
+                                         tools=json.loads(json.dumps(tools)) if tools else None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.TemplateError as e:
             raise BadRequest(f"the model's chat template rejected these messages: {e}") from None
