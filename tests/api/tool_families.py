@@ -1,0 +1,130 @@
+"""Tiny random models whose tokenizers carry each tool-calling template family.
+
+The templates are written here in the shape of the families' published templates (Qwen2.5's
+Hermes-style `<tool_call>` blocks, Llama 3.1's JSON calls with the ipython role, Mistral
+v0.3's `[AVAILABLE_TOOLS]` / `[TOOL_CALLS]` / `[TOOL_RESULTS]` with 9-character call ids);
+the tokenizer is byte-level BPE over the 256 bytes plus each family's special tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from meshllm.model.token_bytes import gpt2_byte_alphabet
+
+HERMES_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}
+{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}{%- set tc = tool_call.function %}
+{{- '\n<tool_call>\n{"name": "' + tc.name + '", "arguments": ' + (tc.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
+LLAMA3_TEMPLATE = r"""
+{{- bos_token }}
+{%- if tools %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\nEnvironment: ipython\n\nYou have access to the following functions. To call a function, respond with JSON for a function call in the format {"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.\n\n' }}
+{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\n\n' }}{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- set tc = message.tool_calls[0].function %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + tc.name + '", "parameters": ' + (tc.arguments | tojson) + '}<|eot_id|>' }}
+{%- elif message.role == 'tool' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}
+"""
+
+MISTRAL_TEMPLATE = r"""
+{{- bos_token }}
+{%- set ns = namespace(last_user=-1) %}
+{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- if tools and loop.index0 == ns.last_user %}{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+{{- '[INST] ' + message.content + '[/INST]' }}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '[TOOL_CALLS] [' }}
+{%- for tc in message.tool_calls %}
+{%- if tc.id is not string or tc.id | length != 9 %}{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}
+{{- '{"name": "' + tc.function.name + '", "arguments": ' + (tc.function.arguments | tojson) + ', "id": "' + tc.id + '"}' }}
+{%- if not loop.last %}{{- ', ' }}{%- endif %}
+{%- endfor %}
+{{- ']' + eos_token }}
+{%- elif message.role == 'assistant' %}
+{{- ' ' + message.content + eos_token }}
+{%- elif message.role == 'tool' %}
+{{- '[TOOL_RESULTS] {"content": ' + (message.content | tojson) + ', "call_id": "' + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+{%- endif %}
+{%- endfor %}
+"""
+
+# family -> (transformers variant, template, special tokens (first is BOS or None), eos, plain added tokens)
+FAMILIES = {
+    "hermes": ("qwen2", HERMES_TEMPLATE, [None, "<|im_start|>", "<|im_end|>"], "<|im_end|>",
+               ["<tool_call>", "</tool_call>"]),
+    "llama3": ("llama3", LLAMA3_TEMPLATE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                           "<|eot_id|>", "<|python_tag|>"], "<|eot_id|>", []),
+    "mistral": ("mistral", MISTRAL_TEMPLATE, ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                              "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "</s>", []),
+}
+VOCAB_SIZE = 272  # 256 bytes + added tokens, rounded up
+
+
+def _tokenizer(specials: list[str], plain: list[str]) -> Tokenizer:
+    vocab = {char: byte for byte, char in gpt2_byte_alphabet().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
+    return tokenizer
+
+
+def tiny_family_model(tiny_model_dir, family: str, seed: int) -> Path:
+    """A random-weight model folder whose tokenizer and chat template speak `family`."""
+    variant, template, specials, eos, plain = FAMILIES[family]
+    bos = specials[0]
+    specials = [t for t in specials if t is not None]
+    tokenizer = _tokenizer(specials, plain)
+    assert tokenizer.get_vocab_size() <= VOCAB_SIZE
+    folder = tiny_model_dir(variant, seed=seed, vocab_size=VOCAB_SIZE, num_hidden_layers=2,
+                            max_position_embeddings=2048, bos_token_id=tokenizer.token_to_id(bos) if bos else None,
+                            eos_token_id=tokenizer.token_to_id(eos))
+    out = folder.parent / f"{folder.name}-{family}"
+    if not out.exists():
+        shutil.copytree(folder, out)
+        tokenizer.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "chat_template": template, "bos_token": bos, "eos_token": eos}))
+    return out
