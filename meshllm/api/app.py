@@ -66,7 +66,8 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
 
     async def answer(request: Request, leader: Leader, choices: list[ChoiceRequest], body: SamplingFields,
                      ctx: ReplyContext, chat: bool) -> Response | ChatCompletion | Completion:
-        generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected)
+        generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected,
+                                model_text.grammars)
         reads_calls = isinstance(body, ChatCompletionRequest) and body.calls_tools
         states = [ChoiceState(c, ToolCallParser(model_text.tool_format, body.parallel_tool_calls)
                               if reads_calls else None) for c in choices]

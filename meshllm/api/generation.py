@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from meshllm.api.prompts import ChoiceRequest
+from meshllm.engine.grammar import GrammarCompiler
 from meshllm.engine.kv_cache import SeqId
 from meshllm.errors import MeshError, RequestTimeout
 from meshllm.pipeline.events import GenerationEvent
@@ -31,8 +32,9 @@ class Generation:
     """Create on the event loop; `submit` from a worker thread; `events` on the event loop."""
 
     def __init__(self, leader: Leader, choices: list[ChoiceRequest], timeout_s: float,
-                 is_disconnected: Callable[[], Awaitable[bool]]):
+                 is_disconnected: Callable[[], Awaitable[bool]], grammars: GrammarCompiler | None = None):
         self.leader = leader
+        self.grammars = grammars  # makes each constrained choice its own matcher
         self.choices = choices
         self.timeout_s = timeout_s
         self.is_disconnected = is_disconnected
@@ -47,8 +49,9 @@ class Generation:
         context overflow), the ones already queued are cancelled and the error propagates."""
         try:
             for choice in self.choices:
+                matcher = None if choice.grammar is None else self.grammars.matcher(choice.grammar)
                 self._seq_ids[choice.index] = self.leader.submit(
-                    choice.prompt_ids, choice.params, self._callback(choice.index))
+                    choice.prompt_ids, choice.params, self._callback(choice.index), grammar=matcher)
         except MeshError:
             self.cancel()
             raise

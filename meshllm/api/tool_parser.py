@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from meshllm.api.tool_formats import ToolFormat
 
-_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# A call object's head, up to the first character of its arguments value.
+_NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
 
 @dataclass(frozen=True, slots=True)

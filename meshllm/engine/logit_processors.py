@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from meshllm.errors import MalformedMessage
+
 if TYPE_CHECKING:  # sampler.py imports this module
     from meshllm.engine.sampler import SamplingParams
 
@@ -89,17 +91,25 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams], rows: Seque
 
 
 def unpack_bitmask(words: Tensor, vocab_size: int) -> Tensor:
-    """bool [n, vocab] from int32 bitmask words [n, ceil(vocab / 32)]."""
+    """bool [n, vocab_size] from int32 bitmask words [n, w]. The model's vocabulary may be wider
+    than the tokenizer's the mask was made for: tokens past the mask are not allowed."""
     shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = (words.unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
-    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1).bool()  # [n, 32 w]
+    if bits.shape[1] < vocab_size:
+        return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    return bits[:, :vocab_size]
 
 
 def _apply_masks(out: Tensor, rows: Sequence[RowInputs]) -> None:
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
         return
-    allowed = unpack_bitmask(torch.stack([rows[i].allowed for i in masked]).to(out.device), out.shape[1])
+    width = max(rows[i].allowed.numel() for i in masked)
+    words = torch.stack([torch.nn.functional.pad(rows[i].allowed, (0, width - rows[i].allowed.numel()))
+                         for i in masked])
+    allowed = unpack_bitmask(words.to(out.device), out.shape[1])
+    if not bool(allowed.any(dim=1).all()):
+        raise MalformedMessage("an allowed-token mask allows no token of this model's vocabulary")
     index = torch.tensor(masked, device=out.device)
     out[index] = out[index].masked_fill(~allowed, float("-inf"))
 
@@ -112,8 +122,15 @@ def _apply_bias(out: Tensor, params: Sequence[SamplingParams]) -> None:
             ids.append(token_id)
             values.append(bias)
     if rows:
+        _check_ids(ids, out.shape[1], "logit_bias")
         out.index_put_((torch.tensor(rows), torch.tensor(ids)), torch.tensor(values, dtype=out.dtype),
                        accumulate=True)
+
+
+def _check_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    # ids come from a peer (or a client through the leader): never index past the logits
+    if max(ids) >= vocab_size:
+        raise MalformedMessage(f"{what} names token {max(ids)}, beyond this model's {vocab_size} tokens")
 
 
 def _apply_penalties(out: Tensor, params: Sequence[SamplingParams], rows: Sequence[RowInputs]) -> None:
@@ -131,6 +148,7 @@ def _apply_penalties(out: Tensor, params: Sequence[SamplingParams], rows: Sequen
         presence += [p.presence_penalty] * n
     if not row_index:
         return
+    _check_ids(ids, out.shape[1], "a penalty count")
     index = (torch.tensor(row_index), torch.tensor(ids))
     values = out[index]
     count = torch.tensor(counts, dtype=out.dtype)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.logit_processors import PenaltyCounts, RowInputs
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 
 
@@ -22,6 +23,10 @@ class SeqWork:
     reach the end of the known tokens, one for a chunk that does or a plain decode step, and
     len(draft) + 1 when the step verifies draft tokens. The draft is the last len(draft) input
     rows (proposed, not yet committed): row i's logits decide whether draft[i] is accepted.
+
+    `penalties` are the sequence's penalty counts up to its last committed token (empty unless
+    its sampling penalises repeats); `allowed` holds, for a grammar-constrained sequence, one
+    allowed-token bitmask per scored row (row i: after the committed tokens and draft[:i]).
     """
 
     seq_id: SeqId
@@ -31,6 +36,8 @@ class SeqWork:
     sampling: SamplingParams | None = None  # with a concrete seed; set when num_scored > 0
     attach: tuple[int, ...] = ()  # prefix-cache blocks to copy in first; start == len(attach) * block size
     draft: tuple[int, ...] = ()
+    penalties: PenaltyCounts = PenaltyCounts()
+    allowed: tuple[Tensor, ...] = ()  # int32 bitmask words per scored row; () without a grammar
 
     def __post_init__(self):
         if self.start < 0 or self.num_tokens < 1:
@@ -41,6 +48,15 @@ class SeqWork:
                              f"tokens in {self.num_tokens} rows; expected 0 or len(draft) + 1")
         if self.num_scored and (self.sampling is None or self.sampling.seed is None):
             raise ValueError(f"sequence {self.seq_id} is scored but carries no seeded SamplingParams")
+        if self.allowed and len(self.allowed) != self.num_scored:
+            raise ValueError(f"sequence {self.seq_id}: {len(self.allowed)} allowed-token masks for "
+                             f"{self.num_scored} scored rows")
+
+    def row_inputs(self) -> list[RowInputs]:
+        """Penalty counts and mask of each scored row: row i also counts draft[:i] as generated."""
+        penalise = self.sampling is not None and self.sampling.penalises
+        return [RowInputs(self.penalties.extended(self.draft[:i]) if penalise else PenaltyCounts(),
+                          self.allowed[i] if self.allowed else None) for i in range(self.num_scored)]
 
     @property
     def first_new_position(self) -> int:

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from meshllm.engine.grammar import Matcher
 from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.logit_processors import PenaltyCounts
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Work
 from meshllm.engine.sequence import Sequence, SeqStatus
@@ -29,6 +31,7 @@ from meshllm.pipeline.chores import StageChores
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
 from meshllm.pipeline.replies import committed_tokens
+from meshllm.pipeline.seq_constraints import SeqConstraints
 from meshllm.pipeline.transport import StepTransport, next_step_id
 
 log = logging.getLogger(__name__)
@@ -40,6 +43,7 @@ Detokenizer = Callable[[int], str]
 class _Request:
     seq: Sequence
     checker: StopChecker
+    constraints: SeqConstraints
     on_event: Callable[[GenerationEvent], None]
     submitted_at: float
     first_token_at: float | None = None
@@ -104,8 +108,9 @@ class Leader:
 
     # --- any thread --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_event: Callable[[GenerationEvent], None]) -> SeqId:
-        """Queue a request; events (text deltas, then one with finish_reason) go to on_event."""
+               on_event: Callable[[GenerationEvent], None], grammar: Matcher | None = None) -> SeqId:
+        """Queue a request; events (text deltas, then one with finish_reason) go to on_event.
+        `grammar`: a fresh matcher the output must follow (owned by the loop thread from here)."""
         if not prompt_ids:
             raise ContextOverflow("the prompt is empty: at least one token is needed")
         total = len(prompt_ids) + params.max_tokens
@@ -120,7 +125,8 @@ class Leader:
             seq_id = SeqId(self._seq_prefix | self._seq_counter)
         seq = Sequence(seq_id, list(prompt_ids), params)
         checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
-        message = _Submit(_Request(seq, checker, on_event, time.perf_counter()))
+        constraints = SeqConstraints(params, seq.prompt_ids, grammar)
+        message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()))
         self._inbox.put(message)
         message.done.wait()
         if message.refused:
@@ -220,14 +226,23 @@ class Leader:
     def _send(self, batch: MicroBatch) -> None:
         step_id = next_step_id()
         ids: list[int] = []
-        works = []
+        works, sent = [], []
         for w in batch.works:
+            penalties, masks = PenaltyCounts(), ()
+            request = self._requests.get(w.seq.seq_id)
+            if w.num_scored and request is not None and request.constraints.active:
+                draft, penalties, masks = request.constraints.inputs(w.draft)
+                if len(draft) < len(w.draft):  # the grammar rejects the rest of the draft
+                    cut = len(w.draft) - len(draft)
+                    w = replace(w, num_tokens=w.num_tokens - cut, num_scored=w.num_scored - cut, draft=draft)
             committed_end = w.start + w.num_tokens - len(w.draft)
             ids.extend(w.seq.token_ids(w.start, committed_end))
             ids.extend(w.draft)
             works.append(SeqWork(w.seq.seq_id, w.start, w.num_tokens, w.num_scored,
-                                 w.seq.params if w.num_scored else None, w.attach, w.draft))
+                                 w.seq.params if w.num_scored else None, w.attach, w.draft, penalties, masks))
+            sent.append(w)
             self.prefix.sent(w)
+        batch = MicroBatch(tuple(sent))
         release, publish, evict = self._chores.take()
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
                     self.prefix.block_size)
@@ -258,6 +273,10 @@ class Leader:
             self.prefix.computed(w)
             for token in tokens:
                 w.seq.output_ids.append(token.token_id)
+                refused = request.constraints.commit(token.token_id)
+                if refused is not None:
+                    self._finish(request, "error", MeshError(refused))
+                    break
                 try:
                     self._deliver(request, token, now)
                 except Exception as e:  # noqa: BLE001 - one request's detokenizer or callback must not stop the loop

@@ -8,6 +8,10 @@ draw seeded by (seed, position)), accepts drafts while d_{i+1} == x_i, and commi
 where a is the number accepted: the accepted drafts, then its own next token. Every x_i is
 what plain decoding would produce after the same prefix, so the output is identical with or
 without drafts, whatever the drafts were: a wrong, late or missing draft costs only speed.
+
+Logit processing composes: row i's penalty counts include d_1..d_i, and a grammar-constrained
+sequence carries row i's allowed tokens (the leader cut the draft at the first token its
+grammar rejects, so a rejected draft token is simply never proposed).
 """
 
 from __future__ import annotations
@@ -28,13 +32,14 @@ def choose_tokens(logits: Tensor, works: Sequence[SeqWork]) -> list[SampledToken
     assert logits.shape[0] == sum(w.num_scored for w in works), (logits.shape, [w.num_scored for w in works])
     if not works:
         return []
-    params, generators = [], []
+    params, generators, rows = [], [], []
     for w in works:
+        rows.extend(w.row_inputs())
         for i in range(w.num_scored):
             params.append(w.sampling)
             generators.append(None if w.sampling.greedy else
                               position_generator(w.sampling.seed, w.first_new_position + i))
-    choice = sample(logits, params, generators)
+    choice = sample(logits, params, generators, rows)
     ids = choice.token_ids.tolist()
     out: list[SampledToken] = []
     row = 0

@@ -7,11 +7,13 @@ parameters are checked before they reach the engine.
 from __future__ import annotations
 
 from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.logit_processors import PenaltyCounts
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 from meshllm.engine.step import Publish, SampledToken, SeqWork, StageTiming, Step, StepResult
 from meshllm.errors import BadRequest, MalformedMessage
 from meshllm.transport import codec
 from meshllm.transport.protos import stage_pb2
+from meshllm.transport.token_mask import mask_from_bytes, mask_to_bytes
 
 MAX_SEQS_PER_STEP = 4096
 MAX_TOKENS_PER_STEP = 1 << 20
@@ -27,21 +29,40 @@ def scored_rows_fit(num_scored: int, num_draft: int, num_tokens: int) -> bool:
 
 
 def sampling_to_pb(p: SamplingParams) -> stage_pb2.SamplingParams:
-    msg = stage_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed or 0)
+    msg = stage_pb2.SamplingParams(temperature=p.temperature, top_p=p.top_p, seed=p.seed or 0, min_p=p.min_p,
+                                   frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                                   bias_ids=[t for t, _ in p.logit_bias], bias_values=[b for _, b in p.logit_bias])
     if p.top_k is not None:
         msg.top_k = p.top_k
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
     return msg
 
 
 def sampling_from_pb(m: stage_pb2.SamplingParams) -> SamplingParams:
+    if len(m.bias_ids) != len(m.bias_values):
+        raise MalformedMessage(f"logit_bias has {len(m.bias_ids)} token ids but {len(m.bias_values)} values")
     try:
         return SamplingParams(temperature=m.temperature, top_p=m.top_p,
                               top_k=m.top_k if m.HasField("top_k") else None, seed=m.seed,
-                              logprobs=m.logprobs if m.HasField("logprobs") else None)
+                              logprobs=m.logprobs if m.HasField("logprobs") else None, min_p=m.min_p,
+                              frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
+                              repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+                              logit_bias=tuple(zip(m.bias_ids, m.bias_values)))
     except BadRequest as e:
         raise MalformedMessage(f"bad sampling parameters from peer: {e}") from None
+
+
+def _penalties_from_pb(e: stage_pb2.SeqEntry) -> PenaltyCounts:
+    if len(e.penalty_ids) != len(e.penalty_counts) or len(e.penalty_ids) > MAX_TOKENS_PER_STEP:
+        raise MalformedMessage(f"sequence {e.seq_id}: {len(e.penalty_ids)} penalty ids, {len(e.penalty_counts)} "
+                               f"counts")
+    if any(t < 0 for t in e.penalty_ids) or any(c < 0 for c in e.penalty_counts) \
+            or len(set(e.penalty_ids)) != len(e.penalty_ids):
+        raise MalformedMessage(f"sequence {e.seq_id}: penalty ids must be distinct and counts non-negative")
+    return PenaltyCounts(tuple(e.penalty_ids), tuple(e.penalty_counts))
 
 
 def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
@@ -49,7 +70,8 @@ def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
         plan_id=plan_id, step_id=step.step_id,
         seqs=[stage_pb2.SeqEntry(seq_id=w.seq_id, start=w.start, num_tokens=w.num_tokens, num_scored=w.num_scored,
                                  sampling=sampling_to_pb(w.sampling) if w.sampling else None, attach=w.attach,
-                                 draft=w.draft)
+                                 draft=w.draft, penalty_ids=w.penalties.ids, penalty_counts=w.penalties.counts,
+                                 allowed=[mask_to_bytes(m.numpy()) for m in w.allowed])
               for w in step.seqs],
         input=codec.to_pb(step.input), release=step.release,
         timings=[timing_to_pb(t) for t in step.timings],
@@ -77,8 +99,11 @@ def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
         if e.attach and len(e.attach) * msg.block_size != e.start:
             raise MalformedMessage(f"sequence {e.seq_id} attaches {len(e.attach)} blocks of {msg.block_size} "
                                    f"tokens but starts at {e.start}")
+        if e.allowed and len(e.allowed) != e.num_scored:
+            raise MalformedMessage(f"sequence {e.seq_id}: {len(e.allowed)} allowed-token masks for {e.num_scored} "
+                                   f"scored rows")
         seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.num_scored, sampling, tuple(e.attach),
-                            tuple(e.draft)))
+                            tuple(e.draft), _penalties_from_pb(e), tuple(mask_from_bytes(m) for m in e.allowed)))
     if total > MAX_TOKENS_PER_STEP:
         raise MalformedMessage(f"step carries {total} tokens; the limit is {MAX_TOKENS_PER_STEP}")
     x = codec.from_pb(msg.input) if msg.HasField("input") else None

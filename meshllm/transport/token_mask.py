@@ -25,16 +25,19 @@ def mask_to_bytes(words: np.ndarray) -> bytes:
     return zlib.compress(words.astype("<i4", copy=False).tobytes(), 1)
 
 
-def mask_from_bytes(data: bytes, vocab_size: int) -> Tensor:
-    """int32 [ceil(vocab / 32)] words; MalformedMessage when `data` is not such a mask."""
-    num_bytes = 4 * ((vocab_size + 31) // 32)
+MAX_MASK_WORDS = (1 << 20) // 32  # vocabularies up to a million tokens
+
+
+def mask_from_bytes(data: bytes, max_words: int = MAX_MASK_WORDS) -> Tensor:
+    """int32 words (at most `max_words`); MalformedMessage when `data` is not such a mask. The
+    stage that applies it treats tokens past the mask as not allowed."""
     inflater = zlib.decompressobj()
     try:
-        raw = inflater.decompress(data, num_bytes)
+        raw = inflater.decompress(data, 4 * max_words)
     except zlib.error as e:
         raise MalformedMessage(f"allowed-token mask does not decompress: {e}") from None
-    if len(raw) != num_bytes or inflater.unconsumed_tail or not inflater.eof:
-        raise MalformedMessage(f"allowed-token mask is not {num_bytes} bytes for a vocabulary of {vocab_size}")
+    if inflater.unconsumed_tail or not inflater.eof or not raw or len(raw) % 4:
+        raise MalformedMessage(f"allowed-token mask is not whole int32 words within {4 * max_words} bytes")
     words = torch.frombuffer(bytearray(raw), dtype=torch.int32)
     if not bool(words.any()):
         raise MalformedMessage("allowed-token mask allows no token at all")

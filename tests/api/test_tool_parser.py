@@ -58,6 +58,7 @@ def test_calls_and_content_whatever_the_chunking(fmt, output, content, calls):
         parser, streamed, deltas = _run(fmt, [(c, None) for c in chunks])
         assert streamed == parser.text == content, chunks
         assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == calls, chunks
+        assert all(c.arguments == c.arguments.strip() for c in parser.calls)
         assert all(c.complete for c in parser.calls)
         for index, call in enumerate(parser.calls):
             mine = [d for d in deltas if d.index == index]
