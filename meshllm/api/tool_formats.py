@@ -53,15 +53,21 @@ class ToolFormat:
     begin_text: str | None  # text that opens a call block (hermes "<tool_call>", mistral "[TOOL_CALLS]")
     begin_token: int | None  # special token that opens calls (skipped in the text, seen by its id)
     arguments_key: str  # "arguments", or "parameters" for llama3
+    # Lark for the markers around a call: the token itself where the vocabulary has one (a model
+    # writes `<tool_call>` as its one token, never spelled out), else the text.
+    grammar_begin: str = '""'
+    grammar_end: str = '""'
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "ToolFormat":
         template = tokenizer.chat_template or ""
         if "[TOOL_CALLS]" in template:
-            return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments")
+            return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments",
+                       _lark_marker(tokenizer, "[TOOL_CALLS]"))
         if "<|python_tag|>" in template or "ipython" in template:
             return cls("llama3", True, None, _special_id(tokenizer, "<|python_tag|>"), "parameters")
-        return cls("hermes", "<tool_call>" in template and "tools" in template, "<tool_call>", None, "arguments")
+        return cls("hermes", "<tool_call>" in template and "tools" in template, "<tool_call>", None, "arguments",
+                   _lark_marker(tokenizer, "<tool_call>"), _lark_marker(tokenizer, "</tool_call>"))
 
     def new_call_id(self) -> str:
         if self.family == "mistral":  # Mistral's templates refuse ids that are not 9 letters or digits
@@ -93,17 +99,19 @@ class ToolFormat:
         call = options[0] if len(options) == 1 else {"anyOf": options}
         if self.family == "mistral":
             array = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-            return f"calls: {self._begin()} body\nbody: %json {schema_text(array)}\n"
+            return f"calls: {self.grammar_begin} body\nbody: %json {schema_text(array)}\n"
         if self.family == "llama3":  # one call per turn: Llama 3.x's JSON tool calling has no parallel form
             return f"calls: body\nbody: %json {schema_text(call)}\n"
         repeat = ' ("\\n" call)*' if parallel else ""
-        return (f"calls: call{repeat}\ncall: {self._begin()} \"\\n\" body \"\\n</tool_call>\"\n"
+        return (f"calls: call{repeat}\ncall: {self.grammar_begin} \"\\n\" body \"\\n\" {self.grammar_end}\n"
                 f"body: %json {schema_text(call)}\n")
 
-    def _begin(self) -> str:
-        if self.begin_token is not None:
-            return f"<[{self.begin_token}]>"
-        return json.dumps(self.begin_text)
+
+def _lark_marker(tokenizer: Tokenizer, text: str) -> str:
+    for token_id, added in tokenizer.backend.get_added_tokens_decoder().items():
+        if added.content == text:
+            return f"<[{token_id}]>"
+    return json.dumps(text)
 
 
 def _special_id(tokenizer: Tokenizer, text: str) -> int | None:

@@ -187,6 +187,24 @@ def server(request, backend) -> Iterator[LiveServer]:
         yield live
 
 
+@pytest.fixture(scope="package")
+def long_local_backend(long_model_path) -> Iterator[Backend]:
+    b = build_local_backend(long_model_path, replace(OPTIONS, context_length=2048))
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="package", params=["local", "cluster"])
+def long_server(request) -> Iterator[LiveServer]:
+    """The 2048-token random model (aidreams' tokenizer) in process and across the two stage nodes,
+    for prompts that do not fit aidreams' 128 tokens (tool definitions)."""
+    if request.param == "cluster":
+        yield request.getfixturevalue("long_cluster_server")
+        return
+    with serve(request.getfixturevalue("long_local_backend")) as live:
+        yield live
+
+
 class SlowPipeline(LocalPipeline):
     """The real in-process stage, with a pause per step: long enough generations to time out,
     queue up and disconnect from, without depending on how fast this machine is."""

@@ -11,10 +11,10 @@ import pytest
 from meshllm.api.tool_formats import ToolFormat
 from meshllm.api.tool_parser import ToolCallParser
 
-HERMES = ToolFormat("hermes", True, "<tool_call>", None, "arguments")
+HERMES = ToolFormat("hermes", True, "<tool_call>", None, "arguments", '"<tool_call>"', '"</tool_call>"')
 LLAMA3 = ToolFormat("llama3", True, None, None, "parameters")
-MISTRAL = ToolFormat("mistral", True, "[TOOL_CALLS]", None, "arguments")
-MISTRAL_SPECIAL = ToolFormat("mistral", True, "[TOOL_CALLS]", 7, "arguments")
+MISTRAL = ToolFormat("mistral", True, "[TOOL_CALLS]", None, "arguments", '"[TOOL_CALLS]"')
+MISTRAL_SPECIAL = ToolFormat("mistral", True, "[TOOL_CALLS]", 7, "arguments", "<[7]>")
 
 W = {"city": "Paris", "note": "a \"quoted\" {brace} and \\ back"}
 CASES = [
