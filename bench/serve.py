@@ -1,9 +1,11 @@
 """Serving benchmark through the 2-stage demo cluster (two `meshllm node` processes on
 loopback, SmolLM2-135M-Instruct): throughput, TTFT and inter-token latency p50/p95 at
 concurrency 1, 4 and 16 with mixed prompt lengths, and TTFT with a 512-token prefix hit
-against a miss. Real HTTP, the real `openai` client, streaming. Prints one JSON object.
+against a miss; and the cost of constrained decoding: decode tok/s of json_schema replies
+against plain ones at concurrency 1 and 16, rounds alternated so both see the same machine.
+Real HTTP, the real `openai` client, streaming. Prints one JSON object.
 
-    python bench/serve.py [--dtype float32] [--max-tokens 64] [--threads 1]
+    python bench/serve.py [--dtype float32] [--max-tokens 64] [--threads 1] [--only constrained]
 """
 
 from __future__ import annotations
@@ -49,6 +51,17 @@ def one_request(client: OpenAI, model: str, prompt, max_tokens: int) -> dict:
             "tokens": max_tokens, "end": time.perf_counter(), "start": started}
 
 
+def in_threads(target, concurrency: int) -> float:
+    """Run `target` in `concurrency` threads at once; the wall time until all are done."""
+    threads = [threading.Thread(target=target) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def load_at(client: OpenAI, model: str, concurrency: int, requests_per_client: int, max_tokens: int,
             rng: random.Random) -> dict:
     results: list[dict] = []
@@ -61,13 +74,7 @@ def load_at(client: OpenAI, model: str, concurrency: int, requests_per_client: i
             with lock:
                 results.append(r)
 
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = in_threads(worker, concurrency)
     itl = [x for r in results for x in r["itl"]]
     ttft = [r["ttft"] for r in results]
     return {"requests": len(results), "tokens_per_s": sum(r["tokens"] for r in results) / wall,
@@ -88,12 +95,55 @@ def prefix_ttft(client: OpenAI, model: str, tokenizer) -> dict:
     return {"prefix_tokens": 512, "ttft_miss_ms": 1e3 * miss, "ttft_hit_ms": 1e3 * hit, "hit_over_miss": hit / miss}
 
 
+# A document of ~64 tokens whatever the model prefers: eight bounded strings.
+CONSTRAINED_FORMAT = {"type": "json_schema", "json_schema": {"name": "list", "strict": True, "schema": {
+    "type": "object", "properties": {"items": {"type": "array", "minItems": 8, "maxItems": 8,
+                                               "items": {"type": "string", "minLength": 4, "maxLength": 12}}},
+    "required": ["items"], "additionalProperties": False}}}
+
+
+def decode_rate(client: OpenAI, model: str, max_tokens: int, constrained: bool) -> tuple[int, float]:
+    """(tokens, seconds) of one streamed chat reply after its first token (prefill excluded)."""
+    extra = {"response_format": CONSTRAINED_FORMAT} if constrained else {"extra_body": {"ignore_eos": True}}
+    stamps, tokens = [], 0
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "List eight fruits as JSON."}], temperature=0,
+        max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}, **extra)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            stamps.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens - 1, stamps[-1] - stamps[0]
+
+
+def constrained_overhead(client: OpenAI, model: str, max_tokens: int, rounds: int = 3) -> dict:
+    out = {}
+    for concurrency in (1, 16):
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):
+            for constrained in (False, True):
+                results: list[tuple[int, float]] = []
+                wall = in_threads(lambda c=constrained: results.append(decode_rate(client, model, max_tokens, c)),
+                                  concurrency)
+                # batch 1: the reply's own decode rate; 16: aggregate tokens over the round's wall time
+                rates[constrained].append(results[0][0] / results[0][1] if concurrency == 1 else
+                                          sum(n for n, _ in results) / wall)
+        plain, constrained = percentile(rates[False], 0.5), percentile(rates[True], 0.5)
+        out[str(concurrency)] = {"plain_tok_s": plain, "json_schema_tok_s": constrained,
+                                 "loss": 1 - constrained / plain, "plain_rounds": rates[False],
+                                 "json_schema_rounds": rates[True]}
+        print(json.dumps({"constrained": {concurrency: out[str(concurrency)]}}), file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node process")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--only", choices=["constrained"], default=None, help="run only this part")
     args = parser.parse_args()
     files = open_model(args.model)
     with tempfile.TemporaryDirectory() as state:
@@ -111,13 +161,15 @@ def main() -> int:
             rng = random.Random(0)
             out = {"model": files.model_id, "dtype": args.dtype, "stages": 2, "threads_per_node": args.threads,
                    "max_tokens": args.max_tokens, "concurrency": {}}
-            for concurrency in (1, 4, 16):
+            out["constrained_decoding"] = constrained_overhead(client, files.model_id, 96)
+            for concurrency in () if args.only else (1, 4, 16):
                 out["concurrency"][str(concurrency)] = load_at(client, files.model_id, concurrency,
                                                                max(1, 8 // concurrency), args.max_tokens, rng)
                 print(json.dumps({concurrency: out["concurrency"][str(concurrency)]}), file=sys.stderr, flush=True)
             c = out["concurrency"]
-            out["aggregate_16_over_1"] = c["16"]["tokens_per_s"] / c["1"]["tokens_per_s"]
-            out["prefix_cache"] = prefix_ttft(client, files.model_id, files.tokenizer)
+            if not args.only:
+                out["aggregate_16_over_1"] = c["16"]["tokens_per_s"] / c["1"]["tokens_per_s"]
+                out["prefix_cache"] = prefix_ttft(client, files.model_id, files.tokenizer)
         finally:
             if server is not None:
                 server.stop()

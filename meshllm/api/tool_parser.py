@@ -190,7 +190,8 @@ class ToolCallParser:
             self.calls.append(scan.call)
             deltas.append(CallDelta(len(self.calls) - 1, scan.call.id, scan.call.name))
         # rescan from the arguments value, now that its start is known
-        scan.args_start, scan.scanned, scan.depth, scan.in_string, scan.escaped = args_start, args_start, 1, False, False
+        scan.args_start = scan.scanned = args_start
+        scan.depth, scan.in_string, scan.escaped = 1, False, False
         scan.args_end = scan.closed_at = None
         _advance(scan)
 

@@ -57,8 +57,8 @@ def test_chat_logprob_bytes_rebuild_emoji_and_non_latin_text(smollm2_server):
 
 def test_completion_tokens_rebuild_the_text(smollm2_server):
     client = smollm2_server.client()
-    kwargs = dict(model=smollm2_server.backend.model_id, prompt="🎉🦀🎉🦀 日本語 🎉🦀🎉🦀 日本語 🎉🦀", temperature=0,
-                  max_tokens=16, logprobs=1)
+    kwargs = dict(model=smollm2_server.backend.model_id, prompt="🎉🦀🎉🦀 日本語 🎉🦀🎉🦀 日本語 🎉🦀",
+                  temperature=0, max_tokens=16, logprobs=1)
     whole = client.completions.create(**kwargs).choices[0]
     assert any("\\x" in t for t in whole.logprobs.tokens), whole.logprobs.tokens
     _assert_rebuilds(whole.text, b"".join(_unescape(t) for t in whole.logprobs.tokens), whole.finish_reason)

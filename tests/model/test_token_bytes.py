@@ -8,7 +8,8 @@ import pytest
 from meshllm.model.tokenizer import Tokenizer
 
 TEXTS = ["Hello world", "héllo wörld — naïve café", "日本語のテキスト, Ελληνικά, русский",
-         "🎉🦀 emoji 👩‍👩‍👧 and flags 🇫🇷", "  two  spaces\nnew line\n\n\ttab", "{\"key\": [1, 2.5, null]}"]
+         "🎉🦀 emoji 👩‍👩‍👧 and flags 🇫🇷", "  two  spaces\nnew line\n\n\ttab",
+         "{\"key\": [1, 2.5, null]}"]
 
 
 def _joined(tokenizer: Tokenizer, text: str) -> bytes:

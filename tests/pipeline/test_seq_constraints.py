@@ -67,7 +67,8 @@ def test_verification_with_masks_picks_what_plain_constrained_decoding_picks(aid
             if i == len(draft) or plain[-1] != draft[i]:
                 break
         assert [t.token_id for t in tokens] == plain
-        assert [t.position for t in tokens] == list(range(work.first_new_position, work.first_new_position + len(plain)))
+        first = work.first_new_position
+        assert [t.position for t in tokens] == list(range(first, first + len(plain)))
         partial += 0 < len(plain) - 1 < len(draft)
     assert partial  # some drafts were accepted in part
 
