@@ -24,6 +24,8 @@ from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.leader import Leader
 from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
+from meshllm.spec.drafter import SpecConfig
+from meshllm.spec.proposer import Proposer
 from meshllm.transport.channels import ChannelPool
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class ServingOptions:
     quantization: str | None = None  # "int8": weight-only int8 linears on every stage
     step_timeout_s: float = 120.0  # a micro-batch unanswered this long fails its sequences (stalled stage)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding, when a proposer is given
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -60,19 +63,22 @@ def context_of(files: ModelFiles, options: ServingOptions) -> int:
 
 
 def new_leader(files: ModelFiles, transport, options: ServingOptions,
-               observer: LeaderObserver | None = None) -> Leader:
+               observer: LeaderObserver | None = None, proposer: Proposer | None = None) -> Leader:
+    """A leader over `transport`; with `proposer`, it decodes speculatively (spec/drafter.py)."""
     max_context = context_of(files, options)
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
     return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
                   max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
-                  step_timeout_s=options.step_timeout_s)
+                  step_timeout_s=options.step_timeout_s, proposer=proposer, spec_config=options.spec,
+                  vocab_size=files.config.vocab_size)
 
 
-def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:
+def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None,
+                 proposer: Proposer | None = None) -> Leader:
     """The whole model in this process: the single-process reference and the no-peer mode."""
     decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
     prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
-    return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer)
+    return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer, proposer)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
