@@ -49,6 +49,10 @@ class SpecConfig:
     sample_drafts: bool = True  # ask sampling proposers for q (min(1, p/q)) for unseeded sampled requests
     draft_support: int = 16  # entries of each sparse q
     retry_after_s: float = 1.0  # after a failed proposer call, plain decoding for this long
+    # Hold every decode step until its draft arrives (at most max_wait_s): for tests and acceptance
+    # measurements, where drafts must be verified even from a proposer as slow as the verifier.
+    wait_for_drafts: bool = False
+    max_wait_s: float = 5.0
 
     def __post_init__(self):
         if not 0.0 <= self.hold_fraction <= 1.0 or self.retry_after_s < 0:
@@ -182,6 +186,7 @@ class Drafter:
         """Whether the leader should wait a moment before forming a micro-batch: a fast proposer
         is about to answer for a sequence that would otherwise go out without a draft."""
         return any(st.hold_until is not None and now < st.hold_until and not st.seq.in_flight
+                   and not st.seq.is_prefilling and len(st.mirror) <= st.seq.num_tokens
                    for st in self._states.values())
 
     def next_deadline(self) -> float | None:
@@ -232,7 +237,9 @@ class Drafter:
         # The next step has no draft without this answer (prefill chunks do not wait for drafts).
         fresh = len(st.mirror) <= n and not st.seq.in_flight and not st.seq.is_prefilling
         typical = self._costs.typical_step_s
-        if fresh and self._latency_s is not None and typical is not None \
+        if self.config.wait_for_drafts:
+            st.hold_until = time.perf_counter() + self.config.max_wait_s
+        elif fresh and self._latency_s is not None and typical is not None \
                 and self._latency_s < self.config.hold_fraction * typical:
             st.hold_until = time.perf_counter() + self.config.hold_fraction * typical
         released, self._released = self._released, []
