@@ -48,7 +48,7 @@ class SpecConfig:
     hold_fraction: float = 0.5  # wait for a fresh draft when the proposer answers within this share of a step
     sample_drafts: bool = True  # ask sampling proposers for q (min(1, p/q)) for unseeded sampled requests
     draft_support: int = 16  # entries of each sparse q
-    retry_after_s: float = 1.0  # after a failed proposer call, plain decoding for this long
+    retry_after_s: float = 0.2  # after a failed proposer call, plain decoding for this long
     # Hold every decode step until its draft arrives (at most max_wait_s): for tests and acceptance
     # measurements, where drafts must be verified even from a proposer as slow as the verifier.
     wait_for_drafts: bool = False

@@ -47,8 +47,9 @@ class RemoteProposer:
             reply = self._stub.Propose(message, timeout=self.deadline_s)
         except grpc.RpcError as e:
             self._released = release + self._released  # not delivered: send again next time
-            raise ProposerError(f"proposer {self.model_id} on {self.node_id}: {e.code().name}: {e.details()}") \
-                from None
+            error = ProposerError(f"proposer {self.model_id} on {self.node_id}: {e.code().name}: {e.details()}")
+            error.unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+            raise error from None
         try:
             return spec_convert.drafts_from_pb(reply, requests)
         except MalformedMessage as e:
@@ -57,8 +58,8 @@ class RemoteProposer:
 
 
 class ReplanningProposer:
-    """The placed remote proposer; when it fails `max_failures` calls in a row, the node is left
-    out and a proposer is placed again on the current fleet view (the node may be gone). With no
+    """The placed remote proposer; when it is unreachable (or fails `max_failures` calls in a row),
+    the node is left out and a proposer is placed again on the current fleet view at once. With no
     candidate left, calls fail (plain decoding) and placement is retried on each call."""
 
     def __init__(self, want: ProposerWant, fleet_view: Callable[[], list[Card]], channels: ChannelPool,
@@ -100,14 +101,18 @@ class ReplanningProposer:
             current = self._current
         try:
             drafts = current.propose(requests)
-        except ProposerError:
+        except ProposerError as e:
             with self._lock:
                 self._failures += 1
-                if self._failures >= self.max_failures and self._current is current:
-                    log.warning("proposer on %s failed %d calls in a row; placing another", current.node_id,
-                                self._failures)
+                gone = getattr(e, "unreachable", False)
+                if (gone or self._failures >= self.max_failures) and self._current is current:
+                    log.warning("proposer on %s failed (%s); placing another", current.node_id, e)
                     self.excluded.add(NodeId(current.node_id))
                     self._current = None
+                    try:
+                        self.placement = self._place()
+                    except ProposerUnavailable as unavailable:
+                        log.warning("no other proposer: %s", unavailable)
             raise
         self._failures = 0
         return drafts
