@@ -48,7 +48,7 @@ class Generation:
         try:
             for choice in self.choices:
                 self._seq_ids[choice.index] = self.leader.submit(
-                    choice.prompt_ids, choice.params, self._callback(choice.index))
+                    choice.prompt_ids, choice.params, self._callback(choice.index), choice.speculative)
         except MeshError:
             self.cancel()
             raise

@@ -28,6 +28,7 @@ class ChoiceRequest:
     prompt_index: int
     prompt_ids: list[int]
     params: SamplingParams
+    speculative: bool | None = None  # the request's override of the server's speculative decoding
 
 
 # Normalizers may fold a few characters into one (composed accents): allow for it, so
@@ -83,7 +84,9 @@ def completion_choices(tokenizer: Tokenizer, max_context: int, body: CompletionR
 def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
             max_context: int) -> list[ChoiceRequest]:
     """n choices per prompt, OpenAI's order (prompt-major). Choice j gets seed base + j, so a
-    request with a seed is reproducible and its choices still differ from one another."""
+    request with a seed is reproducible and its choices still differ from one another. Without a
+    seed each choice draws its own at the leader, which may then verify sampled drafts with
+    min(1, p/q) (not bit-reproducible, exactly distributed)."""
     base_seed = body.seed if body.seed is not None else secrets.randbits(63)
     choices = []
     for prompt_index, ids in enumerate(prompts):
@@ -97,7 +100,7 @@ def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | No
             params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k_or_none,
-                seed=(base_seed + j) % _SEED_RANGE, max_tokens=limit, stop=body.stop_strings,
+                seed=None if body.seed is None else (base_seed + j) % _SEED_RANGE, max_tokens=limit, stop=body.stop_strings,
                 logprobs=logprobs, ignore_eos=body.ignore_eos)
-            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params))
+            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params, body.speculative))
     return choices

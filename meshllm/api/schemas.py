@@ -69,6 +69,7 @@ class SamplingFields(_Body):
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    speculative: bool | None = None  # extension: false decodes this request without drafts (default: server's)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
