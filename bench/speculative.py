@@ -179,7 +179,7 @@ def main() -> None:
             plan_id = deploy(plan, channels, options.dtype, options.batch_invariant)
 
             def remote(spec, counts):
-                transport = RemotePipeline(channels.get(stages[0].address), plan_id, 2)
+                transport = RemotePipeline(channels.get(stages[0].address, stages[0].node_id), plan_id, 2)
                 return new_leader(files, transport, options, counts, build_proposer(choice, files) if spec else None)
             report["results"]["2-stage"] = measure(remote, files, args)
             channels.close()

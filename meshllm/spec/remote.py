@@ -80,7 +80,7 @@ class ReplanningProposer:
 
     def _place(self) -> ProposerPlacement:
         placement = place_proposer(self.want, self.fleet_view(), frozenset(self.excluded))
-        self._current = RemoteProposer(self.channels.get(placement.address), placement.model_id,
+        self._current = RemoteProposer(self.channels.get(placement.address, placement.node_id), placement.model_id,
                                        placement.node_id, self.deadline_s)
         self._failures = 0
         log.info("proposer placed: %s on %s (%s)", placement.model_id, placement.node_id, placement.address)

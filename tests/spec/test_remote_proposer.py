@@ -40,13 +40,13 @@ def proposer_server():
     """A real gRPC server with the Proposer service: an n-gram proposer, and one that sleeps 0.3 s
     (stands in for an overloaded node: the sleep is the only thing not real)."""
     key = generate_key()
-    server = NodeServer(ServerConfig("127.0.0.1", 0, key))
+    server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id="proposer-node"))
     server.add(proposer_pb2_grpc.add_ProposerServicer_to_server, ProposerService([
         Served(NgramProposer()), Served(_Renamed(SlowProposer(NgramProposer(), 0.3), "sleepy"))]))
     server.start()
     channels = ChannelPool(ChannelConfig("test-leader", key))
     try:
-        yield channels.get(server.address)
+        yield channels.get(server.address, "proposer-node")
     finally:
         channels.close()
         server.stop()
@@ -123,8 +123,8 @@ def _cluster_leader(local: LocalCluster, files, ranges, proposer, observer=None)
                 EXACT.max_batch, 4, 4, stages, 0.0, False)
     plan_id = deploy(plan, channels, EXACT.dtype, EXACT.batch_invariant)
     options = replace(EXACT, spec=SpecConfig(wait_for_drafts=True, max_wait_s=2.0))
-    return new_leader(files, RemotePipeline(channels.get(stages[0].address), plan_id, len(stages)), options,
-                      observer, proposer), channels
+    transport = RemotePipeline(channels.get(stages[0].address, stages[0].node_id), plan_id, len(stages))
+    return new_leader(files, transport, options, observer, proposer), channels
 
 
 @pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 2), (2, 4)]], ids=["1-stage", "2-stage"])
