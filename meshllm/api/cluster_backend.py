@@ -23,7 +23,7 @@ def build_cluster_backend(files: ModelFiles, fleet_view: Callable[[], list[Card]
     Backend carries the error instead of a leader, and the API answers 503."""
     metrics = MetricsObserver()
     try:
-        leader, plan = cluster_leader(files, fleet_view(), channels, options, observer=metrics)
+        leader, plan = cluster_leader(files, fleet_view(), channels, options, observer=metrics, fleet_view=fleet_view)
     except ShardUnavailable as e:
         return Backend(files.model_id, files.tokenizer, context_of(files, options), None, metrics, fleet_view,
                        plan_error=e), None

@@ -62,12 +62,28 @@ class MetricsObserver(LeaderObserver):
             "meshllm_generation_tokens_per_second",
             f"Tokens generated per second over the last {_THROUGHPUT_WINDOW_S} s.", registry=r)
         self.tokens_per_second.set_function(self.recent_tokens_per_second)
+        self.drafted_tokens = Counter(
+            "meshllm_spec_drafted_tokens", "Draft tokens sent for verification (speculative decoding).", registry=r)
+        self.accepted_tokens = Counter(
+            "meshllm_spec_accepted_tokens", "Draft tokens the verifier accepted.", registry=r)
+        self.verifier_passes = Counter(
+            "meshllm_spec_verifier_passes", "Decode passes of a sequence through the verifier (with or without "
+            "a draft).", registry=r)
+        self.acceptance_rate = Gauge(
+            "meshllm_spec_acceptance_rate", "Accepted over drafted tokens since start.", registry=r)
+        self.acceptance_rate.set_function(lambda: self._accepted / self._drafted if self._drafted else 0.0)
+        self.tokens_per_pass = Gauge(
+            "meshllm_spec_tokens_per_verifier_pass", "Tokens committed per decode pass since start (1 without "
+            "speculation).", registry=r)
+        self.tokens_per_pass.set_function(lambda: (self._passes + self._accepted) / self._passes if self._passes
+                                          else 0.0)
         self.api_errors = Counter("meshllm_api_errors", "HTTP API errors, by error code.", ["code"], registry=r)
         self._lock = threading.Lock()
         self._recent: deque[list[int]] = deque()  # [whole monotonic second, tokens generated in it]
         self._num_waiting = 0
         self._num_running = 0
         self._num_generated_tokens = 0
+        self._drafted = self._accepted = self._passes = 0
 
     # --- leader loop thread ------------------------------------------------------------------------
     def on_step(self, batch: MicroBatch, result: StepResult, seconds: float) -> None:
@@ -108,6 +124,15 @@ class MetricsObserver(LeaderObserver):
         """Prefix-cache accounting of one admitted prompt (called by the scheduler once it has a prefix cache)."""
         self.prefix_cache_hit_tokens.inc(hit_tokens)
         self.prefix_cache_miss_tokens.inc(miss_tokens)
+
+    def on_verified(self, num_drafted: int, num_accepted: int) -> None:
+        self.verifier_passes.inc()
+        self._passes += 1
+        if num_drafted:
+            self.drafted_tokens.inc(num_drafted)
+            self.accepted_tokens.inc(num_accepted)
+            self._drafted += num_drafted
+            self._accepted += num_accepted
 
     # --- any thread --------------------------------------------------------------------------------
     def recent_tokens_per_second(self) -> float:

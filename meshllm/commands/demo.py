@@ -26,6 +26,7 @@ from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions
 from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 
 MODEL_ENV = "MESHLLM_MODEL"
 SAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=2048, help="tokens per request (default 2048)")
     parser.add_argument("--once", action="store_true", help="exit after the sample completion")
     add_api_guard_arguments(parser)
+    parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
+                        help=SPECULATIVE_HELP + " (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
                         max_body_bytes=int(args.max_body_mib * MIB))
     except ValueError as e:
         raise SystemExit(f"meshllm demo: {e}") from None
+    if args.speculative is not None:
+        SpeculativeChoice.parse(args.speculative)
     files = open_model(args.model or os.environ.get(MODEL_ENV) or None)
     print(f"meshllm demo: model {files.model_id} ({files.config.num_hidden_layers} layers) from {files.path}",
           flush=True)
@@ -66,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     backend = server = None
     try:
         options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
-                                 dtype=args.dtype, scheduler=SchedulerConfig())
+                                 dtype=args.dtype, scheduler=SchedulerConfig(), speculative=args.speculative)
         backend, plan, _ = local_cluster_backend(cluster, files, options, "demo-leader")
         if plan is None:
             raise backend.plan_error

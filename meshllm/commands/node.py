@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from meshllm.pipeline.node_stage import attach_stage_service
+from meshllm.spec.node_proposer import attach_proposer_service
 from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.transport.auth import load_key, load_or_create_key
@@ -35,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"folder for the cluster key and probe cache (default {default_state_dir()})")
     add_transport_arguments(parser)
     parser.add_argument("--device", default=d.device, help=f"compute device: cpu, cuda:0, mps (default {d.device})")
+    parser.add_argument("--draft-model", action="append", default=[], type=Path, metavar="PATH",
+                        help="serve this model as a draft-model proposer for other nodes' speculative decoding "
+                             "(repeatable; loaded at start, int8 weights). Every node also serves an n-gram proposer")
 
 
 def resolve_key(key_file: Path | None, state_dir: Path, *, create: bool) -> bytes:
@@ -64,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     key = resolve_key(args.key_file, state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
+    attach_proposer_service(node, list(args.draft_model))
     run_until_signalled(node, on_ready=lambda n: print(f"meshllm node {n.node_id} listening on {n.address}",
                                                        flush=True))
     return 0

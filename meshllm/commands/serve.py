@@ -23,6 +23,8 @@ from meshllm.model.source import default_model_path, open_model
 from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
 from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions, wait_for_fleet
 from meshllm.pipeline.node_stage import attach_stage_service
+from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
+from meshllm.spec.node_proposer import attach_proposer_service
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.server import join_host_port
 
@@ -52,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "process alone, or the fewest nodes that fit when --peer is given)")
     parser.add_argument("--fleet-timeout", type=float, default=120.0,
                         help="seconds to wait for enough nodes to advertise the model (default 120)")
+    parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
+                        help=SPECULATIVE_HELP + "; a request may opt out with {\"speculative\": false} in its "
+                             "body (default: off)")
     parser.add_argument("--api-host", default=_API.host,
                         help=f"address the HTTP API listens on (default {_API.host}; 0.0.0.0 for the LAN)")
     parser.add_argument("--api-port", type=int, default=_API.port,
@@ -71,8 +76,10 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
         raise ValueError(f"--max-context must be at least 2 and --max-batch at least 1, got {args.max_context} "
                          f"and {args.max_batch}")
     scheduler = SchedulerConfig(max_waiting=args.max_queue)
+    if args.speculative is not None:
+        SpeculativeChoice.parse(args.speculative)
     return ServingOptions(context_length=args.max_context, max_batch=args.max_batch, dtype=args.dtype,
-                          batch_invariant=args.batch_invariant, scheduler=scheduler)
+                          batch_invariant=args.batch_invariant, scheduler=scheduler, speculative=args.speculative)
 
 
 def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     key = node_command.resolve_key(args.key_file, config.state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
+    attach_proposer_service(node, list(args.draft_model))
     running: dict = {}
 
     def on_ready(n: Node) -> None:

@@ -24,6 +24,9 @@ from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.leader import Leader
 from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
+from meshllm.spec.drafter import SpecConfig
+from meshllm.spec.factory import SpeculativeChoice, build_proposer
+from meshllm.spec.proposer import Proposer
 from meshllm.transport.channels import ChannelPool
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ class ServingOptions:
     quantization: str | None = None  # "int8": weight-only int8 linears on every stage
     step_timeout_s: float = 120.0  # a micro-batch unanswered this long fails its sequences (stalled stage)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding, when a proposer is given
+    speculative: str | None = None  # "ngram" | "draft:MODEL" | "remote[:NODE]" (spec/factory.py); None: off
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -60,19 +65,24 @@ def context_of(files: ModelFiles, options: ServingOptions) -> int:
 
 
 def new_leader(files: ModelFiles, transport, options: ServingOptions,
-               observer: LeaderObserver | None = None) -> Leader:
+               observer: LeaderObserver | None = None, proposer: Proposer | None = None) -> Leader:
+    """A leader over `transport`; with `proposer`, it decodes speculatively (spec/drafter.py)."""
     max_context = context_of(files, options)
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
     return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
                   max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
-                  step_timeout_s=options.step_timeout_s)
+                  step_timeout_s=options.step_timeout_s, proposer=proposer, spec_config=options.spec,
+                  vocab_size=files.config.vocab_size)
 
 
-def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:
+def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None,
+                 proposer: Proposer | None = None) -> Leader:
     """The whole model in this process: the single-process reference and the no-peer mode."""
+    if proposer is None and options.speculative is not None:
+        proposer = build_proposer(SpeculativeChoice.parse(options.speculative), files)
     decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
     prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
-    return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer)
+    return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer, proposer)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
@@ -84,14 +94,22 @@ def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> P
 
 
 def cluster_leader(files: ModelFiles, fleet: list[Card], channels: ChannelPool, options: ServingOptions,
-                   observer: LeaderObserver | None = None) -> tuple[Leader, Plan]:
+                   observer: LeaderObserver | None = None,
+                   fleet_view: Callable[[], list[Card]] | None = None) -> tuple[Leader, Plan]:
+    """Plan, deploy and lead. With options.speculative "remote", a proposer is placed off the plan's
+    nodes where possible (ProposerUnavailable when the fleet has none: the caller decides)."""
     plan = plan_for(files, fleet, options)
     log.info("plan for %s: %s", files.model_id,
              ", ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages))
     plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization)
+    proposer = None
+    if options.speculative is not None:
+        proposer = build_proposer(SpeculativeChoice.parse(options.speculative), files,
+                                  fleet_view=fleet_view or (lambda: fleet), channels=channels,
+                                  verifier_nodes=frozenset(s.node_id for s in plan.stages))
     first = plan.stages[0]
     transport = RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages))
-    return new_leader(files, transport, options, observer), plan
+    return new_leader(files, transport, options, observer, proposer), plan
 
 
 def wait_for_fleet(fetch: Callable[[], list[Card]], fingerprint: str, min_nodes: int,

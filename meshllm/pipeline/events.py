@@ -35,3 +35,6 @@ class LeaderObserver:
     def on_queue(self, num_waiting: int, num_running: int) -> None: ...
 
     def on_prefix(self, hit_tokens: int, miss_tokens: int) -> None: ...
+
+    def on_verified(self, num_drafted: int, num_accepted: int) -> None:
+        """One verifier pass of a sequence: `num_drafted` draft tokens (0: plain decode), `num_accepted` kept."""

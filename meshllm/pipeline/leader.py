@@ -33,6 +33,8 @@ from meshllm.pipeline.leader_prefix import LeaderPrefixCache
 from meshllm.pipeline.replies import committed_tokens
 from meshllm.pipeline.seq_constraints import SeqConstraints
 from meshllm.pipeline.transport import StepTransport, next_step_id
+from meshllm.spec.drafter import Drafter, DraftsReady, SpecConfig
+from meshllm.spec.proposer import Proposer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,9 @@ class _Request:
 @dataclass(frozen=True, slots=True)
 class _Submit:
     request: _Request
+    user_seeded: bool = False  # the caller chose the seed: output must be reproducible
+    speculative: bool | None = None  # None: the leader's default (draft when it has a proposer)
+    max_draft: int | None = None  # cap on draft tokens per step for this request
     done: threading.Event = field(default_factory=threading.Event)
     refused: list[MeshError] = field(default_factory=list)  # set by the loop when admission fails
 
@@ -84,7 +89,8 @@ class Leader:
     def __init__(self, transport: StepTransport, *, eos_token_ids: Collection[int],
                  new_detokenizer: Callable[[], Detokenizer], max_context: int,
                  config: SchedulerConfig | None = None, observer: LeaderObserver | None = None,
-                 step_timeout_s: float = 120.0):
+                 step_timeout_s: float = 120.0, proposer: Proposer | None = None,
+                 spec_config: SpecConfig | None = None, vocab_size: int | None = None):
         self.transport = transport
         self.eos_token_ids = frozenset(eos_token_ids)
         self.new_detokenizer = new_detokenizer
@@ -103,14 +109,19 @@ class Leader:
         self._seq_counter = 0
         self._id_lock = threading.Lock()
         self._closed = threading.Event()
+        # Speculative decoding: drafts come back as DraftsReady messages in the inbox.
+        self.drafter = None if proposer is None else Drafter(proposer, vocab_size, self._inbox.put, spec_config)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="leader")
         self._thread.start()
 
     # --- any thread --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_event: Callable[[GenerationEvent], None], grammar: Matcher | None = None) -> SeqId:
+               on_event: Callable[[GenerationEvent], None], grammar: Matcher | None = None,
+               speculative: bool | None = None, max_draft: int | None = None) -> SeqId:
         """Queue a request; events (text deltas, then one with finish_reason) go to on_event.
-        `grammar`: a fresh matcher the output must follow (owned by the loop thread from here)."""
+
+        `grammar`: a fresh matcher the output must follow (owned by the loop thread from here).
+        `speculative` False decodes without drafts; `max_draft` caps draft tokens per step."""
         if not prompt_ids:
             raise ContextOverflow("the prompt is empty: at least one token is needed")
         total = len(prompt_ids) + params.max_tokens
@@ -118,6 +129,7 @@ class Leader:
             raise ContextOverflow(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the "
                 f"model's context of {self.max_context} tokens; shorten the prompt or lower max_tokens")
+        user_seeded = params.seed is not None
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(63))
         with self._id_lock:
@@ -126,7 +138,8 @@ class Leader:
         seq = Sequence(seq_id, list(prompt_ids), params)
         checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
         constraints = SeqConstraints(params, seq.prompt_ids, grammar)
-        message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()))
+        message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
+                          speculative, max_draft)
         self._inbox.put(message)
         message.done.wait()
         if message.refused:
@@ -136,10 +149,11 @@ class Leader:
     def cancel(self, seq_id: SeqId) -> None:
         self._inbox.put(_Cancel(seq_id))
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationEvent]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 speculative: bool | None = None) -> Iterator[GenerationEvent]:
         """Blocking convenience: yields events until the sequence finishes."""
         events: queue.Queue = queue.Queue()
-        seq_id = self.submit(prompt_ids, params, events.put)
+        seq_id = self.submit(prompt_ids, params, events.put, speculative=speculative)
         try:
             while True:
                 event = events.get()
@@ -153,6 +167,8 @@ class Leader:
         self._closed.set()
         self._inbox.put(_Wake())
         self._thread.join(timeout=10)
+        if self.drafter is not None:
+            self.drafter.close()
         self.transport.close()
 
     # --- loop thread -------------------------------------------------------------------------------
@@ -178,6 +194,8 @@ class Leader:
                 try:
                     self.scheduler.add(request.seq)
                     self._requests[request.seq.seq_id] = request
+                    if self.drafter is not None and message.speculative is not False:
+                        self.drafter.admit(request.seq, request.seq.params, message.user_seeded, message.max_draft)
                 except MeshError as e:
                     message.refused.append(e)
                 message.done.set()
@@ -189,17 +207,26 @@ class Leader:
                 flight = self._in_flight.pop(step_id, None)
                 if flight is None:
                     return  # the step was given up as stalled; its sequences already failed
-                self.observer.on_step(flight.batch, result, time.perf_counter() - flight.sent_at)
+                seconds = time.perf_counter() - flight.sent_at
+                self.observer.on_step(flight.batch, result, seconds)
+                if self.drafter is not None and result.ok:
+                    self.drafter.step_done(flight.batch, seconds)
                 self._apply(flight.batch, result)
+            case DraftsReady():
+                if self.drafter is not None:
+                    self.drafter.arrived(message)
             case _Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
 
     def _wait_s(self) -> float:
+        now = time.perf_counter()
+        held = self.drafter.next_deadline() if self.drafter is not None else None
+        wait = 1.0 if held is None else max(0.0005, min(1.0, held - now))
         if not self._in_flight:
-            return 1.0
+            return wait
         oldest = min(f.sent_at for f in self._in_flight.values())
-        return max(0.01, min(1.0, oldest + self.step_timeout_s - time.perf_counter()))
+        return max(0.0005, min(wait, max(0.01, oldest + self.step_timeout_s - now)))
 
     def _expire_stalled_steps(self) -> None:
         """Fail the sequences of micro-batches a stage has sat on past the step timeout, so a
@@ -215,6 +242,8 @@ class Leader:
                                                  error_message=f"no answer within {self.step_timeout_s:g}s"))
 
     def _fill_pipeline(self) -> None:
+        if self.drafter is not None and self.drafter.holding(time.perf_counter()):
+            return  # a draft is about to arrive for a sequence that would go out without one
         while len(self._in_flight) < self.transport.num_stages:
             batch = self.scheduler.next_microbatch()
             if batch is None:
@@ -234,12 +263,15 @@ class Leader:
                 draft, penalties, masks = request.constraints.inputs(w.draft)
                 if len(draft) < len(w.draft):  # the grammar rejects the rest of the draft
                     cut = len(w.draft) - len(draft)
-                    w = replace(w, num_tokens=w.num_tokens - cut, num_scored=w.num_scored - cut, draft=draft)
+                    dists = None if w.draft_dists is None else w.draft_dists[:len(draft)]
+                    w = replace(w, num_tokens=w.num_tokens - cut, num_scored=w.num_scored - cut, draft=draft,
+                                draft_dists=dists)
             committed_end = w.start + w.num_tokens - len(w.draft)
             ids.extend(w.seq.token_ids(w.start, committed_end))
             ids.extend(w.draft)
             works.append(SeqWork(w.seq.seq_id, w.start, w.num_tokens, w.num_scored,
-                                 w.seq.params if w.num_scored else None, w.attach, w.draft, penalties, masks))
+                                 w.seq.params if w.num_scored else None, w.attach, w.draft, penalties, masks,
+                                 w.draft_dists))
             sent.append(w)
             self.prefix.sent(w)
         batch = MicroBatch(tuple(sent))
@@ -266,7 +298,12 @@ class Leader:
         now = time.perf_counter()
         for w in batch.works:
             tokens = committed.get(w.seq.seq_id, ())
-            self.scheduler.on_computed(w, num_accepted=max(0, len(tokens) - 1) if w.draft else 0)
+            num_accepted = max(0, len(tokens) - 1) if w.draft else 0
+            self.scheduler.on_computed(w, num_accepted=num_accepted)
+            if w.num_scored:
+                self.observer.on_verified(len(w.draft), num_accepted)
+                if self.drafter is not None:
+                    self.drafter.verified(w, num_accepted, batch.num_tokens)
             request = self._requests.get(w.seq.seq_id)
             if request is None or w.seq.status is SeqStatus.FINISHED:
                 continue
@@ -284,6 +321,8 @@ class Leader:
                     self._finish(request, "error", MeshError(f"internal error while streaming: {e}"))
                 if w.seq.status is SeqStatus.FINISHED:
                     break  # a stop inside accepted draft tokens: the rest are not part of the output
+            if self.drafter is not None and w.seq.status is not SeqStatus.FINISHED:
+                self.drafter.committed(w.seq)
 
     def _fail(self, works: tuple[Work, ...], error: MeshError) -> None:
         for w in works:
@@ -311,6 +350,8 @@ class Leader:
                 notify: bool = True) -> None:
         seq = request.seq
         self.prefix.forget(seq)
+        if self.drafter is not None:
+            self.drafter.finish(seq.seq_id)
         was_started = seq.status is SeqStatus.RUNNING
         self.scheduler.finish(seq)
         del self._requests[seq.seq_id]

@@ -152,8 +152,11 @@ def test_full_queue_answers_429_and_recovers(slow_backend):
 
         holders = [threading.Thread(target=hold_stream) for _ in range(2)]
         try:
-            for t in holders:
-                t.start()
+            # One after the other: two submits reaching the leader before it admits the first would
+            # both count as waiting, and the second would be refused instead of held.
+            holders[0].start()
+            live.wait_for(lambda: live.metric("meshllm_running_sequences") == 1, what="the first to run")
+            holders[1].start()
             live.wait_for(lambda: live.metric("meshllm_running_sequences") == 1
                           and live.metric("meshllm_queue_depth") == 1, what="one running and one waiting")
             error = assert_error(post(live.url, COMPLETIONS, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
