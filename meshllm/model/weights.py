@@ -13,7 +13,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -32,6 +32,20 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I1
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
+@dataclass(frozen=True, slots=True)
+class TensorSlice:
+    """Rows (dim 0) or columns (dim 1) [start, stop) of a 2-d tensor, or elements of a 1-d one.
+
+    A rank of a tensor-parallel group reads only its slices (meshllm/tp/shard.py says which)."""
+
+    dim: int
+    start: int
+    stop: int
+
+    def __post_init__(self):
+        assert self.dim in (0, 1) and 0 <= self.start < self.stop, self
+
+
 class TensorSource(Protocol):
     """Where a model's tensors come from (safetensors folder, GGUF file); HF tensor names."""
 
@@ -42,6 +56,8 @@ class TensorSource(Protocol):
     def tensor_names(self) -> list[str]: ...
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+
+    def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
 
     def fingerprint(self) -> str: ...
 
@@ -89,6 +105,32 @@ class SafetensorsSource:
                     for name in file_names:
                         out[name] = f.get_tensor(name).to(dtype)
                         self._bytes_read += self._entries[name].end - self._entries[name].begin
+            except SafetensorError as e:
+                raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
+        return out
+
+    def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Only the asked rows or columns of each tensor: safetensors reads just those bytes."""
+        by_file: dict[Path, list[str]] = {}
+        for name, s in slices.items():
+            entry = self._entries.get(name)
+            if entry is None:
+                raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
+            if s.dim >= len(entry.shape) or s.stop > entry.shape[s.dim]:
+                raise ModelLoadError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}; cannot take "
+                                     f"[{s.start}, {s.stop}) of dimension {s.dim} (the checkpoint does not match "
+                                     f"its config)")
+            by_file.setdefault(entry.file, []).append(name)
+        out = {}
+        for file, file_names in by_file.items():
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in file_names:
+                        s, entry = slices[name], self._entries[name]
+                        view = f.get_slice(name)
+                        part = view[s.start:s.stop] if s.dim == 0 else view[:, s.start:s.stop]
+                        out[name] = part.to(dtype)
+                        self._bytes_read += (entry.end - entry.begin) * (s.stop - s.start) // entry.shape[s.dim]
             except SafetensorError as e:
                 raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
         return out

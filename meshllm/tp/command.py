@@ -1,0 +1,212 @@
+"""What rank 0 tells the other ranks of its group, as one flat int64 tensor.
+
+Workers mirror rank 0 exactly: before computing a step, rank 0 broadcasts it (its
+sequences with their positions, prefix blocks and drafts; releases, publishes and
+evictions; the input ids or hidden states), so every rank runs the same step on its
+own slices and KV cache. Release commands mirror the stage's Release calls, heartbeats
+keep idle workers from timing out, and shutdown ends them.
+
+Layout: [MAGIC, kind, num_meta, meta..., payload...]; the meta words are small
+integers read with one `tolist()`, the payload is the step input's raw bytes viewed as
+int64 (no per-element conversion). Unsigned 64-bit ids travel as their two's complement.
+Timings are left out: workers report none.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+from torch import Tensor
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.step import Publish, SeqWork, Step
+from meshllm.errors import BadRequest, MalformedMessage
+
+MAGIC = 0x6D65736854500001  # "meshTP", format 1
+DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5}
+DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class Kind(IntEnum):
+    HEARTBEAT = 0
+    STEP = 1
+    RELEASE = 2
+    SHUTDOWN = 3
+
+
+@dataclass(frozen=True, slots=True)
+class RunStep:
+    step: Step
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    seq_ids: tuple[SeqId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+Command = RunStep | Release | Heartbeat | Shutdown
+
+
+def encode(command: Command) -> Tensor:
+    """The command as int64 words [n]."""
+    meta: list[int] = []
+    payload = torch.empty(0, dtype=torch.int64)
+    match command:
+        case RunStep(step=step):
+            kind = Kind.STEP
+            payload = _encode_step(step, meta)
+        case Release(seq_ids=seq_ids):
+            kind = Kind.RELEASE
+            _put_list(meta, [_i64(s) for s in seq_ids])
+        case Heartbeat():
+            kind = Kind.HEARTBEAT
+        case Shutdown():
+            kind = Kind.SHUTDOWN
+        case _:
+            raise TypeError(f"not a command: {command!r}")
+    head = torch.tensor([_i64(MAGIC), int(kind), len(meta), *meta], dtype=torch.int64)
+    return torch.cat((head, payload)) if payload.numel() else head
+
+
+def decode(words: Tensor) -> Command:
+    """Inverse of `encode`; raises MalformedMessage on anything else (a desynchronised stream)."""
+    if words.dtype != torch.int64 or words.dim() != 1 or words.numel() < 3:
+        raise MalformedMessage(f"tensor-parallel command must be int64 words, got {words.dtype}{list(words.shape)}")
+    magic, kind, num_meta = words[:3].tolist()
+    if _u64(magic) != MAGIC or not 0 <= num_meta <= words.numel() - 3:
+        raise MalformedMessage("tensor-parallel command stream out of step (bad magic or length)")
+    meta = _Reader(words[3:3 + num_meta].tolist())
+    payload = words[3 + num_meta:]
+    try:
+        match Kind(kind):
+            case Kind.STEP:
+                command = RunStep(_decode_step(meta, payload))
+            case Kind.RELEASE:
+                command = Release(tuple(SeqId(_u64(s)) for s in meta.list()))
+            case Kind.HEARTBEAT:
+                command = Heartbeat()
+            case Kind.SHUTDOWN:
+                command = Shutdown()
+    except (IndexError, KeyError, ValueError, RuntimeError, BadRequest) as e:
+        raise MalformedMessage(f"malformed tensor-parallel command: {e}") from None
+    if not meta.done():
+        raise MalformedMessage("tensor-parallel command has trailing words")
+    return command
+
+
+def _encode_step(step: Step, meta: list[int]) -> Tensor:
+    meta += [step.step_id, step.block_size, len(step.seqs)]
+    for w in step.seqs:
+        meta += [_i64(w.seq_id), w.start, w.num_tokens, w.num_scored]
+        _put_list(meta, [_i64(h) for h in w.attach])
+        _put_list(meta, list(w.draft))
+        _put_sampling(meta, w.sampling)
+    _put_list(meta, [_i64(s) for s in step.release])
+    meta.append(len(step.publish))
+    for p in step.publish:
+        meta += [_i64(p.seq_id), p.first_block]
+        _put_list(meta, [_i64(h) for h in p.hashes])
+    _put_list(meta, [_i64(h) for h in step.evict])
+    x = step.input.contiguous()
+    if x.dtype not in DTYPE_CODES:
+        raise MalformedMessage(f"step input of dtype {x.dtype} cannot be mirrored; expected one of {list(DTYPE_CODES)}")
+    raw = x.view(torch.uint8).reshape(-1) if x.numel() else torch.empty(0, dtype=torch.uint8)
+    meta += [DTYPE_CODES[x.dtype], x.dim(), *x.shape, raw.numel()]
+    padded = torch.nn.functional.pad(raw, (0, (-raw.numel()) % 8)) if raw.numel() % 8 else raw
+    return padded.view(torch.int64)
+
+
+def _decode_step(meta: _Reader, payload: Tensor) -> Step:
+    step_id, block_size, num_seqs = meta.take(3)
+    seqs = []
+    for _ in range(num_seqs):
+        seq_id, start, num_tokens, num_scored = meta.take(4)
+        attach = tuple(_u64(h) for h in meta.list())
+        draft = tuple(meta.list())
+        seqs.append(SeqWork(SeqId(_u64(seq_id)), start, num_tokens, num_scored, _get_sampling(meta), attach, draft))
+    release = tuple(SeqId(_u64(s)) for s in meta.list())
+    publish = []
+    for _ in range(meta.one()):
+        seq_id, first_block = meta.take(2)
+        publish.append(Publish(SeqId(_u64(seq_id)), first_block, tuple(_u64(h) for h in meta.list())))
+    evict = tuple(_u64(h) for h in meta.list())
+    dtype, ndim = DTYPES[meta.one()], meta.one()
+    shape, num_bytes = meta.take(ndim), meta.one()
+    if num_bytes > payload.numel() * 8 or payload.numel() != -(-num_bytes // 8):
+        raise MalformedMessage(f"step input claims {num_bytes} bytes, the command holds {payload.numel() * 8}")
+    raw = payload.view(torch.uint8)[:num_bytes]
+    x = raw.view(dtype).reshape(shape).clone()  # own memory: the receive buffer is reused
+    return Step(step_id, tuple(seqs), x, release, (), tuple(publish), evict, block_size)
+
+
+def _put_sampling(meta: list[int], p: SamplingParams | None) -> None:
+    if p is None:
+        meta.append(0)
+        return
+    meta += [1, _float_bits(p.temperature), _float_bits(p.top_p), int(p.top_k is not None), p.top_k or 0,
+             int(p.seed is not None), _i64(p.seed or 0), int(p.logprobs is not None), p.logprobs or 0]
+
+
+def _get_sampling(meta: _Reader) -> SamplingParams | None:
+    if not meta.one():
+        return None
+    temperature, top_p, has_top_k, top_k, has_seed, seed, has_logprobs, logprobs = meta.take(8)
+    return SamplingParams(temperature=_bits_float(temperature), top_p=_bits_float(top_p),
+                          top_k=top_k if has_top_k else None, seed=_u64(seed) if has_seed else None,
+                          logprobs=logprobs if has_logprobs else None)
+
+
+def _put_list(meta: list[int], values: list[int]) -> None:
+    meta.append(len(values))
+    meta.extend(values)
+
+
+class _Reader:
+    def __init__(self, values: list[int]):
+        self.values, self.pos = values, 0
+
+    def take(self, n: int) -> list[int]:
+        if n < 0 or self.pos + n > len(self.values):
+            raise IndexError(f"command ends after {len(self.values)} words, wanted {self.pos + n}")
+        out = self.values[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def one(self) -> int:
+        return self.take(1)[0]
+
+    def list(self) -> list[int]:
+        return self.take(self.one())
+
+    def done(self) -> bool:
+        return self.pos == len(self.values)
+
+
+def _i64(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _u64(value: int) -> int:
+    return value + (1 << 64) if value < 0 else value
+
+
+def _float_bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]

@@ -1,0 +1,201 @@
+"""Run the ranks of a tensor-parallel group as real processes (spawned, gloo on loopback).
+
+`spawn_group` starts one process per rank running `target(rank, size, store_address, *args)`
+and returns every rank's result; it bounds the time and kills leftover processes by pid.
+The rank targets used by several tests live here too (spawned processes import them by name).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.stage_runner import StageRunner
+from meshllm.model.loader import load_decoder
+from meshllm.model.source import open_model
+from meshllm.pipeline.cluster import ServingOptions, new_leader
+from meshllm.pipeline.transport import LocalPipeline
+from meshllm.tp.channel import CommandChannel
+from meshllm.tp.group import GroupSpec, StoreHost, join_group
+from meshllm.tp.load import load_rank_decoder
+from meshllm.tp.runner import TensorParallelRunner
+from meshllm.tp.shard import ShardLayout
+from meshllm.tp.worker import TensorParallelWorker
+
+# Small chunks and blocks: prompts prefill in several chunks, share prefix blocks, and many
+# sequences decode together, so the test covers what serving does.
+OPTIONS = ServingOptions(context_length=128, max_batch=8, dtype="float32",
+                         scheduler=SchedulerConfig(max_batched_tokens=48, prefill_chunk=16, prefix_block_size=8))
+LOGIT_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(target: Callable, rank: int, size: int, address: str, args: tuple, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle: a queue would share tensors by file descriptor, gone once this process exits.
+        results.put((rank, "ok", pickle.dumps(target(rank, size, address, *args))))
+    except BaseException as e:  # noqa: BLE001 - reported to the test process, which fails with it
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def spawn_group(size: int, target: Callable, args: tuple = (), timeout_s: float = 180.0) -> list:
+    """Every rank's return value, in rank order; raises if a rank failed or time ran out."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    # The store every rank meets at, hosted here as rank 0's node would host it: up before any rank.
+    store = StoreHost("127.0.0.1")
+    store.start()
+    address = store.endpoint
+    processes = [ctx.Process(target=_entry, args=(target, r, size, address, args, results), daemon=True)
+                 for r in range(size)]
+    for p in processes:
+        p.start()
+    out: dict[int, object] = {}
+    errors = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) + len(errors) < size:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"tensor-parallel ranks did not finish in {timeout_s:.0f}s "
+                                   f"(got ranks {sorted(out)})") from None
+            if status == "ok":
+                out[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}: {value}")
+    finally:
+        for p in processes:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        store.stop()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(size)]
+
+
+def greedy_tokens(leader, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    """Submit every prompt at once (continuous batching) and collect each one's greedy tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    done = [queue.Queue() for _ in prompts]
+
+    def on_event(i):
+        def handle(event):
+            if event.token_id is not None:
+                tokens[i].append(event.token_id)
+            if event.finish_reason is not None:
+                done[i].put(event)
+        return handle
+
+    for i, prompt in enumerate(prompts):
+        leader.submit(prompt, params, on_event(i))
+    cached = 0
+    for i, q in enumerate(done):
+        event = q.get(timeout=120)
+        assert event.finish_reason == "length", (i, event)
+        cached += event.num_cached_tokens
+    return tokens, cached
+
+
+def reference_run(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str = "float32",
+                  quantization: str | None = None) -> dict:
+    """The same checks in one process: the single-process reference."""
+    files = open_model(model_dir)
+    torch_dtype = getattr(torch, dtype)
+    decoder = load_decoder(files.source, files.config, dtype=torch_dtype)
+    from meshllm.engine.weight_forms import prepare_for_cpu
+    prepare_for_cpu(decoder, quantization, False)
+    logits = decoder.forward_full(_logit_ids(files.config.vocab_size))
+    leader = new_leader(files, LocalPipeline([StageRunner(decoder)]), OPTIONS)
+    try:
+        tokens, cached = waves(leader, prompts, max_tokens)
+    finally:
+        leader.close()
+    return {"logits": logits, "tokens": tokens, "cached": cached}
+
+
+def waves(leader, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[list[int]]], list[int]]:
+    """The prompts twice: the second wave reuses the prompt blocks the first one published.
+    Returns each wave's tokens and its number of prompt tokens served from the prefix cache."""
+    out = [greedy_tokens(leader, prompts, max_tokens) for _ in range(2)]
+    return [tokens for tokens, _ in out], [cached for _, cached in out]
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except RuntimeError:  # a dict changed size under us: the loop thread is busy, try again
+            pass
+        time.sleep(0.02)
+    raise TimeoutError("condition not met in time")
+
+
+def _logit_ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (LOGIT_TOKENS,), generator=torch.Generator().manual_seed(3))
+
+
+def equality_rank(rank: int, size: int, address: str, cases: list[dict]) -> list[dict]:
+    """Run every case in its own freshly formed group (one rendezvous each, on one store)."""
+    return [equality_case(rank, size, address, f"case-{i}", **case) for i, case in enumerate(cases)]
+
+
+def equality_case(rank: int, size: int, address: str, group_id: str, model_dir: str,
+                  prompts: list[list[int]], max_tokens: int, split_at: int | None = None, frame_words: int = 8192,
+                  dtype: str = "float32", quantization: str | None = None) -> dict:
+    """One rank: full-model logits in lockstep, then greedy generation through a Leader.
+
+    With `split_at`, rank 0 also holds layers [0, split_at) as an ordinary first stage and the
+    group is the second stage (hidden states cross the command channel).
+    """
+    files = open_model(model_dir)
+    config, torch_dtype = files.config, getattr(torch, dtype)
+    layout = ShardLayout.of(config, rank, size)
+    collective = join_group(GroupSpec(group_id, rank, size, address, "127.0.0.1"))
+    whole = load_rank_decoder(files.source, config, layout, collective, dtype=torch_dtype,
+                              quantization=quantization)
+    logits = whole.forward_full(_logit_ids(config.vocab_size))  # every rank in lockstep; rank 0 gets logits
+    decoder = whole if split_at is None else load_rank_decoder(files.source, config, layout, collective, split_at,
+                                                               dtype=torch_dtype, quantization=quantization)
+    runner = StageRunner(decoder, samples=rank == 0)
+    channel = CommandChannel(collective, frame_words)
+    if rank == 0:
+        tp = TensorParallelRunner(runner, channel)
+        stages = [tp] if split_at is None else [StageRunner(load_decoder(files.source, config, 0, split_at,
+                                                                         torch_dtype)), tp]
+        leader = new_leader(files, LocalPipeline(stages), OPTIONS)
+        try:
+            tokens, cached = waves(leader, prompts, max_tokens)
+            wait_until(lambda: not tp.held_sequences())  # the leader releases finished sequences in a step
+        finally:
+            leader.close()
+            tp.close()
+        return {"logits": logits, "tokens": tokens, "cached": cached,
+                "held_after": (len(tp.held_sequences()), len(tp.prefix)),
+                "bytes_read": files.source.num_bytes_read(), "all_reduces": collective.stats.num_all_reduce}
+    worker = TensorParallelWorker(runner, channel)
+    worker.start()
+    assert worker.join(150), "worker did not stop after rank 0's shutdown"
+    return {"exit": worker.exit_reason, "steps": worker.num_steps,
+            "held_after": (len(runner.held_sequences()), len(runner.prefix)),
+            "bytes_read": files.source.num_bytes_read()}

@@ -1,0 +1,112 @@
+"""The command codec rank 0 broadcasts to its workers: encode/decode round trips (property
+tests), frames for commands larger than one buffer, and refusal of garbage."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.step import Publish, SeqWork, Step
+from meshllm.errors import MalformedMessage
+from meshllm.tp.channel import from_frames, num_frames, to_frames
+from meshllm.tp.command import Heartbeat, Release, RunStep, Shutdown, decode, encode
+
+u64 = st.integers(0, 2**64 - 1)
+small = st.integers(0, 10_000)
+sampling = st.builds(SamplingParams, temperature=st.floats(0.0, 2.0), top_p=st.floats(0.01, 1.0),
+                     top_k=st.none() | st.integers(1, 1000), seed=u64.map(lambda s: s >> 1),
+                     logprobs=st.none() | st.integers(0, 20))
+
+
+@st.composite
+def seq_works(draw) -> SeqWork:
+    num_tokens = draw(st.integers(1, 40))
+    draft = tuple(draw(st.lists(st.integers(0, 50_000), max_size=min(num_tokens - 1, 8))))
+    num_scored = len(draft) + 1 if draft else draw(st.sampled_from((0, 1)))
+    block = draw(st.integers(0, 4))
+    return SeqWork(SeqId(draw(u64)), draw(small) if not block else block * 16, num_tokens, num_scored,
+                   draw(sampling) if num_scored else draw(st.none() | sampling),
+                   tuple(draw(st.lists(u64, min_size=block, max_size=block))), draft)
+
+
+@st.composite
+def steps(draw) -> Step:
+    seqs = tuple(draw(st.lists(seq_works(), max_size=6)))
+    rows = sum(w.num_tokens for w in seqs)
+    dtype = draw(st.sampled_from((torch.int64, torch.float32, torch.bfloat16, torch.float16)))
+    if dtype == torch.int64:
+        x = torch.randint(0, 50_000, (rows,), generator=torch.Generator().manual_seed(draw(small)))
+    else:  # hidden states; odd widths leave a partial last word in the payload
+        x = torch.randn(rows, draw(st.integers(1, 33)), generator=torch.Generator().manual_seed(draw(small))).to(dtype)
+    publish = tuple(Publish(SeqId(draw(u64)), draw(small), tuple(draw(st.lists(u64, max_size=5))))
+                    for _ in range(draw(st.integers(0, 3))))
+    return Step(draw(st.integers(0, 2**62)), seqs, x, tuple(SeqId(s) for s in draw(st.lists(u64, max_size=5))),
+                (), publish, tuple(draw(st.lists(u64, max_size=5))), draw(st.sampled_from((0, 16))))
+
+
+def _same_step(a: Step, b: Step) -> None:
+    assert replace(a, input=None) == replace(b, input=None)
+    assert a.input.dtype == b.input.dtype and torch.equal(a.input, b.input)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps())
+def test_step_round_trip(step):
+    decoded = decode(encode(RunStep(step)))
+    assert isinstance(decoded, RunStep)
+    _same_step(decoded.step, step)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps(), st.integers(2, 300))
+def test_frames_carry_any_command_in_order(step, frame_words):
+    words = encode(RunStep(step))
+    frames = to_frames(words, frame_words)
+    assert len(frames) == num_frames(words.numel(), frame_words)
+    assert all(f.shape == (frame_words,) for f in frames)
+    _same_step(decode(from_frames(frames)).step, step)
+
+
+def test_a_prefill_of_hidden_states_spans_many_frames():
+    # 512 rows of 576-wide fp32 hidden states: 1.2 MB, just over 18 frames of the default 64 KiB.
+    x = torch.randn(512, 576)
+    step = Step(7, (SeqWork(SeqId(2**64 - 1), 0, 512, 1, SamplingParams(temperature=0.0, seed=2**63 + 5)),), x)
+    words = encode(RunStep(step))
+    frames = to_frames(words, 8192)
+    assert len(frames) == 19
+    _same_step(decode(from_frames(frames)).step, step)
+
+
+@given(st.lists(u64, max_size=50))
+def test_release_round_trip(ids):
+    assert decode(encode(Release(tuple(SeqId(i) for i in ids)))) == Release(tuple(ids))
+
+
+def test_heartbeat_and_shutdown_round_trip():
+    assert decode(encode(Heartbeat())) == Heartbeat()
+    assert decode(encode(Shutdown())) == Shutdown()
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps(), st.data())
+def test_a_damaged_command_is_refused_or_decodes_to_a_command(step, data):
+    words = encode(RunStep(step)).clone()
+    cut = data.draw(st.integers(0, words.numel()))
+    damaged = words[:cut]
+    try:
+        decode(damaged)
+    except MalformedMessage:
+        return
+    assert cut == words.numel()  # only the whole command decodes
+
+
+@pytest.mark.parametrize("words", [torch.zeros(3, dtype=torch.int64), torch.ones(8, dtype=torch.int32),
+                                   torch.tensor([1, 2], dtype=torch.int64)])
+def test_garbage_is_a_malformed_message(words):
+    with pytest.raises(MalformedMessage):
+        decode(words)
