@@ -8,9 +8,9 @@ The rank targets used by several tests live here too (spawned processes import t
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -38,56 +38,98 @@ OPTIONS = ServingOptions(context_length=128, max_batch=8, dtype="float32",
 LOGIT_TOKENS = 24
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(target: Callable, rank: int, size: int, address: str, args: tuple, results) -> None:
+def _entry(target: Callable, rank: int, size: int, address: str, args: tuple, pipe) -> None:
     torch.set_num_threads(1)
+
+    def report(what: str, value: object = None) -> None:
+        # Plain pickle: tensors sent as-is would be shared by file descriptor, gone once we exit.
+        pipe.send((what, pickle.dumps(value)))
+
     try:
-        # Plain pickle: a queue would share tensors by file descriptor, gone once this process exits.
-        results.put((rank, "ok", pickle.dumps(target(rank, size, address, *args))))
+        takes_report = "report" in target.__code__.co_varnames
+        report("ok", target(rank, size, address, *args, report=report) if takes_report
+               else target(rank, size, address, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the test process, which fails with it
-        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        pipe.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+class RankProcesses:
+    """The ranks of one group as spawned processes around a store hosted in the test process.
+
+    Each rank reports through its own pipe (no lock shared between ranks, so killing one rank
+    cannot block another's reports)."""
+
+    def __init__(self, size: int, target: Callable, args: tuple = ()):
+        ctx = multiprocessing.get_context("spawn")
+        # The store every rank meets at, hosted here as rank 0's node would host it: up before any rank.
+        self.store = StoreHost("127.0.0.1")
+        self.store.start()
+        pipes = [ctx.Pipe(duplex=False) for _ in range(size)]
+        self._readers = {reader: rank for rank, (reader, _) in enumerate(pipes)}
+        self.processes = [ctx.Process(target=_entry, args=(target, r, size, self.store.endpoint, args, writer),
+                                      daemon=True) for r, (_, writer) in enumerate(pipes)]
+        self._early: list[tuple[int, str, object]] = []
+
+    def __enter__(self) -> RankProcesses:
+        for p in self.processes:
+            p.start()
+        return self
+
+    def next(self, timeout_s: float) -> tuple[int, str, object]:
+        """The next (rank, what, value) any rank reported; raises if a rank failed."""
+        ready = multiprocessing.connection.wait(list(self._readers), timeout_s)
+        if not ready:
+            raise TimeoutError(f"no report from the ranks within {timeout_s:.0f}s")
+        reader = ready[0]
+        rank = self._readers[reader]
+        try:
+            what, value = reader.recv()
+        except EOFError:  # the rank exited (or was killed) without a word more
+            del self._readers[reader]
+            return rank, "eof", None
+        if what == "error":
+            raise AssertionError(f"rank {rank}: {value}")
+        return rank, what, pickle.loads(value)
+
+    @property
+    def pending(self) -> list[tuple[int, str, object]]:
+        """Reports that arrived while waiting for another one."""
+        return list(self._early)
+
+    def expect(self, rank: int, what: str, timeout_s: float) -> object:
+        for i, (got_rank, got_what, value) in enumerate(self._early):
+            if (got_rank, got_what) == (rank, what):
+                del self._early[i]
+                return value
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got_rank, got_what, value = self.next(max(0.1, deadline - time.monotonic()))
+            if (got_rank, got_what) == (rank, what):
+                return value
+            if got_what != "eof":
+                self._early.append((got_rank, got_what, value))
+
+    def __exit__(self, *exc) -> None:
+        for p in self.processes:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        self.store.stop()
 
 
 def spawn_group(size: int, target: Callable, args: tuple = (), timeout_s: float = 180.0) -> list:
     """Every rank's return value, in rank order; raises if a rank failed or time ran out."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    # The store every rank meets at, hosted here as rank 0's node would host it: up before any rank.
-    store = StoreHost("127.0.0.1")
-    store.start()
-    address = store.endpoint
-    processes = [ctx.Process(target=_entry, args=(target, r, size, address, args, results), daemon=True)
-                 for r in range(size)]
-    for p in processes:
-        p.start()
     out: dict[int, object] = {}
-    errors = []
     deadline = time.monotonic() + timeout_s
-    try:
-        while len(out) + len(errors) < size:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"tensor-parallel ranks did not finish in {timeout_s:.0f}s "
-                                   f"(got ranks {sorted(out)})") from None
-            if status == "ok":
-                out[rank] = pickle.loads(value)
-            else:
-                errors.append(f"rank {rank}: {value}")
-    finally:
-        for p in processes:
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        store.stop()
-    if errors:
-        raise AssertionError("\n".join(errors))
+    with RankProcesses(size, target, args) as ranks:
+        while len(out) < size:
+            rank, what, value = ranks.next(max(0.1, deadline - time.monotonic()))
+            if what == "ok":
+                out[rank] = value
+            elif what == "eof" and rank not in out:
+                raise AssertionError(f"rank {rank} exited without a result (exit code "
+                                     f"{ranks.processes[rank].exitcode})")
     return [out[r] for r in range(size)]
 
 
