@@ -7,10 +7,11 @@ every node computes the same numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshllm.cluster.card import Card
+from meshllm.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from meshllm.cluster.placement import PlacementRequest
@@ -60,6 +61,19 @@ class Footprint:
             step_activation=(step_tokens * per_token + scores) * ACTIVATION_DTYPE_BYTES,
             logits=request.max_batch * c.vocab_size * ACTIVATION_DTYPE_BYTES,
         )
+
+    def per_rank(self, config: ModelConfig, size: int) -> Footprint:
+        """What one rank of a `size`-way tensor-parallel group holds (tp/shard.py): 1/size of each
+        layer's weights, its KV heads (one each when there are fewer KV heads than ranks), its rows
+        of the vocabulary; activations and logits whole (rank 0 gathers the logits)."""
+        if size == 1:
+            return self
+        kv_heads = config.num_key_value_heads
+        vocab_rows = -(-config.vocab_size // size)
+        return replace(self, layer_weight=-(-self.layer_weight // size),
+                       layer_kv=self.layer_kv * max(kv_heads // size, 1) // kv_heads,
+                       embedding=self.embedding * vocab_rows // config.vocab_size,
+                       lm_head=self.lm_head * vocab_rows // config.vocab_size)
 
     @property
     def per_layer(self) -> int:

@@ -24,7 +24,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 from meshllm.errors import CorruptWeights, ModelLoadError, TensorParallelUnsplittable, UnsupportedArchitecture
 from meshllm.model.config import ModelConfig, RopeScaling
-from meshllm.model.weights import TensorSlice, _fingerprint_cache_get, _fingerprint_cache_put
+from meshllm.model.tensor_slice import TensorSlice
+from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
 _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
 # Block-quantized types gguf.quants dequantizes (the brief's list plus their common siblings).

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from meshllm.errors import CorruptWeights, ModelLoadError
 from meshllm.model.config import ModelConfig
+from meshllm.model.tensor_slice import TensorSlice
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # Bumped when the hashed content changes, so cached fingerprints of an older scheme are not reused.
@@ -30,20 +31,6 @@ _FINGERPRINT_VERSION = "v1"
 # Bytes per element of the safetensors dtypes we check sizes for; others are left to safe_open.
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSlice:
-    """Rows (dim 0) or columns (dim 1) [start, stop) of a 2-d tensor, or elements of a 1-d one.
-
-    A rank of a tensor-parallel group reads only its slices (meshllm/tp/shard.py says which)."""
-
-    dim: int
-    start: int
-    stop: int
-
-    def __post_init__(self):
-        assert self.dim in (0, 1) and 0 <= self.start < self.stop, self
 
 
 class TensorSource(Protocol):

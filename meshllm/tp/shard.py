@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from meshllm.errors import TensorParallelUnsplittable
 from meshllm.model.config import ModelConfig
-from meshllm.model.weights import TensorSlice
+from meshllm.model.tensor_slice import TensorSlice
 
 
 def check_splittable(config: ModelConfig, size: int) -> None:

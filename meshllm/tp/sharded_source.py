@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from meshllm.model.config import ModelConfig
-from meshllm.model.weights import TensorSlice, TensorSource
+from meshllm.model.tensor_slice import TensorSlice
+from meshllm.model.weights import TensorSource
 from meshllm.tp.shard import ShardLayout
 
 

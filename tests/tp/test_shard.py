@@ -12,7 +12,8 @@ from gguf import GGMLQuantizationType as GGML, GGUFWriter, quants
 from meshllm.errors import TensorParallelUnsplittable
 from meshllm.model.config import ModelConfig
 from meshllm.model.gguf import GGUFSource
-from meshllm.model.weights import SafetensorsSource, TensorSlice
+from meshllm.model.tensor_slice import TensorSlice
+from meshllm.model.weights import SafetensorsSource
 from meshllm.tp.shard import ShardLayout, check_splittable
 from meshllm.tp.sharded_source import ShardedSource
 from tests.model.test_gguf import _encode_q6_k, write_model_gguf
