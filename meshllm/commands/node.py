@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", action="append", default=[], type=Path, metavar="PATH",
                         help="serve this model as a draft-model proposer for other nodes' speculative decoding "
                              "(repeatable; loaded at start, int8 weights). Every node also serves an n-gram proposer")
+    parser.add_argument("--collective-port", type=int, default=None, metavar="PORT",
+                        help="take part in tensor-parallel groups: host their rendezvous store on PORT (0 picks a "
+                             "free one), advertise it, and measure links to peers that do too. Its traffic (gloo) "
+                             "is not encrypted: use it on a trusted link (Thunderbolt, a switch you own). "
+                             "Default: off")
 
 
 def resolve_key(key_file: Path | None, state_dir: Path, *, create: bool) -> bytes:
@@ -62,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),
             model_paths=tuple(args.models), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
             ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=state_dir, tls=tls_from_args(args),
-            device=args.device)
+            device=args.device, collective_port=args.collective_port)
     except ValueError as e:
         raise SystemExit(f"meshllm node: {e}") from None
     key = resolve_key(args.key_file, state_dir, create=True)
