@@ -13,7 +13,7 @@ import torch
 from meshllm.tp.collective import Collective
 from meshllm.tp.command import Command, decode, encode
 
-DEFAULT_FRAME_WORDS = 8192  # 64 KiB: a decode step of a few hundred sequences
+DEFAULT_FRAME_WORDS = 4096  # 32 KiB: a decode step of a hundred or so sequences (cluster/tp_cost.py counts it)
 
 
 def num_frames(num_words: int, frame_words: int) -> int:

@@ -27,10 +27,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CollectiveStats:
-    """Time spent inside the layers' all-reduces (waiting for peers included); read by the benchmark."""
+    """Time spent inside collectives (waiting for peers included); read by the benchmark."""
 
     num_all_reduce: int = 0
     all_reduce_s: float = 0.0
+    num_broadcast: int = 0
+    broadcast_s: float = 0.0
+    num_gather: int = 0
+    gather_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.all_reduce_s + self.broadcast_s + self.gather_s
 
 
 class Collective:
@@ -58,7 +66,10 @@ class Collective:
         opts.rootRank, opts.rootTensor = 0, 0
         if timeout_s is not None:
             opts.timeout = datetime.timedelta(seconds=timeout_s)
+        started = time.perf_counter()
         self._wait(self._backend.broadcast([t], opts), "broadcast")
+        self.stats.num_broadcast += 1
+        self.stats.broadcast_s += time.perf_counter() - started
         return t
 
     def gather_to_first(self, t: Tensor) -> list[Tensor] | None:
@@ -66,7 +77,10 @@ class Collective:
         opts = dist.GatherOptions()
         opts.rootRank = 0
         outputs = [[torch.empty_like(t) for _ in range(self.size)]] if self.rank == 0 else []
+        started = time.perf_counter()
         self._wait(self._backend.gather(outputs, [t.contiguous()], opts), "gather")
+        self.stats.num_gather += 1
+        self.stats.gather_s += time.perf_counter() - started
         return outputs[0] if self.rank == 0 else None
 
     def barrier(self) -> None:

@@ -24,9 +24,11 @@ log = logging.getLogger(__name__)
 
 class TensorParallelWorker:
     def __init__(self, runner: StageRunner, channel: CommandChannel,
-                 on_exit: Callable[[str], None] = lambda reason: None):
+                 on_exit: Callable[[str], None] = lambda reason: None, lock: threading.Lock | None = None):
         assert channel.collective.rank != 0 and not runner.samples
         self.runner = runner
+        # Held while a command changes the runner's state, so the node can read it (Info) meanwhile.
+        self.lock = lock or threading.Lock()
         self.channel = channel
         self.collective = channel.collective
         self._on_exit = on_exit
@@ -77,7 +79,8 @@ class TensorParallelWorker:
 
     def _apply(self, call) -> None:
         try:
-            call()
+            with self.lock:
+                call()
         except TensorParallelFailed:
             raise
         except MeshError as e:

@@ -24,7 +24,7 @@ from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions, new_leader
 from meshllm.pipeline.transport import LocalPipeline
-from meshllm.tp.channel import CommandChannel
+from meshllm.tp.channel import DEFAULT_FRAME_WORDS, CommandChannel
 from meshllm.tp.group import GroupSpec, StoreHost, join_group
 from meshllm.tp.load import load_rank_decoder
 from meshllm.tp.runner import TensorParallelRunner
@@ -203,7 +203,8 @@ def equality_rank(rank: int, size: int, address: str, cases: list[dict]) -> list
 
 
 def equality_case(rank: int, size: int, address: str, group_id: str, model_dir: str,
-                  prompts: list[list[int]], max_tokens: int, split_at: int | None = None, frame_words: int = 8192,
+                  prompts: list[list[int]], max_tokens: int, split_at: int | None = None,
+                  frame_words: int = DEFAULT_FRAME_WORDS,
                   dtype: str = "float32", quantization: str | None = None) -> dict:
     """One rank: full-model logits in lockstep, then greedy generation through a Leader.
 

@@ -13,7 +13,8 @@ from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.step import Publish, SeqWork, Step
 from meshllm.errors import MalformedMessage
-from meshllm.tp.channel import from_frames, num_frames, to_frames
+from meshllm.cluster.tp_cost import COMMAND_FRAME_BYTES
+from meshllm.tp.channel import DEFAULT_FRAME_WORDS, from_frames, num_frames, to_frames
 from meshllm.tp.command import Heartbeat, Release, RunStep, Shutdown, decode, encode
 
 u64 = st.integers(0, 2**64 - 1)
@@ -85,6 +86,10 @@ def test_a_prefill_of_hidden_states_spans_many_frames():
 @given(st.lists(u64, max_size=50))
 def test_release_round_trip(ids):
     assert decode(encode(Release(tuple(SeqId(i) for i in ids)))) == Release(tuple(ids))
+
+
+def test_the_planner_counts_the_frame_the_channel_sends():
+    assert COMMAND_FRAME_BYTES == DEFAULT_FRAME_WORDS * 8
 
 
 def test_heartbeat_and_shutdown_round_trip():
