@@ -6,22 +6,25 @@ evictions; the input ids or hidden states), so every rank runs the same step on 
 own slices and KV cache. Release commands mirror the stage's Release calls, heartbeats
 keep idle workers from timing out, and shutdown ends them.
 
+A step command carries what the workers compute from, nothing more (`worker_view`):
+sampling inputs (parameters, penalty counts, allowed-token masks) stay with rank 0,
+which alone samples, and timings stay with the stage that reports them.
+
 Layout: [MAGIC, kind, num_meta, meta..., payload...]; the meta words are small
 integers read with one `tolist()`, the payload is the step input's raw bytes viewed as
 int64 (no per-element conversion). Unsigned 64-bit ids travel as their two's complement.
-Timings are left out: workers report none.
 """
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import torch
 from torch import Tensor
 
 from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.logit_processors import PenaltyCounts
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.step import Publish, SeqWork, Step
 from meshllm.errors import BadRequest, MalformedMessage
@@ -29,6 +32,8 @@ from meshllm.errors import BadRequest, MalformedMessage
 MAGIC = 0x6D65736854500001  # "meshTP", format 1
 DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5}
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+# Scored rows must carry seeded parameters (SeqWork's rule); a worker computes them but never samples.
+UNSAMPLED = SamplingParams(temperature=0.0, seed=0)
 
 
 class Kind(IntEnum):
@@ -61,6 +66,13 @@ class Shutdown:
 Command = RunStep | Release | Heartbeat | Shutdown
 
 
+def worker_view(step: Step) -> Step:
+    """`step` as a worker receives it: what it computes from (see the module docstring)."""
+    seqs = tuple(replace(w, sampling=UNSAMPLED if w.num_scored else None, penalties=PenaltyCounts(), allowed=())
+                 for w in step.seqs)
+    return replace(step, seqs=seqs, timings=())
+
+
 def encode(command: Command) -> Tensor:
     """The command as int64 words [n]."""
     meta: list[int] = []
@@ -83,7 +95,8 @@ def encode(command: Command) -> Tensor:
 
 
 def decode(words: Tensor) -> Command:
-    """Inverse of `encode`; raises MalformedMessage on anything else (a desynchronised stream)."""
+    """Inverse of `encode` up to `worker_view`; raises MalformedMessage on anything else (a
+    desynchronised stream)."""
     if words.dtype != torch.int64 or words.dim() != 1 or words.numel() < 3:
         raise MalformedMessage(f"tensor-parallel command must be int64 words, got {words.dtype}{list(words.shape)}")
     magic, kind, num_meta = words[:3].tolist()
@@ -114,7 +127,6 @@ def _encode_step(step: Step, meta: list[int]) -> Tensor:
         meta += [_i64(w.seq_id), w.start, w.num_tokens, w.num_scored]
         _put_list(meta, [_i64(h) for h in w.attach])
         _put_list(meta, list(w.draft))
-        _put_sampling(meta, w.sampling)
     _put_list(meta, [_i64(s) for s in step.release])
     meta.append(len(step.publish))
     for p in step.publish:
@@ -137,7 +149,8 @@ def _decode_step(meta: _Reader, payload: Tensor) -> Step:
         seq_id, start, num_tokens, num_scored = meta.take(4)
         attach = tuple(_u64(h) for h in meta.list())
         draft = tuple(meta.list())
-        seqs.append(SeqWork(SeqId(_u64(seq_id)), start, num_tokens, num_scored, _get_sampling(meta), attach, draft))
+        seqs.append(SeqWork(SeqId(_u64(seq_id)), start, num_tokens, num_scored, UNSAMPLED if num_scored else None,
+                            attach, draft))
     release = tuple(SeqId(_u64(s)) for s in meta.list())
     publish = []
     for _ in range(meta.one()):
@@ -151,23 +164,6 @@ def _decode_step(meta: _Reader, payload: Tensor) -> Step:
     raw = payload.view(torch.uint8)[:num_bytes]
     x = raw.view(dtype).reshape(shape).clone()  # own memory: the receive buffer is reused
     return Step(step_id, tuple(seqs), x, release, (), tuple(publish), evict, block_size)
-
-
-def _put_sampling(meta: list[int], p: SamplingParams | None) -> None:
-    if p is None:
-        meta.append(0)
-        return
-    meta += [1, _float_bits(p.temperature), _float_bits(p.top_p), int(p.top_k is not None), p.top_k or 0,
-             int(p.seed is not None), _i64(p.seed or 0), int(p.logprobs is not None), p.logprobs or 0]
-
-
-def _get_sampling(meta: _Reader) -> SamplingParams | None:
-    if not meta.one():
-        return None
-    temperature, top_p, has_top_k, top_k, has_seed, seed, has_logprobs, logprobs = meta.take(8)
-    return SamplingParams(temperature=_bits_float(temperature), top_p=_bits_float(top_p),
-                          top_k=top_k if has_top_k else None, seed=_u64(seed) if has_seed else None,
-                          logprobs=logprobs if has_logprobs else None)
 
 
 def _put_list(meta: list[int], values: list[int]) -> None:
@@ -202,11 +198,3 @@ def _i64(value: int) -> int:
 
 def _u64(value: int) -> int:
     return value + (1 << 64) if value < 0 else value
-
-
-def _float_bits(value: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", value))[0]
-
-
-def _bits_float(bits: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", bits))[0]

@@ -60,7 +60,7 @@ def probe_peer(store: StoreHost, bind_host: str, peer: NodeId, peer_address: str
     group_id = f"probe/{uuid.uuid4().hex}"
     request = cluster_pb2.LinkProbeRequest(store_address=store.endpoint, group_id=group_id, sizes=SCHEDULE,
                                            timeout_s=timeout_s)
-    stub = cluster_pb2_grpc.CollectiveStub(channels.get(peer_address))
+    stub = cluster_pb2_grpc.CollectiveStub(channels.get(peer_address, peer))
     with ThreadPoolExecutor(1) as pool:
         call = pool.submit(stub.ProbeLink, request, timeout=timeout_s)
         spec = GroupSpec(group_id, 0, 2, store.endpoint, bind_host, timeout_s=timeout_s,

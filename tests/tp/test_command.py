@@ -1,5 +1,6 @@
 """The command codec rank 0 broadcasts to its workers: encode/decode round trips (property
-tests), frames for commands larger than one buffer, and refusal of garbage."""
+tests) to what a worker computes from, frames for commands larger than one buffer, and
+refusal of garbage."""
 
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ from meshllm.engine.step import Publish, SeqWork, Step
 from meshllm.errors import MalformedMessage
 from meshllm.cluster.tp_cost import COMMAND_FRAME_BYTES
 from meshllm.tp.channel import DEFAULT_FRAME_WORDS, from_frames, num_frames, to_frames
-from meshllm.tp.command import Heartbeat, Release, RunStep, Shutdown, decode, encode
+from meshllm.engine.logit_processors import PenaltyCounts
+from meshllm.tp.command import Heartbeat, Release, RunStep, Shutdown, decode, encode, worker_view
 
 u64 = st.integers(0, 2**64 - 1)
 small = st.integers(0, 10_000)
 sampling = st.builds(SamplingParams, temperature=st.floats(0.0, 2.0), top_p=st.floats(0.01, 1.0),
                      top_k=st.none() | st.integers(1, 1000), seed=u64.map(lambda s: s >> 1),
-                     logprobs=st.none() | st.integers(0, 20))
+                     logprobs=st.none() | st.integers(0, 20), frequency_penalty=st.floats(0.0, 1.0))
 
 
 @st.composite
@@ -30,9 +32,13 @@ def seq_works(draw) -> SeqWork:
     draft = tuple(draw(st.lists(st.integers(0, 50_000), max_size=min(num_tokens - 1, 8))))
     num_scored = len(draft) + 1 if draft else draw(st.sampled_from((0, 1)))
     block = draw(st.integers(0, 4))
+    penalties = PenaltyCounts(*zip(*draw(st.lists(st.tuples(small, small), max_size=3)))) if draw(
+        st.booleans()) else PenaltyCounts()
+    allowed = tuple(torch.tensor([draw(st.integers(-2**31, 2**31 - 1))], dtype=torch.int32)
+                    for _ in range(num_scored)) if draw(st.booleans()) else ()
     return SeqWork(SeqId(draw(u64)), draw(small) if not block else block * 16, num_tokens, num_scored,
                    draw(sampling) if num_scored else draw(st.none() | sampling),
-                   tuple(draw(st.lists(u64, min_size=block, max_size=block))), draft)
+                   tuple(draw(st.lists(u64, min_size=block, max_size=block))), draft, penalties, allowed)
 
 
 @st.composite
@@ -50,9 +56,11 @@ def steps(draw) -> Step:
                 (), publish, tuple(draw(st.lists(u64, max_size=5))), draw(st.sampled_from((0, 16))))
 
 
-def _same_step(a: Step, b: Step) -> None:
-    assert replace(a, input=None) == replace(b, input=None)
-    assert a.input.dtype == b.input.dtype and torch.equal(a.input, b.input)
+def _same_step(got: Step, sent: Step) -> None:
+    """`got` is what a worker must see of `sent`: everything it computes from."""
+    want = worker_view(sent)
+    assert replace(got, input=None) == replace(want, input=None)
+    assert got.input.dtype == sent.input.dtype and torch.equal(got.input, sent.input)
 
 
 @settings(max_examples=200, deadline=None)
@@ -61,6 +69,10 @@ def test_step_round_trip(step):
     decoded = decode(encode(RunStep(step)))
     assert isinstance(decoded, RunStep)
     _same_step(decoded.step, step)
+    # What the view leaves out is only what sampling reads: rank 0 keeps it.
+    for got, sent in zip(decoded.step.seqs, step.seqs):
+        assert (got.seq_id, got.start, got.num_tokens, got.num_scored, got.attach, got.draft) == (
+            sent.seq_id, sent.start, sent.num_tokens, sent.num_scored, sent.attach, sent.draft)
 
 
 @settings(max_examples=200, deadline=None)

@@ -21,7 +21,7 @@ from meshllm.errors import TensorParallelFailed
 from meshllm.model.config import ModelConfig
 from meshllm.model.decoder import Decoder
 from meshllm.tp.channel import CommandChannel
-from meshllm.tp.command import Release, RunStep
+from meshllm.tp.command import Release, RunStep, worker_view
 from meshllm.tp.group import GroupSpec, StoreHost, join_group
 from meshllm.tp.runner import TensorParallelRunner
 from meshllm.tp.worker import TensorParallelWorker
@@ -65,7 +65,7 @@ def test_commands_larger_than_a_frame_cross_real_broadcasts(store):
         for command in commands:
             send.send(command)
         received = got.result(timeout=30)
-    assert torch.equal(received[0].step.input, x) and received[0].step.seqs == step.seqs
+    assert torch.equal(received[0].step.input, x) and received[0].step.seqs == worker_view(step).seqs
     assert received[1] == commands[1] and received[2].step.seqs == ()
     c0.close()
     c1.close()

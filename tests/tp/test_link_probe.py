@@ -20,7 +20,7 @@ from meshllm.transport.server import NodeServer, ServerConfig
 def peer():
     """A node's gRPC server carrying only the Collective service, and a channel pool to it."""
     key = auth.generate_key()
-    server = NodeServer(ServerConfig("127.0.0.1", 0, key))
+    server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id="peer"))
     server.add(cluster_pb2_grpc.add_CollectiveServicer_to_server, CollectiveServicer("127.0.0.1"))
     server.start()
     store = StoreHost("127.0.0.1")
@@ -56,17 +56,18 @@ def _card(node_id: str, address: str, endpoint: str | None) -> Card:
 
 def test_each_pair_is_probed_once_by_its_lower_node_and_again_only_when_due(peer):
     address, channels, store = peer
+    # The one server answers as "peer": every card here points at it, under that id.
     fleet = [_card("b", "127.0.0.1:1", store.endpoint), _card("a", address, "127.0.0.1:9"),
-             _card("c", address, "127.0.0.1:9"), _card("d", address, None)]
+             _card("peer", address, "127.0.0.1:9"), _card("d", address, None)]
     published = []
     prober = LinkProber(NodeId("b"), lambda: fleet, store, "127.0.0.1", channels, published.append)
     measured = prober.probe_due()
-    # "a" sorts before "b" and probes us; "d" offers no collective endpoint; "c" is ours to probe.
-    assert [k.peer for k in measured] == ["c"] and [k.peer for k in published[-1]] == ["c"]
-    assert prober.probe_due() == [] and [k.peer for k in published[-1]] == ["c"]  # not due again yet
+    # "a" sorts before "b" and probes us; "d" offers no collective endpoint; "peer" is ours to probe.
+    assert [k.peer for k in measured] == ["peer"] and [k.peer for k in published[-1]] == ["peer"]
+    assert prober.probe_due() == [] and [k.peer for k in published[-1]] == ["peer"]  # not due again yet
     fleet.pop(2)
     prober.probe_due()
-    assert published[-1] == ()  # "c" left the view: its link is dropped
+    assert published[-1] == ()  # "peer" left the view: its link is dropped
 
 
 @pytest.mark.parametrize("fields", [dict(sizes=[]), dict(sizes=[1 << 30]), dict(timeout_s=0.0),
@@ -75,6 +76,6 @@ def test_malformed_probes_are_refused(peer, fields):
     address, channels, store = peer
     request = dict(store_address=store.endpoint, group_id="probe/x", sizes=[1024], timeout_s=5.0) | fields
     with pytest.raises(grpc.RpcError) as e:
-        cluster_pb2_grpc.CollectiveStub(channels.get(address)).ProbeLink(cluster_pb2.LinkProbeRequest(**request),
-                                                                          timeout=10)
+        cluster_pb2_grpc.CollectiveStub(channels.get(address, "peer")).ProbeLink(
+            cluster_pb2.LinkProbeRequest(**request), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
