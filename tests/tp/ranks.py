@@ -20,6 +20,7 @@ import torch
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions, new_leader
@@ -162,9 +163,7 @@ def reference_run(model_dir: str, prompts: list[list[int]], max_tokens: int, dty
     """The same checks in one process: the single-process reference."""
     files = open_model(model_dir)
     torch_dtype = getattr(torch, dtype)
-    decoder = load_decoder(files.source, files.config, dtype=torch_dtype)
-    from meshllm.engine.weight_forms import prepare_for_cpu
-    prepare_for_cpu(decoder, quantization, False)
+    decoder = prepare_for_cpu(load_decoder(files.source, files.config, dtype=torch_dtype), quantization, False)
     logits = decoder.forward_full(_logit_ids(files.config.vocab_size))
     leader = new_leader(files, LocalPipeline([StageRunner(decoder)]), OPTIONS)
     try:
@@ -233,7 +232,9 @@ def equality_case(rank: int, size: int, address: str, group_id: str, model_dir: 
         finally:
             leader.close()
             tp.close()
-        return {"logits": logits, "tokens": tokens, "cached": cached,
+        layer = decoder.layers[0]
+        forms = [type(layer.self_attn.qkv_proj).__name__, type(layer.self_attn.o_proj.inner).__name__]
+        return {"logits": logits, "tokens": tokens, "cached": cached, "forms": forms,
                 "held_after": (len(tp.held_sequences()), len(tp.prefix)),
                 "bytes_read": files.source.num_bytes_read(), "all_reduces": collective.stats.num_all_reduce}
     worker = TensorParallelWorker(runner, channel)

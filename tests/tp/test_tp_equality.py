@@ -4,7 +4,8 @@ Both ranks are spawned once for the module and run every case in its own freshly
 group; rank 0 drives a Leader (continuous batching, chunked prefill, prefix cache) over
 the group while rank 1 mirrors its commands. fp32 logits must agree within 1e-4 and
 greedy tokens exactly, for the real model and random models whose head counts divide
-and whose KV heads must be replicated.
+and whose KV heads must be replicated. The CPU weight forms (bf16 kernel, int8) apply to
+the sharded linears too; their output is compared with the same form in one process.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ CASES = {
     # words, so every prefill chunk's command spans several frames.
     "aidreams-second-stage": (None, 2),
 }
+# name -> weight form of the real model's ranks (engine/weight_forms.py), compared with one process in it
+FORMS = {"aidreams-bf16": dict(dtype="bfloat16"), "aidreams-int8": dict(quantization="int8")}
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +50,13 @@ def results(aidreams_path, tiny_model_dir):
         if split_at is not None:
             case.update(split_at=split_at, frame_words=64)
         cases.append(case)
+    for name, form in FORMS.items():
+        folders[name] = aidreams_path
+        cases.append(dict(model_dir=str(aidreams_path), prompts=_prompts(aidreams_path), max_tokens=MAX_TOKENS,
+                          **form))
     rank0, rank1 = spawn_group(2, equality_rank, (cases,), timeout_s=300)
-    return {name: (case, folders[name], r0, r1) for name, case, r0, r1 in zip(CASES, cases, rank0, rank1)}
+    names = [*CASES, *FORMS]
+    return {name: (case, folders[name], r0, r1) for name, case, r0, r1 in zip(names, cases, rank0, rank1)}
 
 
 def _prompts(model_dir) -> list[list[int]]:
@@ -81,3 +89,31 @@ def test_each_rank_reads_only_its_slices(results, name):
     # About half the file each (norms are read whole by both).
     assert rank0["bytes_read"] < 0.55 * whole and rank1["bytes_read"] < 0.55 * whole
     assert rank0["bytes_read"] + rank1["bytes_read"] > 0.95 * whole
+
+
+@pytest.mark.parametrize("name", list(FORMS))
+def test_weight_forms_apply_to_the_sharded_linears(results, name):
+    case, _, rank0, rank1 = results[name]
+    form = FORMS[name]
+    want = reference_run(case["model_dir"], case["prompts"], MAX_TOKENS, **form)
+    fp32 = results["aidreams"][2]["logits"]
+    assert rank0["forms"] == (["FastBF16Linear", "FastBF16Linear"] if "dtype" in form and _has_bf16_kernel()
+                              else ["PackedBF16Linear", "PackedBF16Linear"] if "dtype" in form
+                              else ["Int8Linear", "Int8Linear"])
+    # Split in the same form, the model is no further from fp32 than the form itself takes it
+    # (twice, at most: each rank rounds its partial sums before they are added).
+    form_error = (want["logits"] - fp32).abs().max()
+    tp_error = (rank0["logits"] - fp32).abs().max()
+    assert 0 < tp_error <= 2 * form_error, (tp_error, form_error)
+    # Greedy tokens in a 16/8-bit form are not promised identical; report how many match.
+    same = sum(a == b for wave, ref in zip(rank0["tokens"], want["tokens"]) for t, r in zip(wave, ref)
+               for a, b in zip(t, r))
+    total = sum(len(t) for wave in want["tokens"] for t in wave)
+    print(f"{name}: max |logit - fp32| {tp_error:.4f} split vs {form_error:.4f} in one process; "
+          f"{same}/{total} greedy tokens identical")
+    assert rank1["exit"] == "shutdown"
+
+
+def _has_bf16_kernel() -> bool:
+    from meshllm.engine.kernels.gemv import load_gemv
+    return load_gemv() is not None
