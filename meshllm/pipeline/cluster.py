@@ -40,6 +40,7 @@ class ServingOptions:
     context_length: int = 4096  # tokens per sequence the plan reserves KV for
     max_batch: int = 16  # sequences decoding at once
     num_stages: int | None = None  # None: the fewest stages that fit
+    tensor_parallel: int | None = None  # nodes per stage: None decides by link speed, 1 never groups (--tp)
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8": weight-only int8 linears on every stage
@@ -89,7 +90,8 @@ def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> P
     request = PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
                                config=files.config, context_length=context_of(files, options),
                                max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
-                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages)
+                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
+                               tensor_parallel=options.tensor_parallel)
     return plan_placement(request, fleet)
 
 

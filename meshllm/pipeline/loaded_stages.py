@@ -18,6 +18,7 @@ from meshllm.transport.protos import stage_pb2
 @dataclass
 class LoadedStage:
     request: stage_pb2.LoadRequest
+    # A StageRunner, or for a tensor-parallel rank one of tp/'s (same interface, plus close()).
     runner: StageRunner
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -35,13 +36,24 @@ class LoadedStages:
         with self._lock:
             return self._stages.get(plan_id)
 
-    def put(self, plan_id: str, stage: LoadedStage) -> None:
+    def put(self, plan_id: str, stage: LoadedStage) -> LoadedStage | None:
+        """Hold `stage` for `plan_id`; returns the stage it replaces, if any (the caller closes it)."""
         with self._lock:
+            previous = self._stages.get(plan_id)
             self._stages[plan_id] = stage
+            return previous
 
     def pop(self, plan_id: str) -> LoadedStage | None:
         with self._lock:
             return self._stages.pop(plan_id, None)
+
+    def pop_runner(self, plan_id: str, runner) -> LoadedStage | None:
+        """Drop `plan_id` only while `runner` still serves it (not a stage loaded since)."""
+        with self._lock:
+            stage = self._stages.get(plan_id)
+            if stage is None or stage.runner is not runner:
+                return None
+            return self._stages.pop(plan_id)
 
     def items(self) -> list[tuple[str, LoadedStage]]:
         """A snapshot, sorted by plan id."""

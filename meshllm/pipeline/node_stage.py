@@ -23,11 +23,14 @@ def attach_stage_service(node, key: bytes) -> StageService:
 
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     # A loaded shard shows in the node's card at once, not at the next gossip round.
-    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()))
+    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
+                           collective=node.collective)
 
     def shards() -> tuple[LoadedShard, ...]:
-        return tuple(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer) for r in service.loaded())
+        return tuple(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer, tp_size=max(r.tp.size, 1))
+                     for r in service.loaded())
 
     node.card.set_shards_source(shards)
     node.server.add(stage_pb2_grpc.add_StageServicer_to_server, service)
+    node.add_service(service)  # stopped first: its tensor-parallel groups are told to stop
     return service

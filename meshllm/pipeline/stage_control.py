@@ -1,5 +1,7 @@
 """The stage's control plane: load a layer range for a plan, release sequences, report state.
 
+A Load carrying a `tp` part makes this node one rank of a tensor-parallel stage (tp/stage.py).
+
 Called by the gRPC servicer (stage_service.py) on pool threads; raises MeshErrors that
 the servicer maps to status codes.
 """
@@ -20,6 +22,10 @@ from meshllm.errors import ModelLoadError, WeightsMismatch
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
+from meshllm.tp.group import RankRole
+from meshllm.tp.node_collective import NodeCollective
+from meshllm.tp.stage import open_rank
+from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -30,16 +36,18 @@ ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> 
 
 class StageControl:
     def __init__(self, stages: LoadedStages, resolve_model: ModelResolver,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, collective: NodeCollective | None = None):
         self._stages = stages
         self._resolve_model = resolve_model
         self._on_change = on_change  # the node refreshes its card's shard list
+        self._collective = collective  # the node's part in tensor parallelism, when it takes one
         self._load_lock = threading.Lock()  # one load at a time: loads are memory-heavy
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         with self._load_lock:
+            role = stage_convert.rank_role_from_pb(request)
             existing = self._stages.get(request.plan_id)
-            if existing is not None and existing.request == request:
+            if existing is not None and same_load(existing, request):
                 return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=0, load_seconds=0.0)
             started = time.perf_counter()
             path = self._resolve_model(request.model_id, request.fingerprint)
@@ -57,14 +65,41 @@ class StageControl:
             dtype = DTYPES.get(request.dtype)
             if dtype is None:
                 raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
-            decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
-            prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
-            self._stages.put(request.plan_id, LoadedStage(request, StageRunner(decoder)))
+            if role is None:
+                decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
+                prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
+                runner = StageRunner(decoder)
+            else:
+                runner = self._open_rank(files, request, role, dtype)
+            close_runner(self._stages.put(request.plan_id, LoadedStage(request, runner)))
             log.info("loaded %s layers [%d, %d) for plan %s in %.1fs", request.model_id, request.first_layer,
                      request.last_layer, request.plan_id, time.perf_counter() - started)
         self._on_change()
         return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=files.source.num_bytes_read(),
                                    load_seconds=time.perf_counter() - started)
+
+    def _open_rank(self, files, request: stage_pb2.LoadRequest, role: RankRole, dtype: torch.dtype):
+        runners = []
+
+        def gone(reason: str) -> None:
+            # The group ended without an Unload (a rank failed, rank 0 went away): drop the stage
+            # now, so no rank outlives its group and the card stops advertising it.
+            if runners and self._stages.pop_runner(request.plan_id, runners[0]) is not None:
+                log.warning("plan %s: tensor-parallel rank %d of %d dropped: %s", request.plan_id, role.rank,
+                            role.size, reason)
+                self._on_change()
+
+        runner = open_rank(files, role, self._collective, request.first_layer, request.last_layer, dtype,
+                           request.quantization or None, request.batch_invariant, gone)
+        runners.append(runner)
+        return runner
+
+    def close(self) -> None:
+        """Node shutdown: tensor-parallel groups are told to stop, not left to time out."""
+        for plan_id, _ in self._stages.items():
+            stage = self._stages.pop(plan_id)
+            if stage is not None:
+                close_runner(stage)
 
     def release(self, request: stage_pb2.ReleaseRequest) -> stage_pb2.ReleaseReply:
         stage = self._stages.get(request.plan_id)
@@ -82,8 +117,32 @@ class StageControl:
                 shards.append(stage_pb2.ShardState(
                     plan_id=plan_id, model_id=s.request.model_id, first_layer=s.request.first_layer,
                     last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
-                    kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix)))
+                    kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix),
+                    tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
         return stage_pb2.StageInfoReply(shards=shards)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return [s.request for _, s in self._stages.items()]
+
+
+def same_load(existing: LoadedStage, request: stage_pb2.LoadRequest) -> bool:
+    """A Load of what this node already serves. A tensor-parallel rank compares all but its
+    group id (fresh per deploy), and only while its group is alive: a second leader deploying
+    the same plan reuses the group, a redeploy after a failure forms a new one."""
+    if not request.HasField("tp"):
+        return existing.request == request
+    if getattr(existing.runner, "failed", False):
+        return False
+    mine, theirs = stage_pb2.LoadRequest(), stage_pb2.LoadRequest()
+    mine.CopyFrom(existing.request)
+    theirs.CopyFrom(request)
+    mine.tp.group_id = theirs.tp.group_id = ""
+    return mine == theirs
+
+
+def close_runner(stage: LoadedStage | None) -> None:
+    """Close a tensor-parallel stage's group (a plain stage has nothing to close)."""
+    close = getattr(stage.runner, "close", None) if stage is not None else None
+    if close is not None:
+        with stage.lock:  # a step still running finishes first
+            close()

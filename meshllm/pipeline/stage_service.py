@@ -14,15 +14,16 @@ from meshllm.errors import BadRequest, MeshError, WeightsMismatch
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_control import ModelResolver, StageControl
 from meshllm.pipeline.stage_forward import ForwardStreams
+from meshllm.tp.node_collective import NodeCollective
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, collective: NodeCollective | None = None):
         self.stages = LoadedStages()
-        self.control = StageControl(self.stages, resolve_model, on_change)
+        self.control = StageControl(self.stages, resolve_model, on_change, collective)
         self.forward = ForwardStreams(self.stages, channels)
 
     def Load(self, request, context):
@@ -44,3 +45,10 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return self.control.loaded()
+
+    # Node service interface: started with the node, stopped before its gRPC server.
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.control.close()

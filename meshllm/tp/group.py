@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore
 
-from meshllm.errors import BindFailed, TensorParallelFailed
+from meshllm.errors import BadRequest, BindFailed, TensorParallelFailed
 from meshllm.tp.collective import Collective
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,22 @@ class GroupSpec:
     @property
     def store_port(self) -> int:
         return int(self.store_address.rpartition(":")[2])
+
+
+@dataclass(frozen=True, slots=True)
+class RankRole:
+    """This node's part in a group, from the LoadRequest (transport/stage_convert.py)."""
+
+    rank: int
+    size: int
+    store_address: str  # host:port of rank 0's store (its collective endpoint)
+    group_id: str  # fresh per deploy
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self):
+        if not (0 <= self.rank < self.size and self.size >= 2 and self.group_id and self.timeout_s > 0):
+            raise BadRequest(f"tensor-parallel role rank {self.rank} of {self.size} (group {self.group_id!r}, "
+                             f"timeout {self.timeout_s}s) is not valid")
 
 
 class StoreHost:

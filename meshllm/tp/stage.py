@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -22,7 +21,7 @@ from meshllm.engine.step import Step
 from meshllm.errors import BadRequest
 from meshllm.model.source import ModelFiles
 from meshllm.tp.channel import CommandChannel
-from meshllm.tp.group import DEFAULT_TIMEOUT_S, GroupSpec, join_group
+from meshllm.tp.group import GroupSpec, RankRole, join_group
 from meshllm.tp.layers import shard_decoder
 from meshllm.tp.load import load_rank_weights
 from meshllm.tp.node_collective import NodeCollective
@@ -31,22 +30,6 @@ from meshllm.tp.shard import ShardLayout
 from meshllm.tp.worker import TensorParallelWorker
 
 TP_RENDEZVOUS_TIMEOUT_S = 120.0  # after loading: how long ranks wait for the slowest to join
-
-
-@dataclass(frozen=True, slots=True)
-class RankRole:
-    """This node's part in a group, from the LoadRequest (transport/stage_convert.py)."""
-
-    rank: int
-    size: int
-    store_address: str  # host:port of rank 0's store (its collective endpoint)
-    group_id: str  # fresh per deploy
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-    def __post_init__(self):
-        if not (0 <= self.rank < self.size and self.size >= 2 and self.group_id and self.timeout_s > 0):
-            raise BadRequest(f"tensor-parallel role rank {self.rank} of {self.size} (group {self.group_id!r}, "
-                             f"timeout {self.timeout_s}s) is not valid")
 
 
 class WorkerStage:
