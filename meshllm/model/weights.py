@@ -79,31 +79,20 @@ class SafetensorsSource:
         return self._bytes_read
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for name in names:
-            entry = self._entries.get(name)
-            if entry is None:
-                raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
-            by_file.setdefault(entry.file, []).append(name)
-        out = {}
-        for file, file_names in by_file.items():
-            try:
-                with safe_open(file, framework="pt") as f:
-                    for name in file_names:
-                        out[name] = f.get_tensor(name).to(dtype)
-                        self._bytes_read += self._entries[name].end - self._entries[name].begin
-            except SafetensorError as e:
-                raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
-        return out
+        return self._read({name: None for name in names}, dtype)
 
     def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Only the asked rows or columns of each tensor: safetensors reads just those bytes."""
+        return self._read(slices, dtype)
+
+    def _read(self, parts: Mapping[str, TensorSlice | None], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Each named tensor whole (None) or its slice, one open per file."""
         by_file: dict[Path, list[str]] = {}
-        for name, s in slices.items():
+        for name, s in parts.items():
             entry = self._entries.get(name)
             if entry is None:
                 raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
-            if s.dim >= len(entry.shape) or s.stop > entry.shape[s.dim]:
+            if s is not None and (s.dim >= len(entry.shape) or s.stop > entry.shape[s.dim]):
                 raise ModelLoadError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}; cannot take "
                                      f"[{s.start}, {s.stop}) of dimension {s.dim} (the checkpoint does not match "
                                      f"its config)")
@@ -113,10 +102,13 @@ class SafetensorsSource:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in file_names:
-                        s, entry = slices[name], self._entries[name]
+                        s, entry = parts[name], self._entries[name]
+                        if s is None:
+                            out[name] = f.get_tensor(name).to(dtype)
+                            self._bytes_read += entry.end - entry.begin
+                            continue
                         view = f.get_slice(name)
-                        part = view[s.start:s.stop] if s.dim == 0 else view[:, s.start:s.stop]
-                        out[name] = part.to(dtype)
+                        out[name] = (view[s.start:s.stop] if s.dim == 0 else view[:, s.start:s.stop]).to(dtype)
                         self._bytes_read += (entry.end - entry.begin) * (s.stop - s.start) // entry.shape[s.dim]
             except SafetensorError as e:
                 raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None

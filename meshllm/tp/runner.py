@@ -32,24 +32,11 @@ from meshllm.tp.command import Command, Heartbeat, Release, RunStep, Shutdown
 log = logging.getLogger(__name__)
 
 
-class TensorParallelRunner:
-    """Thread-safe: calls and heartbeats are serialised by one lock (commands are collective)."""
+class RankStage:
+    """What the stage service reads of a rank's StageRunner (`self.runner`), as it reads a stage's."""
 
-    def __init__(self, runner: StageRunner, channel: CommandChannel,
-                 on_failed: Callable[[TensorParallelFailed], None] = lambda e: None):
-        assert channel.collective.rank == 0
-        self.runner = runner
-        self.channel = channel
-        self.collective = channel.collective
-        self._on_failed = on_failed
-        self._lock = threading.RLock()  # re-entered when on_failed closes the stage
-        self._failure: TensorParallelFailed | None = None
-        self._closed = threading.Event()
-        self._last_sent = time.monotonic()
-        self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="tp-heartbeat")
-        self._heartbeat.start()
+    runner: StageRunner
 
-    # --- the StageRunner interface the stage service uses ------------------------------------------
     @property
     def is_first(self) -> bool:
         return self.runner.is_first
@@ -70,10 +57,30 @@ class TensorParallelRunner:
     def prefix(self) -> PrefixStore:
         return self.runner.prefix
 
+
+class TensorParallelRunner(RankStage):
+    """Rank 0, run by the stage service like a StageRunner. Thread-safe: calls and heartbeats
+    are serialised by one lock (commands are collective)."""
+
+    def __init__(self, runner: StageRunner, channel: CommandChannel,
+                 on_failed: Callable[[TensorParallelFailed], None] = lambda e: None):
+        assert channel.collective.rank == 0
+        self.runner = runner
+        self.channel = channel
+        self.collective = channel.collective
+        self._on_failed = on_failed
+        self._lock = threading.RLock()  # re-entered when on_failed closes the stage
+        self._failure: TensorParallelFailed | None = None
+        self._closed = threading.Event()
+        self._last_sent = time.monotonic()
+        self._heartbeat = threading.Thread(target=self._beat, daemon=True, name="tp-heartbeat")
+        self._heartbeat.start()
+
     @property
     def group_size(self) -> int:
         return self.collective.size
 
+    # --- the StageRunner interface the stage service uses ------------------------------------------
     def held_sequences(self) -> list[SeqId]:
         return self.runner.held_sequences()
 

@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from meshllm.engine.kv_cache import KVCache, SeqId
-from meshllm.engine.prefix_store import PrefixStore
+from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import Step
 from meshllm.errors import BadRequest
@@ -25,36 +24,20 @@ from meshllm.tp.group import GroupSpec, RankRole, join_group
 from meshllm.tp.layers import shard_decoder
 from meshllm.tp.load import load_rank_weights
 from meshllm.tp.node_collective import NodeCollective
-from meshllm.tp.runner import TensorParallelRunner
+from meshllm.tp.runner import RankStage, TensorParallelRunner
 from meshllm.tp.shard import ShardLayout
 from meshllm.tp.worker import TensorParallelWorker
 
 TP_RENDEZVOUS_TIMEOUT_S = 120.0  # after loading: how long ranks wait for the slowest to join
 
 
-class WorkerStage:
+class WorkerStage(RankStage):
     """A non-zero rank as a loaded stage: the node reports its state, steps come only from rank 0."""
 
     def __init__(self, worker: TensorParallelWorker):
         self.worker = worker
         self.runner = worker.runner
         self.group_size = worker.collective.size
-
-    @property
-    def is_first(self) -> bool:
-        return self.runner.is_first
-
-    @property
-    def is_last(self) -> bool:
-        return self.runner.is_last
-
-    @property
-    def cache(self) -> KVCache:
-        return self.runner.cache
-
-    @property
-    def prefix(self) -> PrefixStore:
-        return self.runner.prefix
 
     def held_sequences(self) -> list[SeqId]:
         with self.worker.lock:
