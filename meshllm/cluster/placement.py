@@ -23,8 +23,9 @@ from meshllm.cluster.card import Card, NodeId, Role
 from meshllm.cluster.cover import cover_loaded_shards
 from meshllm.cluster.registry import newer
 from meshllm.cluster.stage_budget import Footprint, split_layers, usable_bytes
-from meshllm.cluster.tp_cost import TPEstimate, estimate, group_link, link_between
-from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable, TensorParallelUnsplittable
+from meshllm.cluster.tp_cost import TPEstimate, estimate
+from meshllm.cluster.tp_groups import form_groups, requested_groups, splits
+from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable
 from meshllm.model.config import ModelConfig
 from meshllm.tp.shard import check_splittable
 
@@ -191,7 +192,7 @@ def _plan_fresh(request: PlacementRequest, footprint: Footprint, candidates: lis
     size = request.tensor_parallel
     if size is not None:
         if size > 1:
-            return _plan_units(request, footprint, _requested_groups(request, ranked, size), size)
+            return _plan_units(request, footprint, requested_groups(request.model_id, ranked, size), size)
         return _plan_units(request, footprint, [(c,) for c in ranked], 1)
     # Decide by link speed: the pipeline plan against plans whose stages are groups of nodes
     # with measured links, by estimated tokens/s.
@@ -202,8 +203,8 @@ def _plan_fresh(request: PlacementRequest, footprint: Footprint, candidates: lis
         best, error = None, e
     candidate: TPEstimate | None = None
     for size in range(2, len(ranked) + 1):
-        groups = _groups(ranked, size, measured_only=True)
-        if not groups or not _splits(request.config, size):
+        groups = form_groups(ranked, size, measured_only=True)
+        if not groups or not splits(request.config, size):
             continue
         try:
             grouped = _plan_units(request, footprint, groups, size)
@@ -216,56 +217,6 @@ def _plan_fresh(request: PlacementRequest, footprint: Footprint, candidates: lis
     if best is None:
         raise error
     return best if any(s.workers for s in best.stages) else replace(best, tp_candidate=candidate)
-
-
-def _splits(config: ModelConfig, size: int) -> bool:
-    try:
-        check_splittable(config, size)
-    except TensorParallelUnsplittable:
-        return False
-    return True
-
-
-def _groups(ranked: list[Card], size: int, measured_only: bool) -> list[tuple[Card, ...]]:
-    """Disjoint groups of `size` nodes with collective endpoints, deterministically.
-
-    In rank order, each ungrouped node takes the ungrouped nodes with the fastest links to it
-    (lowest all-reduce latency, then node_id); `measured_only` leaves out pairs no card has
-    measured. Members are ordered by node_id: the first is rank 0.
-    """
-    pool = [c for c in ranked if c.collective_endpoint]
-    groups = []
-    while len(pool) >= size:
-        leader, members = pool[0], [pool[0]]
-        for other in sorted(pool[1:], key=lambda c: (_link_latency(leader, c), c.node_id)):
-            if len(members) == size:
-                break
-            if measured_only and any(link_between(m, other) is None for m in members):
-                continue
-            members.append(other)
-        if len(members) == size:
-            groups.append(tuple(sorted(members, key=lambda c: c.node_id)))
-            pool = [c for c in pool if c not in members]
-        else:
-            pool = pool[1:]
-    return groups
-
-
-def _link_latency(a: Card, b: Card) -> float:
-    link = link_between(a, b)
-    return link.latency_s if link is not None else float("inf")
-
-
-def _requested_groups(request: PlacementRequest, ranked: list[Card], size: int) -> list[tuple[Card, ...]]:
-    groups = _groups(ranked, size, measured_only=False)
-    if not groups:
-        with_endpoint = [c.node_id for c in ranked if c.collective_endpoint]
-        raise ShardUnavailable(
-            f"--tp {size} needs {size} nodes with {request.model_id} and a collective endpoint; the fleet has "
-            f"{len(ranked)} with the model, {len(with_endpoint)} of them with an endpoint "
-            f"({', '.join(with_endpoint) or 'none'}). Start nodes with --collective-port, or lower --tp.",
-            part="tensor-parallel group")
-    return groups
 
 
 def _plan_units(request: PlacementRequest, footprint: Footprint, units: list[tuple[Card, ...]], size: int) -> Plan:
