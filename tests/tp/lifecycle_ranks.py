@@ -13,7 +13,7 @@ from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import SeqWork, Step
 from meshllm.errors import TensorParallelFailed
-from meshllm.model.source import open_model
+from meshllm.model.weights import SafetensorsSource
 from meshllm.tp.channel import CommandChannel
 from meshllm.tp.group import GroupSpec, join_group
 from meshllm.tp.load import load_rank_decoder
@@ -25,9 +25,9 @@ GREEDY = SamplingParams(temperature=0.0, seed=1)
 
 
 def _rank_runner(rank: int, size: int, address: str, model_dir: str, group_id: str, timeout_s: float):
-    files = open_model(model_dir)
+    source = SafetensorsSource(model_dir)
     collective = join_group(GroupSpec(group_id, rank, size, address, "127.0.0.1", timeout_s=timeout_s))
-    decoder = load_rank_decoder(files.source, files.config, ShardLayout.of(files.config, rank, size), collective)
+    decoder = load_rank_decoder(source, source.config(), ShardLayout.of(source.config(), rank, size), collective)
     return StageRunner(decoder, samples=rank == 0), CommandChannel(collective)
 
 
