@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -172,6 +173,26 @@ def _prediction(config: ModelConfig, link: LinkProbe, args):
                     request.context_length, request.weight_dtype_bytes)
 
 
+def group_formation_ms(repeats: int = 10) -> dict:
+    """Forming and closing a 2-rank group (both ranks as threads here): what each Load of a
+    group and each link probe pays for its own process group, built straight from the store."""
+    store = StoreHost("127.0.0.1")
+    store.start()
+    formed, closed = [], []
+    with ThreadPoolExecutor(2) as pool:
+        for i in range(repeats):
+            specs = [GroupSpec(f"formation-{i}", r, 2, store.endpoint, "127.0.0.1") for r in (0, 1)]
+            started = time.perf_counter()
+            collectives = list(pool.map(lambda s: join_group(s, store if s.rank == 0 else None), specs))
+            formed.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for c in collectives:
+                c.close()
+            closed.append(time.perf_counter() - started)
+    store.stop()
+    return {"form_ms_median": 1e3 * statistics.median(formed), "close_ms_median": 1e3 * statistics.median(closed)}
+
+
 def _child(args, role: list[str], cores: str, threads: int) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     command = ["taskset", "-c", cores, sys.executable, __file__, "--model", str(args.model), "--dtype", args.dtype,
@@ -206,6 +227,7 @@ def main() -> None:
         if result is not None:
             print(json.dumps(result))
         return
+    formation = group_formation_ms()
     with tempfile.TemporaryDirectory() as tmp:
         args.model = Path(tmp)
         build_model(args.model, args.layers)
@@ -221,7 +243,7 @@ def main() -> None:
             runs["tp2"].append(_result(ranks[0]))
             ranks[1].wait(timeout=60)
             store.stop()
-    print(json.dumps(_summary(args, runs), indent=1))
+    print(json.dumps(_summary(args, runs) | {"group_formation": formation}, indent=1))
 
 
 def _summary(args, runs: dict[str, list[dict]]) -> dict:
