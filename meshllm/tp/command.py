@@ -7,8 +7,8 @@ own slices and KV cache. Release commands mirror the stage's Release calls, hear
 keep idle workers from timing out, and shutdown ends them.
 
 A step command carries what the workers compute from, nothing more (`worker_view`):
-sampling inputs (parameters, penalty counts, allowed-token masks) stay with rank 0,
-which alone samples, and timings stay with the stage that reports them.
+sampling inputs (parameters, penalty counts, allowed-token masks, draft distributions)
+stay with rank 0, which alone samples, and timings stay with the stage that reports them.
 
 Layout: [MAGIC, kind, num_meta, meta..., payload...]; the meta words are small
 integers read with one `tolist()`, the payload is the step input's raw bytes viewed as
@@ -68,8 +68,8 @@ Command = RunStep | Release | Heartbeat | Shutdown
 
 def worker_view(step: Step) -> Step:
     """`step` as a worker receives it: what it computes from (see the module docstring)."""
-    seqs = tuple(replace(w, sampling=UNSAMPLED if w.num_scored else None, penalties=PenaltyCounts(), allowed=())
-                 for w in step.seqs)
+    seqs = tuple(replace(w, sampling=UNSAMPLED if w.num_scored else None, penalties=PenaltyCounts(), allowed=(),
+                         draft_dists=None) for w in step.seqs)
     return replace(step, seqs=seqs, timings=())
 
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams
-from meshllm.engine.step import Publish, SeqWork, Step
+from meshllm.engine.step import DraftDist, Publish, SeqWork, Step
 from meshllm.errors import MalformedMessage
 from meshllm.cluster.tp_cost import COMMAND_FRAME_BYTES
 from meshllm.tp.channel import DEFAULT_FRAME_WORDS, from_frames, num_frames, to_frames
@@ -36,9 +36,10 @@ def seq_works(draw) -> SeqWork:
         st.booleans()) else PenaltyCounts()
     allowed = tuple(torch.tensor([draw(st.integers(-2**31, 2**31 - 1))], dtype=torch.int32)
                     for _ in range(num_scored)) if draw(st.booleans()) else ()
+    dists = tuple(DraftDist((t,), (1.0,)) for t in draft) if draft and draw(st.booleans()) else None
     return SeqWork(SeqId(draw(u64)), draw(small) if not block else block * 16, num_tokens, num_scored,
                    draw(sampling) if num_scored else draw(st.none() | sampling),
-                   tuple(draw(st.lists(u64, min_size=block, max_size=block))), draft, penalties, allowed)
+                   tuple(draw(st.lists(u64, min_size=block, max_size=block))), draft, penalties, allowed, dists)
 
 
 @st.composite
