@@ -1,6 +1,6 @@
-"""Compose a Leader over the live fleet: plan the model, load the stages, open the stream.
-
-Used by `meshllm generate --peer`, `meshllm serve` and `meshllm demo`.
+"""How a served model runs: its options, the leader over a transport, the in-process
+pipeline, and the placement request for the fleet. plan_owner.py composes these into the
+leader every cluster path (`meshllm generate --peer`, `serve`, `demo`) uses.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.errors import PeerUnreachable, ShardUnavailable
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles
-from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
+from meshllm.pipeline.failover import FailoverConfig, Replanner
 from meshllm.pipeline.leader import Leader
-from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
-from meshllm.transport.channels import ChannelPool
+from meshllm.pipeline.transport import LocalPipeline
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +39,11 @@ class ServingOptions:
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8": weight-only int8 linears on every stage
-    step_timeout_s: float = 120.0  # a micro-batch unanswered this long fails its sequences (stalled stage)
+    # No reply for this long is a stalled pipeline even if every stage answers health checks (the
+    # cap of the deadline measured from step times, deadline.py).
+    step_timeout_s: float = 30.0
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    fallback_local: bool = False  # when no plan fits the fleet, run on the leader alone if the model fits here
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self):
@@ -59,39 +62,36 @@ def context_of(files: ModelFiles, options: ServingOptions) -> int:
     return min(files.config.max_position_embeddings, options.context_length)
 
 
-def new_leader(files: ModelFiles, transport, options: ServingOptions,
-               observer: LeaderObserver | None = None) -> Leader:
+def new_leader(files: ModelFiles, transport, options: ServingOptions, observer: LeaderObserver | None = None,
+               replanner: Replanner | None = None) -> Leader:
     max_context = context_of(files, options)
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
     return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
                   max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
-                  step_timeout_s=options.step_timeout_s)
+                  step_timeout_s=options.step_timeout_s, replanner=replanner, failover=options.failover)
+
+
+def local_transport(files: ModelFiles, options: ServingOptions) -> LocalPipeline:
+    """The whole model as one in-process stage."""
+    decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
+    prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
+    return LocalPipeline([StageRunner(decoder)])
 
 
 def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:
     """The whole model in this process: the single-process reference and the no-peer mode."""
-    decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
-    prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
-    return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer)
+    return new_leader(files, local_transport(files, options), options, observer)
+
+
+def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRequest:
+    return PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
+                            config=files.config, context_length=context_of(files, options),
+                            max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
+                            kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
-    request = PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
-                               config=files.config, context_length=context_of(files, options),
-                               max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
-                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages)
-    return plan_placement(request, fleet)
-
-
-def cluster_leader(files: ModelFiles, fleet: list[Card], channels: ChannelPool, options: ServingOptions,
-                   observer: LeaderObserver | None = None) -> tuple[Leader, Plan]:
-    plan = plan_for(files, fleet, options)
-    log.info("plan for %s: %s", files.model_id,
-             ", ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages))
-    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization)
-    first = plan.stages[0]
-    transport = RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages))
-    return new_leader(files, transport, options, observer), plan
+    return plan_placement(placement_request(files, options), fleet)
 
 
 def wait_for_fleet(fetch: Callable[[], list[Card]], fingerprint: str, min_nodes: int,

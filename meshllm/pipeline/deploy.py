@@ -12,11 +12,19 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from meshllm.cluster.placement import Plan
-from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, WeightsMismatch
+from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, ShardUnavailable, WeightsMismatch
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 LOAD_TIMEOUT_S = 600.0  # loading gigabytes from a slow disk takes minutes
+
+
+class StageUnreachable(PeerUnreachable):
+    """A node of the plan did not answer its Load: the planner should leave it out."""
+
+    def __init__(self, message: str, node_id: str):
+        super().__init__(message)
+        self.node_id = node_id
 
 
 def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None) -> str:
@@ -63,6 +71,8 @@ def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:
         return WeightsMismatch(f"node {node_id} ({address}): {details}")
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return BadRequest(f"node {node_id} ({address}) refused the load: {details}")
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ShardUnavailable(f"node {node_id} ({address}): {details}")
     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return PeerUnreachable(f"node {node_id} at {address} is unreachable: {details}")
+        return StageUnreachable(f"node {node_id} at {address} is unreachable: {details}", node_id)
     return ModelLoadError(f"node {node_id} ({address}) could not load its layers: {details}")
