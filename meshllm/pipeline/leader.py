@@ -309,7 +309,7 @@ class Leader:
         if not result.ok:
             failure = blame(result, self.transport.num_stages) if self._recovery is not None else None
             if failure is not None:
-                self._fail_over(failure)
+                self._fail_over(failure, batch)
                 return
             where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
             self._fail(batch.works, PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}"))
@@ -320,7 +320,7 @@ class Leader:
         except MeshError as e:  # the last stage answered something other than what was asked
             log.warning("step %d: %s", result.step_id, e)
             if isinstance(e, InvalidReply) and self._recovery is not None:
-                self._fail_over(invalid_reply_failure(e, self.transport.num_stages))
+                self._fail_over(invalid_reply_failure(e, self.transport.num_stages), batch)
             else:
                 self._fail(batch.works, e)
             return
@@ -347,15 +347,16 @@ class Leader:
                     break  # a stop inside accepted draft tokens: the rest are not part of the output
 
     # --- failover (loop thread) ---------------------------------------------------------------------
-    def _fail_over(self, failure: StageFailure) -> None:
+    def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
         """Stop using the transport, mark every running sequence for a rebuild of its KV, and
         re-plan off the loop. Sequences past their failover limit end with pipeline_stalled."""
         log.warning("failing over: stage %s [%s] %s", failure.stage_index, failure.code, failure.message)
         self.observer.on_failure(failure)
         self._last_failure = self._last_failure or failure  # a second failure is part of the same recovery
         in_flight = set()
-        for flight in self._in_flight.values():
-            for w in flight.batch.works:
+        batches = [f.batch for f in self._in_flight.values()] + ([failed] if failed is not None else [])
+        for batch in batches:
+            for w in batch.works:
                 w.seq.in_flight = False
                 in_flight.add(w.seq.seq_id)
         self._in_flight.clear()
