@@ -51,6 +51,7 @@ class LocalCluster:
         self.extra_args = extra_args
         self.threads_per_node = threads_per_node
         self.node_env = dict(node_env or {})
+        self.node_args: dict[int, tuple[str, ...]] = {}
         self.on_exit = on_exit
         self.key_file = state_dir / "cluster.key"
         self.addresses: list[str] = []
@@ -69,10 +70,14 @@ class LocalCluster:
         for i, event in enumerate(ready):
             self._wait_ready(i, event, deadline)
 
-    def add_node(self, env: Mapping[str, str] | None = None, timeout_s: float = 120.0) -> int:
-        """Start one more node (a spare, or a machine joining later); returns its index."""
+    def add_node(self, env: Mapping[str, str] | None = None, args: tuple[str, ...] = (),
+                 timeout_s: float = 120.0) -> int:
+        """Start one more node (a spare, or a machine joining later), with its own environment
+        and CLI args besides the cluster's; returns its index."""
         if env:
             self.node_env[len(self.processes)] = dict(env)
+        if args:
+            self.node_args[len(self.processes)] = tuple(args)
         event = self._spawn()
         index = len(self.processes) - 1
         self._wait_ready(index, event, time.monotonic() + timeout_s)
@@ -99,11 +104,10 @@ class LocalCluster:
         env.update(self.node_env.get(i, {}))
         args = [sys.executable, "-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--port", str(port),
                 "--key-file", str(self.key_file), "--node-id", self.node_ids[i], "--no-discovery",
-                "--state-dir", str(self.state_dir / f"node-{i}"), *self.extra_args]
+                "--state-dir", str(self.state_dir / f"node-{i}"), *self.extra_args, *self.node_args.get(i, ())]
         for path in self.model_paths:
             args += ["--models", str(path)]
-        peers = [a for a in self.live_addresses()][-1:]  # the newest live node: a line of seeds
-        for peer in peers:
+        for peer in self.live_addresses()[-1:]:  # the newest live node: a line of seeds
             args += ["--peer", peer]
         process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                    start_new_session=True)
