@@ -100,6 +100,7 @@ class PlanOwner:
     def recover(self, failure: StageFailure | None) -> Deployment:
         with self._lock:
             started = time.perf_counter()
+            self._readmit()  # before excluding the node that just failed: no point probing it now
             failed = self._exclude_failed(failure)
             if failure is not None:
                 self._num_failovers += 1
@@ -159,7 +160,6 @@ class PlanOwner:
                 del self._excluded[node]
 
     def _deploy_new_plan(self, failed: NodeId | None, started: float) -> Deployment:
-        self._readmit()
         previous = self._current
         while True:  # a node that cannot be reached while loading is excluded, and we plan again
             plan = self._choose_plan(previous.plan if previous else None, failed)
