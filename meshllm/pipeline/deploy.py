@@ -7,6 +7,7 @@ two leaders that derive the same plan from the same view share the stages.
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -54,10 +55,14 @@ def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_inva
     def load(index: int) -> None:
         stage = plan.stages[index]
         stub = stage_pb2_grpc.StageStub(channels.get(stage.address, stage.node_id))
-        try:
-            stub.Load(requests[index], timeout=LOAD_TIMEOUT_S)
-        except grpc.RpcError as e:
-            raise _load_error(stage.node_id, stage.address, e) from None
+        for attempt in range(2):  # a connection the peer just closed (GOAWAY) reconnects on a retry
+            try:
+                stub.Load(requests[index], timeout=LOAD_TIMEOUT_S)
+                return
+            except grpc.RpcError as e:
+                if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _load_error(stage.node_id, stage.address, e) from None
+                time.sleep(0.2)
 
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         for future in [pool.submit(load, i) for i in range(len(requests))]:
