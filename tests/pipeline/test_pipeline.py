@@ -194,7 +194,7 @@ def test_plans_on_the_same_node_share_weights_and_unload_frees_them_last(cluster
     from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
     files = model_files["llama-gqa"]
-    stub = stage_pb2_grpc.StageStub(cluster.channels.get(cluster.local.addresses[2]))
+    stub = stage_pb2_grpc.StageStub(cluster.channels.get(cluster.local.addresses[2], "node-2"))
 
     def plan(next_node: str) -> Plan:  # the same range on node 2, followed by different nodes
         stages = (StageAssignment("node-2", cluster.local.addresses[2], 0, 3, 0, 0, 0),
