@@ -166,6 +166,16 @@ def long_cluster_server(two_node_cluster, long_model_path) -> Iterator[LiveServe
     b.close()
 
 
+@pytest.fixture(scope="package")
+def smollm2_server(smollm2_gguf_path) -> Iterator[LiveServer]:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF, byte-level BPE, its own ChatML template) in this process."""
+    b = build_local_backend(smollm2_gguf_path, ServingOptions(context_length=1024, max_batch=16,
+                                                              batch_invariant=True))
+    with serve(b) as live:
+        yield live
+    b.close()
+
+
 @pytest.fixture(scope="package", params=["local", "cluster"])
 def server(request, backend) -> Iterator[LiveServer]:
     """Every test using `server` runs against the single-process backend and against the
