@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
+import signal as signals
 import tempfile
 import threading
 import time
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     threads = max(1, (os.cpu_count() or 1) // args.nodes)
     collective = ("--collective-port", "0") if args.tp > 1 else ()
     cluster = LocalCluster(args.nodes, [files.path], state_dir, extra_args=("--gossip-interval", "0.5", *collective),
-                           threads_per_node=threads)
+                           threads_per_node=threads, on_exit=_report_exit)
     print(f"meshllm demo: starting {args.nodes} nodes on loopback ...", flush=True)
     started = time.perf_counter()
     cluster.start()
@@ -77,9 +77,10 @@ def run(args: argparse.Namespace) -> int:
         options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes // args.tp,
                                  dtype=args.dtype, scheduler=SchedulerConfig(), speculative=args.speculative,
                                  tensor_parallel=args.tp)
-        backend, plan, _ = local_cluster_backend(cluster, files, options, "demo-leader")
+        backend, owner, _ = local_cluster_backend(cluster, files, options, "demo-leader")
+        plan = owner.plan
         if plan is None:
-            raise backend.plan_error
+            raise SystemExit(f"meshllm demo: {backend.health.report().reason}")
         for i, s in enumerate(plan.stages):
             group = f" (tensor-parallel with {', '.join(w.node_id for w in s.workers)})" if s.workers else ""
             print(f"  stage {i}: {s.node_id} at {s.address}{group} holds layers {s.first_layer}-{s.last_layer - 1}",
@@ -100,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         shutil.rmtree(state_dir, ignore_errors=True)  # the demo's throwaway key and node state
     return 0
+
+
+def _report_exit(index: int, returncode: int) -> None:
+    how = (f"killed by {signals.Signals(-returncode).name}" if returncode < 0 else f"exit status {returncode}")
+    print(f"meshllm demo: node-{index} died ({how}); the leader fails over to the other nodes "
+          f"(see /health and /v1/cluster)", flush=True)
 
 
 def _ask(url: str, model_id: str, api_key: str | None) -> None:
@@ -134,8 +141,8 @@ def _print_next_steps(url: str, model_id: str, needs_key: bool) -> None:
 
 def _wait_for_ctrl_c() -> None:
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    for sig in (signals.SIGINT, signals.SIGTERM):
+        signals.signal(sig, lambda signum, frame: stop.set())
     print("meshllm demo: serving; press Ctrl-C to stop", flush=True)
     while not stop.wait(0.5):
         pass

@@ -23,7 +23,7 @@ from meshllm.commands.transport_args import add_transport_arguments, tls_from_ar
 from meshllm.engine.generate import TextDelta, check_fits, stream_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.weight_forms import prepare_for_cpu
-from meshllm.errors import BadRequest, PeerUnreachable
+from meshllm.errors import BadRequest, PeerUnreachable, ShardUnavailable
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.events import GenerationEvent
@@ -160,24 +160,35 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
     from meshllm.cluster.gossip import fetch_view
     from meshllm.commands.node import resolve_key
     from meshllm.node import default_state_dir
-    from meshllm.pipeline.cluster import ServingOptions, cluster_leader
+    from meshllm.pipeline.cluster import ServingOptions
+    from meshllm.pipeline.plan_owner import PlanOwner
 
     key = resolve_key(args.key_file, default_state_dir(), create=False)
     tls = tls_from_args(args)
-    fleet, failures = [], []
-    for peer in args.peer:
-        try:
-            fleet = fetch_view(peer, key, tls=tls, node_id=LEADER_ID)
-            break
-        except PeerUnreachable as e:
-            failures.append(str(e))
-    if not fleet:
+
+    def fleet_view() -> list:
+        # Asked again at each re-plan: the first peer that answers (one may be the node that failed).
+        failures = []
+        for peer in args.peer:
+            try:
+                return fetch_view(peer, key, tls=tls, node_id=LEADER_ID)
+            except PeerUnreachable as e:
+                failures.append(str(e))
         raise PeerUnreachable("no peer answered: " + "; ".join(failures))
+
+    fleet_view()  # no peer answers: fail now, with that message
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
                              num_stages=args.stages, dtype=_option_dtype(args.dtype),
                              quantization="int8" if args.int8 else None, speculative=args.speculative,
                              tensor_parallel=args.tp)
-    leader, plan = cluster_leader(files, fleet, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
+    owner = PlanOwner(files, fleet_view, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
+    leader = owner.start()
+    plan = owner.plan
+    if plan is None:
+        leader.close()
+        report = owner.health.report()
+        raise ShardUnavailable(report.reason or "no plan fits the fleet", missing_bytes=report.missing_bytes,
+                               part=report.missing)
     print("[" + ", ".join(f"{'+'.join(s.node_ids)}: layers {s.first_layer}-{s.last_layer - 1}"
                           for s in plan.stages) + "]", file=sys.stderr)
     try:

@@ -4,6 +4,12 @@ Concurrency contract: `submit` and `cancel` may be called from any thread (HTTP
 handlers, the CLI); they post typed messages to the inbox. One loop thread owns the
 scheduler, the in-flight micro-batches, stop detection and event delivery, so none of
 that state needs a lock. `on_event` callbacks run on the loop thread and must not block.
+
+Failover (with a Replanner, failover.py): a step that fails because of a node, or a
+pipeline that stops answering (deadline.py), makes the loop drop every step in flight,
+mark every running sequence as having lost its KV (it re-prefills its committed tokens,
+prompt and output, and samples only the token after them), and re-plan on a worker
+thread; new requests wait meanwhile. The new transport is swapped in by a message.
 """
 
 from __future__ import annotations
@@ -26,9 +32,12 @@ from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Wor
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
-from meshllm.errors import ContextOverflow, MeshError, PipelineStalled
+from meshllm.errors import ContextOverflow, InvalidReply, MeshError, PipelineStalled
 from meshllm.pipeline.chores import StageChores
+from meshllm.pipeline.deadline import DEFAULT_FLOOR_S, DeadlineConfig, StallWatch
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
+from meshllm.pipeline.failover import (Deployment, FailoverConfig, Probed, Recovered, Recovery, RecoveryFailed,
+                                       RecoveryTiming, Replanner, StageFailure, blame, invalid_reply_failure)
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
 from meshllm.pipeline.replies import committed_tokens
 from meshllm.pipeline.seq_constraints import SeqConstraints
@@ -50,6 +59,7 @@ class _Request:
     submitted_at: float
     first_token_at: float | None = None
     last_token_at: float | None = None
+    num_failovers: int = 0
 
 
 # --- the loop's inbox: one small typed message per kind ------------------------------------------
@@ -86,23 +96,38 @@ class _InFlight:
 
 
 class Leader:
-    def __init__(self, transport: StepTransport, *, eos_token_ids: Collection[int],
+    """`transport` None: no plan yet (the replanner is asked for one when a request comes)."""
+
+    def __init__(self, transport: StepTransport | None, *, eos_token_ids: Collection[int],
                  new_detokenizer: Callable[[], Detokenizer], max_context: int,
                  config: SchedulerConfig | None = None, observer: LeaderObserver | None = None,
                  step_timeout_s: float = 120.0, proposer: Proposer | None = None,
-                 spec_config: SpecConfig | None = None, vocab_size: int | None = None):
+                 spec_config: SpecConfig | None = None, vocab_size: int | None = None,
+                 replanner: Replanner | None = None, deadline: DeadlineConfig | None = None,
+                 failover: FailoverConfig | None = None):
+        if transport is None and replanner is None:
+            raise ValueError("a leader without a transport needs a replanner to get one")
         self.transport = transport
         self.eos_token_ids = frozenset(eos_token_ids)
         self.new_detokenizer = new_detokenizer
         self.max_context = max_context
-        self.step_timeout_s = step_timeout_s  # a micro-batch out longer than this means a stalled stage
+        # No progress this long means a stalled pipeline (the cap of the measured deadline).
+        self.step_timeout_s = step_timeout_s
         config = config or SchedulerConfig()
         self.observer = observer or LeaderObserver()
         self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
         self._chores = StageChores()
         self.prefix = LeaderPrefixCache(config.prefix_block_size, config.prefix_cache_blocks, self._seq_prefix,
                                         self._chores, self.observer)
-        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages), on_admit=self.prefix.match)
+        num_stages = transport.num_stages if transport is not None else 1
+        self.scheduler = Scheduler(replace(config, num_stages=num_stages), on_admit=self.prefix.match)
+        # Without a replanner nothing can probe a suspect, so only the cap declares a stall.
+        floor = step_timeout_s if replanner is None else min(DEFAULT_FLOOR_S, step_timeout_s)
+        self._watch = StallWatch(deadline or DeadlineConfig(floor_s=floor, cap_s=step_timeout_s))
+        self._recovery = (Recovery(replanner, failover or FailoverConfig(), self._inbox_put)
+                          if replanner is not None else None)
+        self._last_failure: StageFailure | None = None  # until the first token after its failover
+        self._swapped: tuple[Deployment, float] | None = None  # the failover's deployment and swap time
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[SeqId, _Request] = {}
         self._in_flight: dict[int, _InFlight] = {}
@@ -113,6 +138,9 @@ class Leader:
         self.drafter = None if proposer is None else Drafter(proposer, vocab_size, self._inbox.put, spec_config)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="leader")
         self._thread.start()
+
+    def _inbox_put(self, message) -> None:
+        self._inbox.put(message)
 
     # --- any thread --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
@@ -169,7 +197,15 @@ class Leader:
         self._thread.join(timeout=10)
         if self.drafter is not None:
             self.drafter.close()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
+        while True:  # a re-plan that finished after the loop stopped
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(message, Recovered):
+                message.deployment.transport.close()
 
     # --- loop thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -178,9 +214,9 @@ class Leader:
             try:  # nothing more can be sent until a result or a request arrives
                 message = self._inbox.get(timeout=self._wait_s())
             except queue.Empty:
-                self._expire_stalled_steps()
+                self._check_progress()
                 continue
-            self._expire_stalled_steps()
+            self._check_progress()
             self._handle(message)
             while True:  # drain whatever else arrived before scheduling again
                 try:
@@ -199,6 +235,8 @@ class Leader:
                 except MeshError as e:
                     message.refused.append(e)
                 message.done.set()
+                if self.transport is None and not message.refused:
+                    self._recovery.start(None)  # no plan now: this request asks for one
             case _Cancel(seq_id=seq_id):
                 request = self._requests.get(seq_id)
                 if request is not None:
@@ -206,8 +244,9 @@ class Leader:
             case _StepDone(step_id=step_id, result=result):
                 flight = self._in_flight.pop(step_id, None)
                 if flight is None:
-                    return  # the step was given up as stalled; its sequences already failed
+                    return  # given up as stalled, or sent through a transport since replaced
                 seconds = time.perf_counter() - flight.sent_at
+                self._watch.done(flight.batch.num_tokens, seconds if result.ok else None)
                 self.observer.on_step(flight.batch, result, seconds)
                 if self.drafter is not None and result.ok:
                     self.drafter.step_done(flight.batch, seconds)
@@ -215,6 +254,8 @@ class Leader:
             case DraftsReady():
                 if self.drafter is not None:
                     self.drafter.arrived(message)
+            case Recovered() | RecoveryFailed() | Probed():
+                self._on_recovery(message)
             case _Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
@@ -223,25 +264,38 @@ class Leader:
         now = time.perf_counter()
         held = self.drafter.next_deadline() if self.drafter is not None else None
         wait = 1.0 if held is None else max(0.0005, min(1.0, held - now))
-        if not self._in_flight:
+        left = self._watch.seconds_left()
+        if left is None:
             return wait
-        oldest = min(f.sent_at for f in self._in_flight.values())
-        return max(0.0005, min(wait, max(0.01, oldest + self.step_timeout_s - now)))
+        return max(0.0005, min(wait, max(0.01, left)))
 
-    def _expire_stalled_steps(self) -> None:
-        """Fail the sequences of micro-batches a stage has sat on past the step timeout, so a
-        stalled (not dead) stage gives clear errors instead of hanging every request."""
-        now = time.perf_counter()
+    def _check_progress(self) -> None:
+        """No reply within the deadline: probe the stages (with a replanner), else give up on
+        the steps in flight so a stalled stage gives clear errors instead of hanging requests."""
+        if self.transport is None:
+            # No plan fits: try again now and then, so the service recovers on its own when a node joins.
+            if self._recovery is not None and not self._recovery.running and \
+                    time.monotonic() - self._recovery.last_attempt >= self._recovery.config.retry_interval_s:
+                self._recovery.start(None)
+            return
+        if not self._watch.due():
+            return
+        if self._recovery is not None:
+            self._watch.start_probe()
+            self._recovery.probe(self._watch.config.probe_timeout_s)
+            return
+        stalled_s = self._watch.stalled_for()
+        self._watch.reset()
         for step_id, flight in list(self._in_flight.items()):
-            if now - flight.sent_at < self.step_timeout_s:
-                continue
             del self._in_flight[step_id]
-            log.warning("step %d stalled for %.0fs; failing its %d sequences", step_id, now - flight.sent_at,
+            log.warning("step %d stalled for %.1fs; failing its %d sequences", step_id, stalled_s,
                         len(flight.batch.works))
             self._apply(flight.batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
-                                                 error_message=f"no answer within {self.step_timeout_s:g}s"))
+                                                 error_message=f"no answer within {stalled_s:.1f}s"))
 
     def _fill_pipeline(self) -> None:
+        if self.transport is None:
+            return  # waiting for a plan
         if self.drafter is not None and self.drafter.holding(time.perf_counter()):
             return  # a draft is about to arrive for a sequence that would go out without one
         while len(self._in_flight) < self.transport.num_stages:
@@ -279,12 +333,16 @@ class Leader:
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
                     self.prefix.block_size)
         self._in_flight[step_id] = _InFlight(batch, time.perf_counter())
+        self._watch.sent(batch.num_tokens)
         future = self.transport.submit(step)
         future.add_done_callback(lambda f, sid=step_id: self._inbox.put(_StepDone(sid, f.result())))
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
         if not result.ok:
-            # TODO(failover issue): re-plan without the failed stage and re-prefill.
+            failure = blame(result, self.transport.num_stages) if self._recovery is not None else None
+            if failure is not None:
+                self._fail_over(failure, batch)
+                return
             where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
             self._fail(batch.works, PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}"))
             log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
@@ -293,7 +351,10 @@ class Leader:
             committed = committed_tokens(batch.works, result.tokens)
         except MeshError as e:  # the last stage answered something other than what was asked
             log.warning("step %d: %s", result.step_id, e)
-            self._fail(batch.works, e)
+            if isinstance(e, InvalidReply) and self._recovery is not None:
+                self._fail_over(invalid_reply_failure(e, self.transport.num_stages), batch)
+            else:
+                self._fail(batch.works, e)
             return
         now = time.perf_counter()
         for w in batch.works:
@@ -324,6 +385,72 @@ class Leader:
             if self.drafter is not None and w.seq.status is not SeqStatus.FINISHED:
                 self.drafter.committed(w.seq)
 
+    # --- failover (loop thread) ---------------------------------------------------------------------
+    def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
+        """Stop using the transport, mark every running sequence for a rebuild of its KV, and
+        re-plan off the loop. Sequences past their failover limit end with pipeline_stalled."""
+        log.warning("failing over: stage %s [%s] %s", failure.stage_index, failure.code, failure.message)
+        self.observer.on_failure(failure)
+        self._last_failure = self._last_failure or failure  # a second failure is part of the same recovery
+        in_flight = set()
+        batches = [f.batch for f in self._in_flight.values()] + ([failed] if failed is not None else [])
+        for batch in batches:
+            for w in batch.works:
+                w.seq.in_flight = False
+                in_flight.add(w.seq.seq_id)
+        self._in_flight.clear()
+        self._watch.reset()
+        self.transport.close()
+        self.transport = None
+        self._chores.take()  # the new plan's stages hold none of those sequences or blocks
+        limit = self._recovery.config.max_failovers
+        for seq in list(self.scheduler.running):
+            if not seq.num_computed and seq.seq_id not in in_flight:
+                continue  # admitted but never sent: nothing to rebuild
+            request = self._requests[seq.seq_id]
+            request.num_failovers += 1
+            if request.num_failovers > limit:
+                self._finish(request, "error", PipelineStalled(
+                    f"gave up after {limit} failovers; the last: stage {failure.stage_index} "
+                    f"[{failure.code}] {failure.message}"))
+                continue
+            self.prefix.forget(seq)
+            seq.num_computed = 0  # re-prefill prompt and output; sample only the token after them
+        self._recovery.start(failure)
+
+    def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
+        if message.epoch != self._recovery.epoch:
+            return  # about a transport that has been replaced since
+        match message:
+            case Probed(unresponsive=unresponsive):
+                if self.transport is None:
+                    return
+                stalled_s = self._watch.stalled_for()
+                if unresponsive:
+                    self.observer.on_stall()
+                    i = unresponsive[0]
+                    self._fail_over(StageFailure(i, "pipeline_stalled", f"stage {i} stopped answering: no reply "
+                                                 f"for {stalled_s:.1f}s and no answer to a health check",
+                                                 detect_s=stalled_s))
+                elif self._watch.probed():
+                    self.observer.on_stall()
+                    self._fail_over(StageFailure(None, "pipeline_stalled", f"no reply for {stalled_s:.1f}s "
+                                                 f"although every stage answers health checks",
+                                                 detect_s=stalled_s))
+            case Recovered(deployment=deployment):
+                self._recovery.finished()
+                self.transport = deployment.transport
+                self.scheduler.config = replace(self.scheduler.config, num_stages=deployment.transport.num_stages)
+                self.prefix.reset()
+                self._swapped = (deployment, time.perf_counter()) if self._last_failure else None
+                log.info("serving through %s", deployment.description or "a new plan")
+            case RecoveryFailed(error=error):
+                self._recovery.finished()
+                self._last_failure = None
+                log.warning("no plan: [%s] %s", error.code, error)
+                for request in list(self._requests.values()):
+                    self._finish(request, "error", error)
+
     def _fail(self, works: tuple[Work, ...], error: MeshError) -> None:
         for w in works:
             w.seq.in_flight = False
@@ -336,6 +463,12 @@ class Leader:
         text = request.checker.feed(token.token_id)
         first = request.first_token_at is None
         self.observer.on_token(first, now - (request.submitted_at if first else request.last_token_at))
+        if self._swapped is not None:  # the first token after a failover: KV rebuilt
+            deployment, swapped_at = self._swapped
+            failure = self._last_failure
+            self.observer.on_recovered(RecoveryTiming(failure.code, failure.stage_index, failure.detect_s,
+                                                      deployment.plan_s, deployment.load_s, now - swapped_at))
+            self._swapped = self._last_failure = None
         if first:
             request.first_token_at = now
         request.last_token_at = now

@@ -1,9 +1,15 @@
-"""The layer ranges a node holds, by plan id: shared by the stage's control and data planes.
+"""The layer ranges a node holds: weights shared across plans, runner state per plan.
+
+A re-plan after a failure gives the survivors a new plan id for layers they already
+hold. Weights are keyed by what makes them identical (model fingerprint, layer range,
+dtype, quantization, batch invariance), so the new plan reuses them and only gets its
+own runner (KV cache, prefix blocks, next stage); Unload of the last plan using a
+range drops its weights. A tensor-parallel rank's slices are bound to its group's
+collectives (tp/layers.py), so their key names the group and no other plan shares them.
 
 Thread-safe: gRPC runs every call on its own pool thread, and the gossip thread reads
-the list for the node's card. Each stage has its own compute lock, so micro-batches of
-all streams run one at a time on it (one compute stream per node keeps the CPU threads
-from fighting); the registry's lock only guards the dict.
+the list for the node's card. Each plan's stage has its own compute lock, so its
+micro-batches run one at a time; the registry's lock only guards the dicts.
 """
 
 from __future__ import annotations
@@ -12,7 +18,32 @@ import threading
 from dataclasses import dataclass, field
 
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.model.decoder import Decoder
 from meshllm.transport.protos import stage_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class WeightKey:
+    fingerprint: str
+    first_layer: int
+    last_layer: int
+    dtype: str
+    quantization: str
+    batch_invariant: bool
+    tp_group: str = ""  # "<group id>/<rank>" for a tensor-parallel rank's slices
+
+    @classmethod
+    def of(cls, request: stage_pb2.LoadRequest) -> WeightKey:
+        tp_group = f"{request.tp.group_id}/{request.tp.rank}" if request.HasField("tp") else ""
+        return cls(request.fingerprint, request.first_layer, request.last_layer, request.dtype,
+                   request.quantization, request.batch_invariant, tp_group)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedWeights:
+    key: WeightKey
+    decoder: Decoder
+    num_bytes: int
 
 
 @dataclass
@@ -20,6 +51,7 @@ class LoadedStage:
     request: stage_pb2.LoadRequest
     # A StageRunner, or for a tensor-parallel rank one of tp/'s (same interface, plus close()).
     runner: StageRunner
+    weights: SharedWeights
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -27,25 +59,44 @@ class LoadedStage:
         return self.request.stage_index
 
 
+def decoder_bytes(decoder: Decoder) -> int:
+    tensors = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 class LoadedStages:
     def __init__(self):
         self._lock = threading.Lock()
         self._stages: dict[str, LoadedStage] = {}
+        self._weights: dict[WeightKey, SharedWeights] = {}
 
     def get(self, plan_id: str) -> LoadedStage | None:
         with self._lock:
             return self._stages.get(plan_id)
 
-    def put(self, plan_id: str, stage: LoadedStage) -> LoadedStage | None:
-        """Hold `stage` for `plan_id`; returns the stage it replaces, if any (the caller closes it)."""
+    def weights(self, key: WeightKey) -> SharedWeights | None:
         with self._lock:
+            return self._weights.get(key)
+
+    def put(self, plan_id: str, request: stage_pb2.LoadRequest, weights: SharedWeights,
+            runner: StageRunner | None = None) -> LoadedStage | None:
+        """Give `plan_id` its own runner over `weights` (a tensor-parallel rank brings its own),
+        replacing what the plan had; returns the replaced stage (the caller closes it)."""
+        stage = LoadedStage(request, runner if runner is not None else StageRunner(weights.decoder), weights)
+        with self._lock:
+            self._weights.setdefault(weights.key, weights)
             previous = self._stages.get(plan_id)
             self._stages[plan_id] = stage
-            return previous
+            if previous is not None:
+                self._drop_unused(previous.weights.key)
+        return previous
 
-    def pop(self, plan_id: str) -> LoadedStage | None:
+    def pop(self, plan_id: str) -> tuple[LoadedStage | None, int]:
+        """Remove a plan; returns its stage and the weight bytes freed (0 while shared)."""
         with self._lock:
-            return self._stages.pop(plan_id, None)
+            stage = self._stages.pop(plan_id, None)
+            freed = self._drop_unused(stage.weights.key) if stage is not None else 0
+        return stage, freed
 
     def pop_runner(self, plan_id: str, runner) -> LoadedStage | None:
         """Drop `plan_id` only while `runner` still serves it (not a stage loaded since)."""
@@ -53,7 +104,20 @@ class LoadedStages:
             stage = self._stages.get(plan_id)
             if stage is None or stage.runner is not runner:
                 return None
-            return self._stages.pop(plan_id)
+            del self._stages[plan_id]
+            self._drop_unused(stage.weights.key)
+            return stage
+
+    def _drop_unused(self, key: WeightKey) -> int:
+        if any(s.weights.key == key for s in self._stages.values()):
+            return 0
+        weights = self._weights.pop(key, None)
+        return weights.num_bytes if weights is not None else 0
+
+    def weight_bytes(self) -> int:
+        """Weights held in memory, each shared range counted once."""
+        with self._lock:
+            return sum(w.num_bytes for w in self._weights.values())
 
     def items(self) -> list[tuple[str, LoadedStage]]:
         """A snapshot, sorted by plan id."""

@@ -1,9 +1,14 @@
-"""The stage's control plane: load a layer range for a plan, release sequences, report state.
+"""The stage's control plane: load a layer range for a plan, unload a plan, release
+sequences, report state.
 
-A Load carrying a `tp` part makes this node one rank of a tensor-parallel stage (tp/stage.py).
+A Load carrying a `tp` part makes this node one rank of a tensor-parallel stage (tp/stage.py);
+its slices are bound to its group, so they are never shared with another plan, and the stage
+goes when its group ends (a rank failed, an Unload, a node shutdown).
 
 Called by the gRPC servicer (stage_service.py) on pool threads; raises MeshErrors that
-the servicer maps to status codes.
+the servicer maps to status codes. A plan whose layers this node already holds for
+another plan shares their weights (loaded_stages.py): a re-plan after a failure costs the
+survivors nothing but a fresh KV cache.
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 
-from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.weight_forms import prepare_for_cpu
-from meshllm.errors import ModelLoadError, WeightsMismatch
+from meshllm.errors import ModelLoadError, ShardUnavailable, WeightsMismatch
+from meshllm.model.config import ModelConfig
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
-from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
+from meshllm.model.source import ModelFiles
+from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey, decoder_bytes
 from meshllm.tp.group import RankRole
 from meshllm.tp.node_collective import NodeCollective
 from meshllm.tp.stage import open_rank
@@ -45,40 +52,54 @@ class StageControl:
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         with self._load_lock:
-            role = stage_convert.rank_role_from_pb(request)
             existing = self._stages.get(request.plan_id)
             if existing is not None and same_load(existing, request):
-                return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=0, load_seconds=0.0)
+                return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
-            path = self._resolve_model(request.model_id, request.fingerprint)
-            if path is None:
-                raise ModelLoadError(f"this node has no model {request.model_id!r} with fingerprint "
-                                     f"{request.fingerprint[:12]}; pass its folder with --models")
-            files = open_model(path)
-            fingerprint = files.source.fingerprint()
-            if fingerprint != request.fingerprint:
-                raise WeightsMismatch(f"{path} has fingerprint {fingerprint[:12]}, the plan wants "
-                                      f"{request.fingerprint[:12]}; every stage must hold the same weights")
-            if files.config.num_hidden_layers != request.num_layers:
-                raise WeightsMismatch(f"{path} has {files.config.num_hidden_layers} layers, the plan "
-                                      f"expects {request.num_layers}")
-            dtype = DTYPES.get(request.dtype)
-            if dtype is None:
-                raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
-            if role is None:
-                decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
-                prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
-                runner = StageRunner(decoder)
-            else:
-                runner = self._open_rank(files, request, role, dtype)
-            close_runner(self._stages.put(request.plan_id, LoadedStage(request, runner)))
-            log.info("loaded %s layers [%d, %d) for plan %s in %.1fs", request.model_id, request.first_layer,
-                     request.last_layer, request.plan_id, time.perf_counter() - started)
+            key = WeightKey.of(request)
+            weights = self._stages.weights(key)
+            num_bytes_read, runner = 0, None
+            if request.HasField("tp"):
+                weights, runner, num_bytes_read = self._open_rank(request, key)
+            elif weights is None:
+                weights, num_bytes_read = self._load_weights(request, key)
+            close_runner(self._stages.put(request.plan_id, request, weights, runner))
+            seconds = time.perf_counter() - started
+            log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
+                     request.first_layer, request.last_layer, request.stage_index,
+                     "loaded" if num_bytes_read else "weights shared with another plan", seconds)
         self._on_change()
-        return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=files.source.num_bytes_read(),
-                                   load_seconds=time.perf_counter() - started)
+        return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=num_bytes_read, load_seconds=seconds,
+                                   reused_weights=not num_bytes_read)
 
-    def _open_rank(self, files, request: stage_pb2.LoadRequest, role: RankRole, dtype: torch.dtype):
+    def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, torch.dtype]:
+        path = self._resolve_model(request.model_id, request.fingerprint)
+        if path is None:
+            raise ModelLoadError(f"this node has no model {request.model_id!r} with fingerprint "
+                                 f"{request.fingerprint[:12]}; pass its folder with --models")
+        files = open_model(path)
+        fingerprint = files.source.fingerprint()
+        if fingerprint != request.fingerprint:
+            raise WeightsMismatch(f"{path} has fingerprint {fingerprint[:12]}, the plan wants "
+                                  f"{request.fingerprint[:12]}; every stage must hold the same weights")
+        if files.config.num_hidden_layers != request.num_layers:
+            raise WeightsMismatch(f"{path} has {files.config.num_hidden_layers} layers, the plan "
+                                  f"expects {request.num_layers}")
+        dtype = DTYPES.get(request.dtype)
+        if dtype is None:
+            raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
+        _check_memory(files.config, request, dtype.itemsize)
+        return files, dtype
+
+    def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
+        files, dtype = self._open_files(request)
+        decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
+        prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
+        return SharedWeights(key, decoder, decoder_bytes(decoder)), files.source.num_bytes_read()
+
+    def _open_rank(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, object, int]:
+        role: RankRole = stage_convert.rank_role_from_pb(request)
+        files, dtype = self._open_files(request)
         runners = []
 
         def gone(reason: str) -> None:
@@ -92,14 +113,27 @@ class StageControl:
         runner = open_rank(files, role, self._collective, request.first_layer, request.last_layer, dtype,
                            request.quantization or None, request.batch_invariant, gone)
         runners.append(runner)
-        return runner
+        weights = SharedWeights(key, runner.decoder, decoder_bytes(runner.decoder))
+        return weights, runner, files.source.num_bytes_read()
 
     def close(self) -> None:
         """Node shutdown: tensor-parallel groups are told to stop, not left to time out."""
         for plan_id, _ in self._stages.items():
-            stage = self._stages.pop(plan_id)
-            if stage is not None:
-                close_runner(stage)
+            stage, _ = self._stages.pop(plan_id)
+            close_runner(stage)
+
+    def unload(self, request: stage_pb2.UnloadRequest) -> stage_pb2.UnloadReply:
+        """Forget a plan: its KV goes now, its weights once no other plan uses them."""
+        with self._load_lock:
+            stage, freed = self._stages.pop(request.plan_id)
+        if stage is None:
+            return stage_pb2.UnloadReply(was_loaded=False)
+        with stage.lock:  # a step of that plan still running finishes first
+            stage.runner.release(stage.runner.held_sequences())
+        close_runner(stage)  # a tensor-parallel rank ends its group (rank 0 tells the workers)
+        log.info("plan %s unloaded (%d weight bytes freed)", request.plan_id, freed)
+        self._on_change()
+        return stage_pb2.UnloadReply(was_loaded=True, weight_bytes_freed=freed)
 
     def release(self, request: stage_pb2.ReleaseRequest) -> stage_pb2.ReleaseReply:
         stage = self._stages.get(request.plan_id)
@@ -118,7 +152,7 @@ class StageControl:
                     plan_id=plan_id, model_id=s.request.model_id, first_layer=s.request.first_layer,
                     last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
                     kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix),
-                    tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
+                    weight_bytes=s.weights.num_bytes, tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
         return stage_pb2.StageInfoReply(shards=shards)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
@@ -146,3 +180,22 @@ def close_runner(stage: LoadedStage | None) -> None:
     if close is not None:
         with stage.lock:  # a step still running finishes first
             close()
+
+
+def _check_memory(config: ModelConfig, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:
+    """Refuse a range whose weights cannot fit in what the OS has free now, before reading it: a
+    leader that planned on a stale card gets a clear error instead of this node swapping. A
+    tensor-parallel rank holds about 1/size of it."""
+    num_layers = request.last_layer - request.first_layer
+    need = num_layers * config.layer_parameters() * dtype_bytes
+    if request.first_layer == 0:
+        need += config.vocab_size * config.hidden_size * dtype_bytes
+    if request.last_layer == config.num_hidden_layers:
+        need += config.vocab_size * config.hidden_size * dtype_bytes
+    need //= max(request.tp.size, 1)
+    available = psutil.virtual_memory().available
+    if need > available:
+        raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) need {need} bytes of weights; "
+                               f"this node has {available} bytes free. Plan them on another node.",
+                               missing_bytes=need - available, part=f"layers {request.first_layer}-"
+                               f"{request.last_layer - 1}")
