@@ -5,7 +5,8 @@ Three nodes on loopback with --collective-port: node-0 holds layers 0-1 as stage
 served in this process over that plan, and concurrent requests must give exactly what the
 single-process backend gives. Then the group's lifecycle on nodes: the ranks advertise
 their slices, and a rank killed mid-generation takes its group down on the other node
-within the group's timeout.
+within the group's timeout, and the leader fails over to a spare: the request completes with
+the single process's text.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
-import openai
 import pytest
 
 from meshllm.api.backend import Backend, build_local_backend
+from meshllm.api.cluster_backend import build_cluster_backend
 from meshllm.api.metrics import MetricsObserver
 from meshllm.cluster.card import NodeId
 from meshllm.cluster.gossip import fetch_view
@@ -26,7 +28,7 @@ from meshllm.cluster.placement import GroupMember, Plan, StageAssignment
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions, context_of, new_leader, wait_for_fleet
-from meshllm.pipeline.deploy import deploy
+from meshllm.pipeline.deploy import deploy, plan_id_of
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.pipeline.transport import RemotePipeline
 from meshllm.tp.group import DEFAULT_TIMEOUT_S
@@ -139,25 +141,39 @@ def _wait_gone(cluster: TPCluster, index: int, plan_id: str, timeout_s: float) -
     return time.monotonic() - started
 
 
-def test_a_rank_killed_mid_generation_takes_its_group_down_on_the_other_node(cluster):
-    # Runs last in this module: node-2 does not come back.
-    plan, plan_id = cluster.deploy()
-    backend = cluster.backend(plan, plan_id)
-    worker = cluster.local.processes[2]
+def test_a_rank_killed_mid_generation_fails_its_group_and_the_leader_fails_over(cluster, aidreams_path):
+    # Runs last in this module: the killed node does not come back. The leader plans by itself
+    # (PlanOwner) with --tp 2 on the three nodes: one group of two, and a spare.
+    reference = build_local_backend(aidreams_path, OPTIONS)
+    with serve(reference) as live:
+        want = live.client().completions.create(model=reference.model_id, prompt=PROMPTS[0], max_tokens=40,
+                                                temperature=0).choices[0].text
+    reference.close()
+    wait_for_fleet(lambda: list(cluster.view().values()), cluster.files.source.fingerprint(), 3, timeout_s=60)
+    backend, owner = build_cluster_backend(cluster.files, lambda: list(cluster.view().values()), cluster.channels,
+                                           replace(OPTIONS, tensor_parallel=2, num_stages=1))
     try:
+        [stage] = owner.plan.stages
+        rank0, [worker] = stage.node_id, [w.node_id for w in stage.workers]
+        [spare] = set(cluster.local.node_ids) - {rank0, worker}
+        plan_id = plan_id_of(owner.plan, OPTIONS.dtype, OPTIONS.batch_invariant)
+        assert [s.tp_rank for s in cluster.shards(cluster.local.node_ids.index(worker), plan_id)] == [1]
+        index = cluster.local.node_ids.index
         with serve(backend) as live:
-            stream = live.client().completions.create(model=backend.model_id, prompt=PROMPTS[0], max_tokens=100,
+            stream = live.client().completions.create(model=backend.model_id, prompt=PROMPTS[0], max_tokens=40,
                                                       temperature=0, stream=True)
             chunks = iter(stream)
-            for _ in range(3):
-                next(chunks)
-            os.kill(worker.pid, signal.SIGKILL)
+            text = "".join(next(chunks).choices[0].text for _ in range(3))
+            os.kill(cluster.local.processes[index(worker)].pid, signal.SIGKILL)
             # Rank 0's next collective finds the worker's sockets closed: its group fails at once,
-            # and the node drops the stage well within the group's timeout.
-            assert _wait_gone(cluster, 1, plan_id, DEFAULT_TIMEOUT_S) < DEFAULT_TIMEOUT_S
-            # Until the leader fails over (the failover issue), the request ends with the group's error.
-            with pytest.raises(openai.APIError, match=r"stage 1 failed: \[tp_group_failed\]"):
-                for _ in chunks:
-                    pass
+            # and its node drops the stage well within the group's timeout.
+            assert _wait_gone(cluster, index(rank0), plan_id, DEFAULT_TIMEOUT_S) < DEFAULT_TIMEOUT_S
+            # The leader blames the stage, leaves out the rank that does not answer, gives its
+            # slice to the spare, forms the group again and re-prefills: the text is unchanged.
+            text += "".join(c.choices[0].text for c in chunks)
+            assert live.metric("meshllm_failovers_total", {"code": "tp_group_failed"}) == 1
+        [after] = owner.plan.stages
+        assert after.node_ids == (rank0, spare)
+        assert text == want
     finally:
         backend.close()
