@@ -141,6 +141,19 @@ def _wait_gone(cluster: TPCluster, index: int, plan_id: str, timeout_s: float) -
     return time.monotonic() - started
 
 
+def test_unload_of_rank_0_ends_its_group_and_frees_every_rank(cluster):
+    plan, plan_id = cluster.deploy()  # the group of the first test, still alive: loaded again or reused
+    [rank0], [rank1] = cluster.shards(1, plan_id), cluster.shards(2, plan_id)
+    assert rank0.weight_bytes == rank1.weight_bytes > 0
+    stub = stage_pb2_grpc.StageStub(cluster.channels.get(cluster.local.addresses[1], cluster.local.node_ids[1]))
+    unloaded = stub.Unload(stage_pb2.UnloadRequest(plan_id=plan_id), timeout=30)
+    assert unloaded.was_loaded and unloaded.weight_bytes_freed == rank0.weight_bytes  # never shared
+    # Rank 0 told its worker to stop: the other node drops its rank at once, not after a timeout.
+    assert _wait_gone(cluster, 2, plan_id, DEFAULT_TIMEOUT_S / 2) < DEFAULT_TIMEOUT_S / 2
+    stage0 = stage_pb2_grpc.StageStub(cluster.channels.get(cluster.local.addresses[0], cluster.local.node_ids[0]))
+    assert stage0.Unload(stage_pb2.UnloadRequest(plan_id=plan_id), timeout=30).was_loaded
+
+
 def test_a_rank_killed_mid_generation_fails_its_group_and_the_leader_fails_over(cluster, aidreams_path):
     # Runs last in this module: the killed node does not come back. The leader plans by itself
     # (PlanOwner) with --tp 2 on the three nodes: one group of two, and a spare.
