@@ -14,6 +14,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -24,7 +25,9 @@ from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions, new_leader
+from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.transport import LocalPipeline
+from meshllm.spec.ngram import NgramProposer
 from meshllm.tp.channel import DEFAULT_FRAME_WORDS, CommandChannel
 from meshllm.tp.group import GroupSpec, StoreHost, join_group
 from meshllm.tp.load import load_rank_decoder
@@ -159,13 +162,15 @@ def greedy_tokens(leader, prompts: list[list[int]], max_tokens: int) -> tuple[li
 
 
 def reference_run(model_dir: str, prompts: list[list[int]], max_tokens: int, dtype: str = "float32",
-                  quantization: str | None = None) -> dict:
-    """The same checks in one process: the single-process reference."""
+                  quantization: str | None = None, batch_invariant: bool = False) -> dict:
+    """The same checks in one process, without speculation: the single-process reference."""
     files = open_model(model_dir)
     torch_dtype = getattr(torch, dtype)
-    decoder = prepare_for_cpu(load_decoder(files.source, files.config, dtype=torch_dtype), quantization, False)
+    decoder = prepare_for_cpu(load_decoder(files.source, files.config, dtype=torch_dtype), quantization,
+                              batch_invariant)
     logits = decoder.forward_full(_logit_ids(files.config.vocab_size))
-    leader = new_leader(files, LocalPipeline([StageRunner(decoder)]), OPTIONS)
+    options = replace(OPTIONS, batch_invariant=batch_invariant)
+    leader = new_leader(files, LocalPipeline([StageRunner(decoder)]), options)
     try:
         tokens, cached = waves(leader, prompts, max_tokens)
     finally:
@@ -196,6 +201,15 @@ def _logit_ids(vocab: int) -> torch.Tensor:
     return torch.randint(0, vocab, (LOGIT_TOKENS,), generator=torch.Generator().manual_seed(3))
 
 
+class VerifiedCount(LeaderObserver):
+    def __init__(self):
+        self.drafted = self.accepted = 0
+
+    def on_verified(self, num_drafted: int, num_accepted: int) -> None:
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+
+
 def equality_rank(rank: int, size: int, address: str, cases: list[dict]) -> list[dict]:
     """Run every case in its own freshly formed group (one rendezvous each, on one store)."""
     return [equality_case(rank, size, address, f"case-{i}", **case) for i, case in enumerate(cases)]
@@ -204,28 +218,34 @@ def equality_rank(rank: int, size: int, address: str, cases: list[dict]) -> list
 def equality_case(rank: int, size: int, address: str, group_id: str, model_dir: str,
                   prompts: list[list[int]], max_tokens: int, split_at: int | None = None,
                   frame_words: int = DEFAULT_FRAME_WORDS,
-                  dtype: str = "float32", quantization: str | None = None) -> dict:
+                  dtype: str = "float32", quantization: str | None = None, speculative: bool = False) -> dict:
     """One rank: full-model logits in lockstep, then greedy generation through a Leader.
 
     With `split_at`, rank 0 also holds layers [0, split_at) as an ordinary first stage and the
-    group is the second stage (hidden states cross the command channel).
+    group is the second stage (hidden states cross the command channel). With `speculative`,
+    the leader decodes with the n-gram proposer in batch-invariant mode: every verification step
+    scores k+1 positions on every rank, and each rank rolls back its own KV of the rejected ones.
     """
     files = open_model(model_dir)
     config, torch_dtype = files.config, getattr(torch, dtype)
     layout = ShardLayout.of(config, rank, size)
     collective = join_group(GroupSpec(group_id, rank, size, address, "127.0.0.1"))
     whole = load_rank_decoder(files.source, config, layout, collective, dtype=torch_dtype,
-                              quantization=quantization)
+                              quantization=quantization, batch_invariant=speculative)
     logits = whole.forward_full(_logit_ids(config.vocab_size))  # every rank in lockstep; rank 0 gets logits
     decoder = whole if split_at is None else load_rank_decoder(files.source, config, layout, collective, split_at,
-                                                               dtype=torch_dtype, quantization=quantization)
+                                                               dtype=torch_dtype, quantization=quantization,
+                                                               batch_invariant=speculative)
     runner = StageRunner(decoder, samples=rank == 0)
     channel = CommandChannel(collective, frame_words)
     if rank == 0:
         tp = TensorParallelRunner(runner, channel)
-        stages = [tp] if split_at is None else [StageRunner(load_decoder(files.source, config, 0, split_at,
-                                                                         torch_dtype)), tp]
-        leader = new_leader(files, LocalPipeline(stages), OPTIONS)
+        first = None if split_at is None else prepare_for_cpu(
+            load_decoder(files.source, config, 0, split_at, torch_dtype), quantization, speculative)
+        stages = [tp] if first is None else [StageRunner(first), tp]
+        verified = VerifiedCount()
+        leader = new_leader(files, LocalPipeline(stages), replace(OPTIONS, batch_invariant=speculative),
+                            observer=verified, proposer=NgramProposer() if speculative else None)
         try:
             tokens, cached = waves(leader, prompts, max_tokens)
             wait_until(lambda: not tp.held_sequences())  # the leader releases finished sequences in a step
@@ -235,6 +255,7 @@ def equality_case(rank: int, size: int, address: str, group_id: str, model_dir: 
         layer = decoder.layers[0]
         forms = [type(layer.self_attn.qkv_proj).__name__, type(layer.self_attn.o_proj.inner).__name__]
         return {"logits": logits, "tokens": tokens, "cached": cached, "forms": forms,
+                "drafted": verified.drafted, "accepted": verified.accepted,
                 "held_after": (len(tp.held_sequences()), len(tp.prefix)),
                 "bytes_read": files.source.num_bytes_read(), "all_reduces": collective.stats.num_all_reduce}
     worker = TensorParallelWorker(runner, channel)

@@ -21,6 +21,7 @@ from tests.tp.ranks import equality_rank, reference_run, spawn_group
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MAX_TOKENS = 12
+SPEC_TOKENS = 32
 # name -> (tiny variant or None for the real model, layers of the ordinary stage in front of the group)
 CASES = {
     "aidreams": (None, None),  # real weights: 4 heads, 4 KV heads, tied embeddings
@@ -33,6 +34,11 @@ CASES = {
 }
 # name -> weight form of the real model's ranks (engine/weight_forms.py), compared with one process in it
 FORMS = {"aidreams-bf16": dict(dtype="bfloat16"), "aidreams-int8": dict(quantization="int8")}
+# Speculative decoding (n-gram proposer) through the group as the second stage, on prompts that repeat
+# themselves so drafts are made and both kept and rejected.
+SPECULATIVE = "aidreams-speculative-second-stage"
+REPETITIVE = ("Lily and Ben went to the park. Lily said: we go to the park, we go to the park, we",
+              "The cat sat on the mat. The dog sat on the log. The bird sat on the")
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +60,12 @@ def results(aidreams_path, tiny_model_dir):
         folders[name] = aidreams_path
         cases.append(dict(model_dir=str(aidreams_path), prompts=_prompts(aidreams_path), max_tokens=MAX_TOKENS,
                           **form))
+    tok = open_model(aidreams_path).tokenizer
+    folders[SPECULATIVE] = aidreams_path
+    cases.append(dict(model_dir=str(aidreams_path), prompts=[tok.encode(p) for p in REPETITIVE],
+                      max_tokens=SPEC_TOKENS, split_at=2, frame_words=64, speculative=True))
     rank0, rank1 = spawn_group(2, equality_rank, (cases,), timeout_s=300)
-    names = [*CASES, *FORMS]
+    names = [*CASES, *FORMS, SPECULATIVE]
     return {name: (case, folders[name], r0, r1) for name, case, r0, r1 in zip(names, cases, rank0, rank1)}
 
 
@@ -117,3 +127,16 @@ def test_weight_forms_apply_to_the_sharded_linears(results, name):
 def _has_bf16_kernel() -> bool:
     from meshllm.engine.kernels.gemv import load_gemv
     return load_gemv() is not None
+
+
+def test_speculative_steps_through_the_group_give_one_process_greedy_tokens(results):
+    case, _, rank0, rank1 = results[SPECULATIVE]
+    # One process, no speculation, the same batch-invariant arithmetic: the tokens to match.
+    want = reference_run(case["model_dir"], case["prompts"], SPEC_TOKENS, batch_invariant=True)
+    assert rank0["tokens"] == want["tokens"]
+    # Steps scored k+1 positions on every rank; some drafts were kept and some rolled back on
+    # each rank's own KV (a worker that kept a rejected position would change later tokens).
+    assert 0 < rank0["accepted"] < rank0["drafted"], (rank0["accepted"], rank0["drafted"])
+    print(f"{SPECULATIVE}: {rank0['accepted']}/{rank0['drafted']} draft tokens accepted")
+    assert rank1["exit"] == "shutdown" and rank1["steps"] > 0
+    assert rank0["held_after"] == rank1["held_after"] and rank0["held_after"][0] == 0
