@@ -310,3 +310,15 @@ def test_fallback_local_serves_on_the_leader_when_no_plan_fits(pool, files, refe
         status, body = health(live)
         assert status == 200 and body["status"] == "ok" and "leader alone" in body["reason"]
         assert stream_chat(live)[0] == reference()  # later requests are served the same way
+
+
+def test_a_stage_killed_between_requests_is_replaced_before_the_next_request(pool, files, reference):
+    nodes = pool.take(3)
+    with leader_over(pool, files, set(nodes), num_stages=2) as live:
+        assert stream_chat(live)[0] == reference()
+        victim = stage_nodes(live)[1]
+        kill(pool, victim)  # nothing in flight: only the leader's routine health checks can notice
+        wait_until(lambda: failovers(live) == 1 and health(live)[0] == 200 and victim not in stage_nodes(live),
+                   timeout=30, message="the idle leader re-planned around the dead stage")
+        assert live.metric("meshllm_failovers_total", {"code": "stage_unreachable"}) == 1
+        assert stream_chat(live)[0] == reference()
