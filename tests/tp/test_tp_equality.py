@@ -140,3 +140,20 @@ def test_speculative_steps_through_the_group_give_one_process_greedy_tokens(resu
     print(f"{SPECULATIVE}: {rank0['accepted']}/{rank0['drafted']} draft tokens accepted")
     assert rank1["exit"] == "shutdown" and rank1["steps"] > 0
     assert rank0["held_after"] == rank1["held_after"] and rank0["held_after"][0] == 0
+
+
+def test_tp3_of_the_real_gguf_model_matches_one_process(smollm2_gguf_path):
+    # SmolLM2-135M (Q4_1 GGUF) has 9 heads and 3 KV heads: 2 ranks cannot split it (named in
+    # tests/tp/test_shard.py), 3 can. Each rank reads its rows of the quantized blocks, and its
+    # whole 32-wide blocks of columns for o_proj and down_proj.
+    tok = open_model(smollm2_gguf_path).tokenizer
+    prompts = [tok.encode("Echoes of vectors drift through the quiet lattice of a dreaming machine"),
+               tok.encode("I dream")]
+    case = dict(model_dir=str(smollm2_gguf_path), prompts=prompts, max_tokens=8)
+    [[rank0], [rank1], [rank2]] = spawn_group(3, equality_rank, ([case],), timeout_s=300)  # one case each
+    want = reference_run(case["model_dir"], prompts, 8)
+    torch.testing.assert_close(rank0["logits"], want["logits"], atol=1e-4, rtol=0)
+    assert rank0["tokens"] == want["tokens"]
+    assert rank1["exit"] == rank2["exit"] == "shutdown"
+    whole = smollm2_gguf_path.stat().st_size
+    assert all(r["bytes_read"] < 0.45 * whole for r in (rank0, rank1, rank2))
