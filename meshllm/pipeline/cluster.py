@@ -16,6 +16,7 @@ from meshllm.cluster.card import Card
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.step_limits import StepLimits
 from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.errors import PeerUnreachable, ShardUnavailable
 from meshllm.model.loader import load_decoder
@@ -47,6 +48,12 @@ class ServingOptions:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
 
+    def step_limits(self, max_context: int) -> StepLimits:
+        """What the stages accept per step from a leader with these options (sent when loading)."""
+        s = self.scheduler
+        return StepLimits(max_context=max_context, max_seqs=self.max_batch, max_step_tokens=s.max_batched_tokens,
+                          prefix_block_size=s.prefix_block_size, max_prefix_blocks=s.prefix_cache_blocks)
+
     def scheduler_config(self, max_context: int) -> SchedulerConfig:
         s = self.scheduler
         return SchedulerConfig(max_num_seqs=self.max_batch, max_batched_tokens=s.max_batched_tokens,
@@ -72,14 +79,17 @@ def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObs
     """The whole model in this process: the single-process reference and the no-peer mode."""
     decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
     prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
-    return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer)
+    runner = StageRunner(decoder, prefix_capacity_blocks=options.scheduler.prefix_cache_blocks)
+    return new_leader(files, LocalPipeline([runner]), options, observer)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
     request = PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
                                config=files.config, context_length=context_of(files, options),
                                max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
-                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages)
+                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
+                               prefix_cache_tokens=options.scheduler.prefix_cache_blocks
+                               * options.scheduler.prefix_block_size)
     return plan_placement(request, fleet)
 
 
@@ -88,10 +98,23 @@ def cluster_leader(files: ModelFiles, fleet: list[Card], channels: ChannelPool, 
     plan = plan_for(files, fleet, options)
     log.info("plan for %s: %s", files.model_id,
              ", ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages))
-    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization)
+    return leader_for_plan(files, plan, channels, options, observer), plan
+
+
+def leader_for_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions,
+                    observer: LeaderObserver | None = None) -> Leader:
+    """Load `plan`'s stages (limited to what a leader with `options` sends) and open a leader on them."""
+    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization,
+                     options.step_limits(context_of(files, options)))
     first = plan.stages[0]
-    transport = RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages))
-    return new_leader(files, transport, options, observer), plan
+    transport = RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages),
+                               stage_names_of(plan))
+    return new_leader(files, transport, options, observer)
+
+
+def stage_names_of(plan: Plan) -> tuple[str, ...]:
+    """How errors name each stage of `plan`: its node and address."""
+    return tuple(f"{s.node_id} ({s.address})" for s in plan.stages)
 
 
 def wait_for_fleet(fetch: Callable[[], list[Card]], fingerprint: str, min_nodes: int,

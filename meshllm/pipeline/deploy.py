@@ -12,36 +12,56 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from meshllm.cluster.placement import Plan
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.step_limits import StepLimits
 from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, WeightsMismatch
+from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 LOAD_TIMEOUT_S = 600.0  # loading gigabytes from a slow disk takes minutes
 
 
-def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None) -> str:
-    """Same plan on any node -> same id, so stages recognise a plan they already hold."""
-    parts = [plan.fingerprint, dtype, str(batch_invariant), quantization or ""] + [
+def default_limits(plan: Plan) -> StepLimits:
+    """Step limits from the plan alone, for a leader with the default scheduler (SchedulerConfig())."""
+    s = SchedulerConfig()
+    return StepLimits(plan.context_length, plan.max_batch, s.max_batched_tokens, s.prefix_block_size,
+                      s.prefix_cache_blocks)
+
+
+def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,
+               limits: StepLimits | None = None) -> str:
+    """Same plan on any node -> same id, so stages recognise a plan they already hold. The limits
+    are part of it: leaders with other limits must not share (and so reload) each other's stages."""
+    limits = limits or default_limits(plan)
+    parts = [plan.fingerprint, dtype, str(batch_invariant), quantization or "", repr(limits)] + [
         f"{s.node_id}@{s.address}:{s.first_layer}-{s.last_layer}" for s in plan.stages]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def load_requests(plan: Plan, dtype: str, batch_invariant: bool,
-                  quantization: str | None = None) -> list[stage_pb2.LoadRequest]:
-    plan_id = plan_id_of(plan, dtype, batch_invariant, quantization)
-    return [stage_pb2.LoadRequest(
+def load_requests(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,
+                  limits: StepLimits | None = None) -> list[stage_pb2.LoadRequest]:
+    limits = limits or default_limits(plan)
+    plan_id = plan_id_of(plan, dtype, batch_invariant, quantization, limits)
+    requests = [stage_pb2.LoadRequest(
         plan_id=plan_id, model_id=plan.model_id, fingerprint=plan.fingerprint, num_layers=plan.num_layers,
         first_layer=s.first_layer, last_layer=s.last_layer, dtype=dtype,
         next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
         next_node_id=plan.stages[i + 1].node_id if i + 1 < len(plan.stages) else "",
         stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "")
         for i, s in enumerate(plan.stages)]
+    for request in requests:
+        stage_convert.limits_to_pb(limits, request)
+    return requests
 
 
 def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False,
-           quantization: str | None = None) -> str:
-    """Load every stage of `plan`; returns the plan id. Raises the first stage's error."""
-    requests = load_requests(plan, dtype, batch_invariant, quantization)
+           quantization: str | None = None, limits: StepLimits | None = None) -> str:
+    """Load every stage of `plan`; returns the plan id. Raises the first stage's error.
+
+    `limits` are what the stages accept per step (the leader's scheduler within the plan); the
+    default suits a leader with the default scheduler settings."""
+    requests = load_requests(plan, dtype, batch_invariant, quantization, limits)
 
     def load(index: int) -> None:
         stage = plan.stages[index]

@@ -24,6 +24,7 @@ class Downstream:
         self._pending: set[int] = set()
         self._lock = threading.Lock()
         self.broken = False
+        self._why = "stream closed"
         call = stage_pb2_grpc.StageStub(channel).Forward(iter(self._requests.get, None))
         self._reader = threading.Thread(target=self._read, args=(call,), daemon=True, name="stage-relay")
         self._reader.start()
@@ -50,11 +51,12 @@ class Downstream:
             log.warning("stage %d unreachable: %s", self._next_index, e.code())
             with self._lock:
                 self.broken = True
+                self._why = f"{e.code().name}: {e.details()}"
                 pending, self._pending = self._pending, set()
             for step_id in sorted(pending):
                 self._fail(step_id)
 
     def _fail(self, step_id: int) -> None:
         self._replies.put(stage_convert.error_reply(step_id, "stage_unreachable",
-                                                    f"stage {self._next_index} is unreachable",
+                                                    f"stage {self._next_index} is unreachable ({self._why})",
                                                     self._next_index))
