@@ -92,8 +92,10 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
 
     @app.get("/health", responses={503: {"description": "No plan fits the fleet: the model cannot run now"}})
     async def health() -> JSONResponse:
-        ready = backend.leader is not None
-        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+        problem = backend.plan_error if backend.leader is None else backend.leader.failure
+        if problem is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "code": problem.code, "error": str(problem)}, status_code=503)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

@@ -72,7 +72,7 @@ def new_leader(files: ModelFiles, transport, options: ServingOptions,
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
     return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
                   max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
-                  step_timeout_s=options.step_timeout_s)
+                  step_timeout_s=options.step_timeout_s, vocab_size=files.config.vocab_size)
 
 
 def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:

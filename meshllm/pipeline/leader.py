@@ -26,12 +26,13 @@ from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Wor
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
-from meshllm.errors import ContextOverflow, MeshError, PipelineStalled
+from meshllm.errors import ContextOverflow, LeaderDown, MeshError
 from meshllm.pipeline.chores import StageChores
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
-from meshllm.pipeline.replies import committed_tokens
+from meshllm.pipeline.replies import ReplyCheck
 from meshllm.pipeline.seq_constraints import SeqConstraints
+from meshllm.pipeline.supervision import LoopSupervisor, Turn
 from meshllm.pipeline.transport import StepTransport, next_step_id
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,11 @@ class _Submit:
     request: _Request
     done: threading.Event = field(default_factory=threading.Event)
     refused: list[MeshError] = field(default_factory=list)  # set by the loop when admission fails
+
+    def refuse(self, error: MeshError) -> None:
+        if not self.done.is_set():
+            self.refused.append(error)
+            self.done.set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +90,7 @@ class Leader:
     def __init__(self, transport: StepTransport, *, eos_token_ids: Collection[int],
                  new_detokenizer: Callable[[], Detokenizer], max_context: int,
                  config: SchedulerConfig | None = None, observer: LeaderObserver | None = None,
-                 step_timeout_s: float = 120.0):
+                 step_timeout_s: float = 120.0, vocab_size: int | None = None):
         self.transport = transport
         self.eos_token_ids = frozenset(eos_token_ids)
         self.new_detokenizer = new_detokenizer
@@ -93,10 +99,11 @@ class Leader:
         config = config or SchedulerConfig()
         self.observer = observer or LeaderObserver()
         self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
-        self._chores = StageChores()
-        self.prefix = LeaderPrefixCache(config.prefix_block_size, config.prefix_cache_blocks, self._seq_prefix,
-                                        self._chores, self.observer)
-        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages), on_admit=self.prefix.match)
+        self._config = replace(config, num_stages=transport.num_stages)
+        self._replies = ReplyCheck(vocab_size, transport.stage_names)
+        self._supervisor = LoopSupervisor()
+        self._turn = Turn()
+        self._new_state()
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[SeqId, _Request] = {}
         self._in_flight: dict[int, _InFlight] = {}
@@ -127,11 +134,20 @@ class Leader:
         checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
         constraints = SeqConstraints(params, seq.prompt_ids, grammar)
         message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()))
+        if self.failure is not None:
+            raise self.failure
         self._inbox.put(message)
-        message.done.wait()
+        while not message.done.wait(0.5):  # the loop answers at once, unless it has stopped
+            if self.failure is not None:
+                raise self.failure
         if message.refused:
             raise message.refused[0]
         return seq_id
+
+    @property
+    def failure(self) -> LeaderDown | None:
+        """Why this leader no longer serves (its loop gave up, or it was closed); None while it serves."""
+        return self._supervisor.failure or (LeaderDown("the leader is closed") if self._closed.is_set() else None)
 
     def cancel(self, seq_id: SeqId) -> None:
         self._inbox.put(_Cancel(seq_id))
@@ -150,6 +166,8 @@ class Leader:
             self.cancel(seq_id)  # no-op when finished; frees KV when the caller stops early
 
     def close(self) -> None:
+        """Cancel what is running, free it on every stage (a last step carries the releases), and
+        close the stream: a stage frees whatever a closed stream still held."""
         self._closed.set()
         self._inbox.put(_Wake())
         self._thread.join(timeout=10)
@@ -157,31 +175,48 @@ class Leader:
 
     # --- loop thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._closed.is_set():
-            self._fill_pipeline()
-            try:  # nothing more can be sent until a result or a request arrives
-                message = self._inbox.get(timeout=self._wait_s())
-            except queue.Empty:
-                self._expire_stalled_steps()
-                continue
-            self._expire_stalled_steps()
-            self._handle(message)
-            while True:  # drain whatever else arrived before scheduling again
+        try:
+            while not self._closed.is_set():
                 try:
-                    self._handle(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+                    self._serve_turn()
+                except Exception as e:  # noqa: BLE001 - supervised: fail what the turn touched, keep serving
+                    if not self._supervisor.survive(e, self._recover):
+                        break
+        finally:
+            if self._closed.is_set():
+                self._release_all(MeshError("the server is shutting down"))
+            else:
+                self._abandon_all(self._supervisor.give_up("its loop thread ended"))
+
+    def _serve_turn(self) -> None:
+        self._turn = Turn()  # scheduling: any running sequence may be affected
+        self._fill_pipeline()
+        try:  # nothing more can be sent until a result or a request arrives
+            message = self._inbox.get(timeout=self._wait_s())
+        except queue.Empty:
+            self._expire_stalled_steps()
+            return
+        self._expire_stalled_steps()
+        self._handle(message)
+        while True:  # drain whatever else arrived before scheduling again
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                break
 
     def _handle(self, message) -> None:
+        self._turn = Turn(())
         match message:
             case _Submit(request=request):
+                self._turn = Turn((request.seq.seq_id,), message.refuse)
                 try:
                     self.scheduler.add(request.seq)
                     self._requests[request.seq.seq_id] = request
                 except MeshError as e:
-                    message.refused.append(e)
+                    message.refuse(e)
                 message.done.set()
             case _Cancel(seq_id=seq_id):
+                self._turn = Turn((seq_id,))
                 request = self._requests.get(seq_id)
                 if request is not None:
                     self._finish(request, "cancelled")
@@ -189,11 +224,71 @@ class Leader:
                 flight = self._in_flight.pop(step_id, None)
                 if flight is None:
                     return  # the step was given up as stalled; its sequences already failed
+                self._turn = Turn(tuple(w.seq.seq_id for w in flight.batch.works))
                 self.observer.on_step(flight.batch, result, time.perf_counter() - flight.sent_at)
                 self._apply(flight.batch, result)
             case _Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
+
+    # --- supervision (loop thread) -------------------------------------------------------------------
+    def _new_state(self) -> None:
+        self._chores = StageChores()
+        c = self._config
+        self.prefix = LeaderPrefixCache(c.prefix_block_size, c.prefix_cache_blocks, self._seq_prefix,
+                                        self._chores, self.observer)
+        self.scheduler = Scheduler(c, on_admit=self.prefix.match)
+
+    def _recover(self, error: MeshError) -> None:
+        """After an unexpected exception: fail the requests the turn touched; when that is not
+        known (scheduling), fail them all and start from a fresh scheduler and prefix cache."""
+        turn, self._turn = self._turn, Turn(())
+        if turn.refuse is not None:
+            turn.refuse(error)
+        if turn.seq_ids is not None:
+            for seq_id in turn.seq_ids:
+                request = self._requests.get(seq_id)
+                if request is not None:
+                    request.seq.in_flight = False
+                    self._finish(request, "error", error)
+            return
+        started = {s.seq_id for s in self.scheduler.running} | {
+            r.seq.seq_id for r in self._requests.values() if r.seq.status is SeqStatus.RUNNING}
+        cached = self.prefix.index.hashes()
+        requests = list(self._requests.values())
+        self._requests.clear()
+        self._in_flight.clear()  # their replies are dropped when they come
+        self._new_state()
+        self._chores.release.extend(sorted(started))
+        self._chores.drop(cached)
+        for request in requests:
+            _notify_failed(request, error)
+
+    def _release_all(self, error: MeshError) -> None:
+        """On close: cancel every request and send their releases down the stream, in order after
+        the steps already sent (an out-of-band Release could overtake them)."""
+        try:
+            for request in list(self._requests.values()):
+                self._finish(request, "error", error)
+            if self._chores:
+                self._send(MicroBatch(()))
+        except Exception:  # noqa: BLE001 - closing anyway: the stages free what the closed stream held
+            log.exception("leader: could not release the running sequences on close")
+
+    def _abandon_all(self, error: MeshError) -> None:
+        """The loop stopped: end every request and refuse the submits still queued; closing the
+        transport ends the stream, so the stages free every sequence of this leader."""
+        for request in list(self._requests.values()):
+            _notify_failed(request, error)
+        self._requests.clear()
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(message, _Submit):
+                message.refuse(error)
+        self.transport.close()
 
     def _wait_s(self) -> float:
         if not self._in_flight:
@@ -253,13 +348,15 @@ class Leader:
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
         if not result.ok:
             # TODO(failover issue): re-plan without the failed stage and re-prefill.
-            where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
-            self._fail(batch.works, PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}"))
-            log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
+            error = self._replies.failure(result)
+            if result.error_code == "kv_missing":
+                self.prefix.drop_attached(batch.works)  # a stage no longer holds them: stop attaching them
+            self._fail(batch.works, error)
+            log.warning("step %d failed: %s", result.step_id, error)
             return
         try:
-            committed = committed_tokens(batch.works, result.tokens)
-        except MeshError as e:  # the last stage answered something other than what was asked
+            committed = self._replies.committed(batch.works, result)
+        except MeshError as e:  # a stage answered something other than what was asked
             log.warning("step %d: %s", result.step_id, e)
             self._fail(batch.works, e)
             return
@@ -321,3 +418,13 @@ class Leader:
             request.on_event(GenerationEvent(seq.seq_id, "", finish_reason=reason, error=error,
                                              num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached))
+
+
+def _notify_failed(request: _Request, error: MeshError) -> None:
+    """Tell a request's caller it ended with `error`, bypassing state that may be broken."""
+    seq = request.seq
+    try:
+        request.on_event(GenerationEvent(seq.seq_id, "", finish_reason="error", error=error,
+                                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached))
+    except Exception:  # noqa: BLE001 - one broken callback must not stop the others from hearing
+        log.exception("request %d: its event callback failed", seq.seq_id)
