@@ -84,6 +84,7 @@ class _Wake:
 class _InFlight:
     batch: MicroBatch
     sent_at: float
+    epoch: int  # of the transport when sent: a later one means the stages lost what this step computed
 
 
 class Leader:
@@ -102,6 +103,7 @@ class Leader:
         self._config = replace(config, num_stages=transport.num_stages)
         self._replies = ReplyCheck(vocab_size, transport.stage_names)
         self._supervisor = LoopSupervisor()
+        self._epoch = transport.epoch
         self._turn = Turn()
         self._new_state()
         self._inbox: queue.Queue = queue.Queue()
@@ -227,6 +229,8 @@ class Leader:
                 self._turn = Turn(tuple(w.seq.seq_id for w in flight.batch.works))
                 self.observer.on_step(flight.batch, result, time.perf_counter() - flight.sent_at)
                 self._apply(flight.batch, result)
+                if flight.epoch != self._epoch:
+                    self.scheduler.recompute(w.seq for w in flight.batch.works)
             case _Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
@@ -310,6 +314,10 @@ class Leader:
                                                  error_message=f"no answer within {self.step_timeout_s:g}s"))
 
     def _fill_pipeline(self) -> None:
+        if self.transport.epoch != self._epoch:  # a stream ended: the stages freed all it held
+            self._epoch = self.transport.epoch
+            self.prefix.reset()
+            self.scheduler.recompute([s for s in self.scheduler.running if not s.in_flight])
         while len(self._in_flight) < self.transport.num_stages:
             batch = self.scheduler.next_microbatch()
             if batch is None:
@@ -341,7 +349,7 @@ class Leader:
         release, publish, evict = self._chores.take()
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
                     self.prefix.block_size)
-        self._in_flight[step_id] = _InFlight(batch, time.perf_counter())
+        self._in_flight[step_id] = _InFlight(batch, time.perf_counter(), self._epoch)
         future = self.transport.submit(step)
         future.add_done_callback(lambda f, sid=step_id: self._inbox.put(_StepDone(sid, f.result())))
 

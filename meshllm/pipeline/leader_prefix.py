@@ -64,6 +64,12 @@ class LeaderPrefixCache:
         leaders share it, or a stream that ended). Stop offering them, so the next request re-prefills."""
         self.index.remove([h for w in works for h in w.attach])
 
+    def reset(self) -> None:
+        """The stages dropped every block (the stream that published them ended): start empty."""
+        self.index = PrefixIndex(self.index.block_size, self.index.capacity_blocks)
+        self._chores.publish.clear()
+        self._chores.evict.clear()
+
     def forget(self, seq: Sequence) -> None:
         """The sequence ends: unpin blocks it was admitted with but never sent."""
         if seq.attach:

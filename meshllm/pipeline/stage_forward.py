@@ -8,7 +8,9 @@ arrival order.
 
 Resources: a stream owns the KV of every sequence it computed and the prefix blocks it
 published, and frees them when it ends, however it ends (the leader closed it, crashed,
-or the connection broke: gRPC cancels the stream and the pump sees it). Each open stream
+or the connection broke: gRPC cancels the stream and the pump sees it). When the stream
+to the next stage breaks, that stage has freed this stream's share, so this stream ends
+too: the leader sees its stream end and starts over on a fresh chain, never half of one. Each open stream
 holds one of the server's threads for its life, so at most `max_streams` are accepted
 (what the node advertises); one more is refused with RESOURCE_EXHAUSTED instead of
 starving gossip, health and the control plane of threads.
@@ -113,7 +115,9 @@ class ForwardStreams:
                     replies.put(stage_pb2.StepReply(step_id=request.step_id, timings=timings,
                                                     tokens=stage_convert.tokens_to_pb(out)))
                     continue
-                if downstream is None or downstream.broken:
+                if downstream is not None and downstream.broken:
+                    break  # the hop below lost this stream's state: the whole chain ends (see Downstream)
+                if downstream is None:
                     next_stage = self._channels.get(stage.request.next_address, stage.request.next_node_id)
                     downstream = Downstream(next_stage, replies, stage.index + 1)
                 # The same step onward, our output in place of our input (fields listed, not

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class StepTransport(Protocol):
     num_stages: int
     stage_names: tuple[str, ...]  # how errors name stage i (its node and address), one per stage
+    epoch: int  # counts the streams that ended: the stages freed the sequences and blocks each one held
 
     def submit(self, step: Step) -> Future: ...
 
@@ -47,6 +48,7 @@ class RemotePipeline:
         self._pending: dict[int, Future] = {}
         self._requests: queue.Queue | None = None
         self._reader: threading.Thread | None = None
+        self.epoch = 0
 
     def submit(self, step: Step) -> Future:
         future: Future = Future()
@@ -80,6 +82,7 @@ class RemotePipeline:
             if self._requests is requests:
                 self._requests = None  # the next submit opens a fresh stream
             pending, self._pending = self._pending, {}
+            self.epoch += 1
         for step_id, future in pending.items():
             future.set_result(StepResult(step_id, error_code="stage_unreachable",
                                          error_message=f"stage 0 stream ended: {error}", failed_stage=0))
@@ -108,6 +111,7 @@ class LocalPipeline:
         self.runners = runners
         self.num_stages = 1  # one thread computes: nothing to overlap
         self.stage_names = tuple(f"in-process stage {i}" for i in range(len(runners)))
+        self.epoch = 0  # the runners never lose what they hold
         self._work: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="local-pipeline")
         self._thread.start()

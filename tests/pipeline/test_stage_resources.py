@@ -22,6 +22,7 @@ from meshllm.cluster.gossip import fetch_view
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.step import SeqWork, Step
+from meshllm.pipeline.cluster import local_leader
 from meshllm.pipeline.transport import RemotePipeline, next_step_id
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 from tests.cluster_fixtures import REPO_ROOT, wait_until
@@ -34,8 +35,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def infos(cluster) -> list[stage_pb2.StageInfoReply]:
+    """Every live stage node's answer."""
     return [stage_pb2_grpc.StageStub(cluster.channels.get(a)).Info(stage_pb2.StageInfoRequest(), timeout=10)
-            for a in cluster.local.addresses]
+            for a, p in zip(cluster.local.addresses, cluster.local.processes) if p.poll() is None]
 
 
 def held(cluster, plan_id: str | None = None) -> tuple[int, int]:
@@ -168,3 +170,57 @@ def test_streams_beyond_the_advertised_maximum_are_refused_while_gossip_and_heal
             q.put(None)
         for c in calls:
             c.cancel()
+
+
+def test_after_the_stream_is_rebuilt_the_leader_forgets_the_freed_prefix_blocks(cluster, model_files):
+    """The stages free a stream's prefix blocks when it ends (here: closed while idle, as a
+    connection dropped by the network would be); the leader's next request must not attach them."""
+    files = model_files["aidreams"]
+    leader = cluster.leader(files, [(0, 2), (2, 4)])
+    prompt = files.tokenizer.encode("In the quiet hum of the machine, a robot dreamed of electric sheep " * 2)
+    try:
+        list(leader.generate(prompt + [5], GREEDY))
+        assert held(cluster, leader.transport.plan_id)[1] > 0  # its prompt blocks are on the stages
+        leader.transport.close()  # the stream ends; the next step opens another
+        assert held(cluster, leader.transport.plan_id) == (0, 0)
+        events = list(leader.generate(prompt + [6], GREEDY))
+        assert events[-1].finish_reason == "length", events[-1].error
+        reference = local_leader(files, OPTIONS)
+        try:
+            expected = [e.token_id for e in reference.generate(prompt + [6], GREEDY) if e.token_id is not None]
+        finally:
+            reference.close()
+        assert [e.token_id for e in events if e.token_id is not None] == expected
+        assert events[-1].num_cached_tokens == 0  # recomputed, not attached
+    finally:
+        leader.close()
+
+
+def test_a_broken_hop_ends_the_whole_chain_so_no_stage_keeps_half_of_it(model_files, pipeline_models, tmp_path):
+    """kill -9 the last stage of three: stage 1 answers stage_unreachable naming stage 2 and ends its
+    stream; stage 0 ends its own; the leader's requests fail at once and nothing stays on stages 0-1."""
+    from meshllm.pipeline.local_cluster import LocalCluster
+    from tests.pipeline.conftest import Cluster
+
+    local = LocalCluster(3, [pipeline_models["aidreams"]], tmp_path, extra_args=("--gossip-interval", "0.3"),
+                         threads_per_node=1)
+    local.start(timeout_s=120)
+    try:
+        chain = Cluster(local)
+        files = model_files["aidreams"]
+        leader = chain.leader(files, THREE, replace(OPTIONS, step_timeout_s=60))
+        events: queue.Queue = queue.Queue()
+        leader.submit([8, 9, 10], SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True), events.put)
+        while events.get(timeout=30).token_id is None:
+            pass
+        local.processes[2].kill()
+        started = time.monotonic()
+        while (last := events.get(timeout=30)).finish_reason is None:
+            pass
+        assert last.finish_reason == "error" and "stage 2" in str(last.error) and "node-2" in str(last.error)
+        assert time.monotonic() - started < 10  # not the 60 s step timeout
+        wait_until(lambda: held(chain, leader.transport.plan_id) == (0, 0), timeout=10,
+                   message="stages 0 and 1 to free the broken chain")
+        leader.close()
+    finally:
+        local.stop()
