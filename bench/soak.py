@@ -202,7 +202,7 @@ def main() -> None:
             server = APIServer(create_app(backend, APIConfig(port=0, request_timeout_s=args.request_timeout)),
                                "127.0.0.1", 0)
             server.start()
-            stubs = [stage_pb2_grpc.StageStub(channels.get(a)) for a in cluster.addresses]
+            stubs = [stage_pb2_grpc.StageStub(channels.get(a, n)) for a, n in zip(cluster.addresses, cluster.node_ids)]
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                    timeout=args.request_timeout)
             try:

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from meshllm.cluster.placement import Plan
-from meshllm.engine.scheduler import SchedulerConfig
-from meshllm.engine.step_limits import StepLimits
+from meshllm.engine.step_limits import (DEFAULT_PREFIX_BLOCKS, WIRE_MAX_CONTEXT, WIRE_MAX_SEQS,
+                                         WIRE_MAX_STEP_TOKENS, StepLimits)
 from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, WeightsMismatch
 from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
@@ -23,10 +23,11 @@ LOAD_TIMEOUT_S = 600.0  # loading gigabytes from a slow disk takes minutes
 
 
 def default_limits(plan: Plan) -> StepLimits:
-    """Step limits from the plan alone, for a leader with the default scheduler (SchedulerConfig())."""
-    s = SchedulerConfig()
-    return StepLimits(plan.context_length, plan.max_batch, s.max_batched_tokens, s.prefix_block_size,
-                      s.prefix_cache_blocks)
+    """Step limits from the plan alone (a caller that does not say what its leader sends): positions
+    within its context, its batch of sequences, no step larger than all of them together, any block
+    size and the default prefix budget. leader_for_plan sends the leader's exact limits."""
+    return StepLimits(min(plan.context_length, WIRE_MAX_CONTEXT), min(plan.max_batch, WIRE_MAX_SEQS),
+                      min(plan.context_length * plan.max_batch, WIRE_MAX_STEP_TOKENS), None, DEFAULT_PREFIX_BLOCKS)
 
 
 def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,

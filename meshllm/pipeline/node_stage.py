@@ -23,8 +23,8 @@ def attach_stage_service(node, key: bytes) -> StageService:
 
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     # A loaded shard shows in the node's card at once, not at the next gossip round.
-    service = StageService(resolve, channels, node.server.config.max_streams,
-                           on_change=lambda: node.registry.update_own(node.card.build()))
+    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
+                           max_streams=node.server.config.max_streams)
 
     def shards() -> tuple[LoadedShard, ...]:
         # Streams are a node-wide budget: every shard shows the node's open streams and its maximum.

@@ -17,11 +17,12 @@ from meshllm.pipeline.stage_forward import ForwardStreams
 from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
+from meshllm.transport.server import DEFAULT_MAX_STREAMS
 
 
 class StageService(stage_pb2_grpc.StageServicer):
-    def __init__(self, resolve_model: ModelResolver, channels: ChannelPool, max_streams: int,
-                 on_change: Callable[[], None] = lambda: None):
+    def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
+                 on_change: Callable[[], None] = lambda: None, max_streams: int = DEFAULT_MAX_STREAMS):
         self.stages = LoadedStages()
         self.control = StageControl(self.stages, resolve_model, on_change)
         self.forward = ForwardStreams(self.stages, channels, max_streams)

@@ -26,6 +26,8 @@ log = logging.getLogger(__name__)
 
 
 UNARY_WORKERS = 8  # server threads kept free of streams: gossip, health, Load/Info/Release
+DEFAULT_MAX_WORKERS = 32
+DEFAULT_MAX_STREAMS = DEFAULT_MAX_WORKERS - UNARY_WORKERS
 
 
 def join_host_port(host: str, port: int) -> str:
@@ -42,7 +44,7 @@ class ServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     # Each open stream (a pipeline Forward stream) holds one thread for its life; `max_streams`
     # leaves the rest to short calls, so open streams never starve gossip, health or Load.
-    max_workers: int = 32
+    max_workers: int = DEFAULT_MAX_WORKERS
     keepalive: KeepalivePolicy = field(default_factory=KeepalivePolicy)  # the same as the clients'
 
     def __post_init__(self):

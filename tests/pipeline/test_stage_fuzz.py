@@ -13,6 +13,7 @@ import queue
 import threading
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from meshllm.engine.sampler import SamplingParams
 from meshllm.transport import codec, stage_convert
 from meshllm.transport.protos import common_pb2, stage_pb2, stage_pb2_grpc
+from meshllm.transport.token_mask import mask_to_bytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.filterwarnings(
     "ignore:The given buffer is not writable")]
@@ -127,6 +129,24 @@ def step_requests(draw, plan_id: str, stage: int, hidden: int) -> stage_pb2.Step
                 entry.sampling.top_k = draw(mostly(st.integers(1, 600), int32))
             if draw(st.booleans()):
                 entry.sampling.logprobs = draw(mostly(st.integers(0, 3), int32))
+            if draw(st.booleans()):  # penalties, min_p and logit_bias (agent features)
+                entry.sampling.min_p = draw(mostly(st.sampled_from([0.0, 0.1]), floats))
+                entry.sampling.frequency_penalty = draw(mostly(st.sampled_from([0.0, 0.5]), floats))
+                entry.sampling.repetition_penalty = draw(mostly(st.sampled_from([1.0, 1.3]), floats))
+                bias = draw(st.lists(st.tuples(mostly(st.integers(0, 511), int32), floats), max_size=3))
+                entry.sampling.bias_ids.extend(i for i, _ in bias)
+                entry.sampling.bias_values.extend(v for _, v in bias)
+        if draw(st.booleans()):
+            ids = draw(st.lists(mostly(st.integers(0, 511), int32), max_size=4))
+            entry.penalty_ids.extend(ids)
+            entry.penalty_counts.extend(draw(st.lists(mostly(st.integers(0, 3), int32), min_size=len(ids),
+                                                      max_size=len(ids) + draw(st.integers(0, 1)))))
+        if draw(st.booleans()):
+            masks = [mask_to_bytes(np.array(draw(st.lists(st.integers(-(1 << 31), (1 << 31) - 1), min_size=1,
+                                                           max_size=20)), dtype=np.int32))
+                     for _ in range(draw(mostly(st.just(entry.num_scored), st.integers(0, 3))) if entry.num_scored >= 0
+                     else 0)]
+            entry.allowed.extend(draw(mostly(st.just(masks), st.lists(st.binary(max_size=40), max_size=2))))
     rows = sum(max(0, e.num_tokens) for e in msg.seqs)
     msg.input.CopyFrom(draw(tensors(stage, hidden)(draw(mostly(st.just(min(rows, 80)), small.map(abs))))))
     msg.release.extend(draw(st.lists(st.one_of(st.integers(1, 4), uint64), max_size=3)))
@@ -154,9 +174,9 @@ def good_step(plan_id: str, stage: int, hidden: int, previous: int | None) -> tu
 
 
 def shards_of(cluster, plan_id: str) -> list[stage_pb2.ShardState]:
-    return [s for a in cluster.local.addresses[:2]
-            for s in stage_pb2_grpc.StageStub(cluster.channels.get(a)).Info(stage_pb2.StageInfoRequest(),
-                                                                           timeout=10).shards
+    return [s for a, n in zip(cluster.local.addresses[:2], cluster.local.node_ids)
+            for s in stage_pb2_grpc.StageStub(cluster.channels.get(a, n)).Info(stage_pb2.StageInfoRequest(),
+                                                                              timeout=10).shards
             if s.plan_id == plan_id]
 
 
@@ -164,7 +184,7 @@ def shards_of(cluster, plan_id: str) -> list[stage_pb2.ShardState]:
 def test_any_step_gets_one_clear_answer_the_stream_survives_and_leaves_nothing_behind(cluster, target, stage):
     leader, files = target
     plan_id, hidden = leader.transport.plan_id, files.config.hidden_size
-    stream = RawStream(cluster.channels.get(cluster.local.addresses[stage]))
+    stream = RawStream(cluster.channels.get(cluster.local.addresses[stage], cluster.local.node_ids[stage]))
     previous: list[int | None] = [None]
 
     @FUZZ
@@ -194,6 +214,9 @@ def test_any_step_gets_one_clear_answer_the_stream_survives_and_leaves_nothing_b
 CLEAR = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
 
 
+texts_or_node = st.sampled_from(["", "node-1", "nobody"])
+
+
 @st.composite
 def load_requests(draw, model_id: str, fingerprint: str) -> stage_pb2.LoadRequest:
     layer = mostly(st.integers(0, 4), st.one_of(st.just(-1), int32))
@@ -203,7 +226,8 @@ def load_requests(draw, model_id: str, fingerprint: str) -> stage_pb2.LoadReques
         fingerprint=draw(mostly(st.just(fingerprint), st.just("0"))),
         num_layers=draw(mostly(st.just(4), layer)), first_layer=draw(layer), last_layer=draw(layer),
         dtype=draw(mostly(st.sampled_from(["float32", "bfloat16", "float16"]), st.sampled_from(["int8", ""]))),
-        next_address=draw(st.sampled_from(["", "127.0.0.1:1", "nowhere"])), stage_index=draw(mostly(small, int32)),
+        next_address=draw(st.sampled_from(["", "127.0.0.1:1", "nowhere"])), next_node_id=draw(texts_or_node),
+        stage_index=draw(mostly(small, int32)),
         batch_invariant=draw(st.booleans()), quantization=draw(mostly(st.just(""), st.sampled_from(["int8", "int4"]))),
         **draw(mostly(st.just(dict(max_context=128, max_seqs=16, max_step_tokens=64, prefix_block_size=16,
                                    max_prefix_blocks=8)),
@@ -213,7 +237,7 @@ def load_requests(draw, model_id: str, fingerprint: str) -> stage_pb2.LoadReques
 
 def test_any_load_release_or_info_gets_an_answer_or_a_named_error(cluster, target):
     leader, files = target
-    stub = stage_pb2_grpc.StageStub(cluster.channels.get(cluster.local.addresses[2]))
+    stub = stage_pb2_grpc.StageStub(cluster.channels.get(cluster.local.addresses[2], cluster.local.node_ids[2]))
     fingerprint = files.source.fingerprint()
 
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -36,8 +36,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 def infos(cluster) -> list[stage_pb2.StageInfoReply]:
     """Every live stage node's answer."""
-    return [stage_pb2_grpc.StageStub(cluster.channels.get(a)).Info(stage_pb2.StageInfoRequest(), timeout=10)
-            for a, p in zip(cluster.local.addresses, cluster.local.processes) if p.poll() is None]
+    local = cluster.local
+    return [stage_pb2_grpc.StageStub(cluster.channels.get(a, n)).Info(stage_pb2.StageInfoRequest(), timeout=10)
+            for a, n, p in zip(local.addresses, local.node_ids, local.processes) if p.poll() is None]
 
 
 def held(cluster, plan_id: str | None = None) -> tuple[int, int]:
@@ -100,7 +101,8 @@ def test_steps_beyond_the_plans_limits_are_refused_and_the_stream_goes_on(cluste
     files = model_files["aidreams"]
     leader = cluster.leader(files, [(0, 2), (2, 4)])
     try:
-        to_stage_0 = RemotePipeline(cluster.channels.get(cluster.local.addresses[0]), leader.transport.plan_id, 1)
+        to_stage_0 = RemotePipeline(cluster.channels.get(cluster.local.addresses[0], cluster.local.node_ids[0]),
+                                    leader.transport.plan_id, 1)
         context = OPTIONS.context_length
         too_far = Step(next_step_id(), (SeqWork(991, context - 2, 3),), torch.zeros(3, dtype=torch.int64))
         too_many = Step(next_step_id(), tuple(SeqWork(900 + i, 0, 1) for i in range(OPTIONS.max_batch + 1)),
@@ -136,7 +138,7 @@ def test_the_prefix_store_keeps_the_plans_block_budget(cluster, model_files):
 
 def test_streams_beyond_the_advertised_maximum_are_refused_while_gossip_and_health_answer(cluster, model_files):
     address = cluster.local.addresses[2]
-    stub = stage_pb2_grpc.StageStub(cluster.channels.get(address))
+    stub = stage_pb2_grpc.StageStub(cluster.channels.get(address, cluster.local.node_ids[2]))
     maximum = stub.Info(stage_pb2.StageInfoRequest(), timeout=10).max_streams
     assert maximum >= 8
     wait_until(lambda: stub.Info(stage_pb2.StageInfoRequest(), timeout=10).num_streams == 0, timeout=20,
