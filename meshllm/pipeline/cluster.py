@@ -1,6 +1,6 @@
-"""Compose a Leader over the live fleet: plan the model, load the stages, open the stream.
-
-Used by `meshllm generate --peer`, `meshllm serve` and `meshllm demo`.
+"""How a served model runs: its options, the leader over a transport, the in-process
+pipeline, and the placement request for the fleet. plan_owner.py composes these into the
+leader every cluster path (`meshllm generate --peer`, `serve`, `demo`) uses.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles
 from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
+from meshllm.pipeline.failover import FailoverConfig, Replanner
 from meshllm.pipeline.leader import Leader
 from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
+from meshllm.spec.drafter import SpecConfig
+from meshllm.spec.factory import SpeculativeChoice, build_proposer
+from meshllm.spec.proposer import Proposer
 from meshllm.transport.channels import ChannelPool
 
 log = logging.getLogger(__name__)
@@ -41,8 +45,14 @@ class ServingOptions:
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8": weight-only int8 linears on every stage
-    step_timeout_s: float = 120.0  # a micro-batch unanswered this long fails its sequences (stalled stage)
+    # No reply for this long is a stalled pipeline even if every stage answers health checks (the
+    # cap of the deadline measured from step times, deadline.py).
+    step_timeout_s: float = 30.0
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    fallback_local: bool = False  # when no plan fits the fleet, run on the leader alone if the model fits here
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding, when a proposer is given
+    speculative: str | None = None  # "ngram" | "draft:MODEL" | "remote[:NODE]" (spec/factory.py); None: off
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -66,50 +76,59 @@ def context_of(files: ModelFiles, options: ServingOptions) -> int:
     return min(files.config.max_position_embeddings, options.context_length)
 
 
-def new_leader(files: ModelFiles, transport, options: ServingOptions,
-               observer: LeaderObserver | None = None) -> Leader:
+def new_leader(files: ModelFiles, transport, options: ServingOptions, observer: LeaderObserver | None = None,
+               proposer: Proposer | None = None, replanner: Replanner | None = None) -> Leader:
+    """A leader over `transport` (None: none yet, `replanner` finds one); with `proposer`, it decodes
+    speculatively (spec/drafter.py)."""
     max_context = context_of(files, options)
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
     return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
                   max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
-                  step_timeout_s=options.step_timeout_s, vocab_size=files.config.vocab_size)
+                  step_timeout_s=options.step_timeout_s, proposer=proposer, spec_config=options.spec,
+                  vocab_size=files.config.vocab_size, replanner=replanner, failover=options.failover)
 
 
-def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:
-    """The whole model in this process: the single-process reference and the no-peer mode."""
+def local_transport(files: ModelFiles, options: ServingOptions) -> LocalPipeline:
+    """The whole model as one in-process stage."""
     decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
     prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
-    runner = StageRunner(decoder, prefix_capacity_blocks=options.scheduler.prefix_cache_blocks)
-    return new_leader(files, LocalPipeline([runner]), options, observer)
+    return LocalPipeline([StageRunner(decoder, prefix_capacity_blocks=options.scheduler.prefix_cache_blocks)])
+
+
+def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None,
+                 proposer: Proposer | None = None) -> Leader:
+    """The whole model in this process: the single-process reference and the no-peer mode."""
+    if proposer is None and options.speculative is not None:
+        proposer = build_proposer(SpeculativeChoice.parse(options.speculative), files)
+    return new_leader(files, local_transport(files, options), options, observer, proposer)
+
+
+def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRequest:
+    return PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
+                            config=files.config, context_length=context_of(files, options),
+                            max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
+                            kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
+                            prefix_cache_tokens=options.scheduler.prefix_cache_blocks
+                            * options.scheduler.prefix_block_size)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
-    request = PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
-                               config=files.config, context_length=context_of(files, options),
-                               max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
-                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
-                               prefix_cache_tokens=options.scheduler.prefix_cache_blocks
-                               * options.scheduler.prefix_block_size)
-    return plan_placement(request, fleet)
+    return plan_placement(placement_request(files, options), fleet)
 
 
-def cluster_leader(files: ModelFiles, fleet: list[Card], channels: ChannelPool, options: ServingOptions,
-                   observer: LeaderObserver | None = None) -> tuple[Leader, Plan]:
-    plan = plan_for(files, fleet, options)
-    log.info("plan for %s: %s", files.model_id,
-             ", ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages))
-    return leader_for_plan(files, plan, channels, options, observer), plan
+def deploy_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions) -> RemotePipeline:
+    """Load `plan`'s stages, limited to what a leader with `options` sends, and open the stream to them."""
+    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization,
+                     options.step_limits(context_of(files, options)))
+    first = plan.stages[0]
+    return RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages),
+                          stage_names_of(plan))
 
 
 def leader_for_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions,
                     observer: LeaderObserver | None = None) -> Leader:
-    """Load `plan`'s stages (limited to what a leader with `options` sends) and open a leader on them."""
-    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization,
-                     options.step_limits(context_of(files, options)))
-    first = plan.stages[0]
-    transport = RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages),
-                               stage_names_of(plan))
-    return new_leader(files, transport, options, observer)
+    """A leader on exactly `plan` (no re-planning): tests and benches that place stages by hand."""
+    return new_leader(files, deploy_plan(files, plan, channels, options), options, observer)
 
 
 def stage_names_of(plan: Plan) -> tuple[str, ...]:

@@ -70,6 +70,10 @@ class LeaderPrefixCache:
         self._chores.publish.clear()
         self._chores.evict.clear()
 
+    def reset(self) -> None:
+        """A new plan: its stages hold no cached blocks yet."""
+        self.index = PrefixIndex(self.index.block_size, self.index.capacity_blocks)
+
     def forget(self, seq: Sequence) -> None:
         """The sequence ends: unpin blocks it was admitted with but never sent."""
         if seq.attach:

@@ -27,10 +27,12 @@ def attach_stage_service(node, key: bytes) -> StageService:
                            max_streams=node.server.config.max_streams)
 
     def shards() -> tuple[LoadedShard, ...]:
-        # Streams are a node-wide budget: every shard shows the node's open streams and its maximum.
+        # One entry per range held, however many plans share its weights. Streams are a node-wide
+        # budget: every shard shows the node's open streams and its maximum.
         streams = service.forward
-        return tuple(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer, queue_depth=streams.num_open,
-                                 max_streams=streams.max_streams) for r in service.loaded())
+        return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
+                                               queue_depth=streams.num_open, max_streams=streams.max_streams)
+                                   for r in service.loaded()))
 
     node.card.set_shards_source(shards)
     node.server.add(stage_pb2_grpc.add_StageServicer_to_server, service)

@@ -30,6 +30,7 @@ import grpc
 from meshllm.engine.kv_cache import Owner
 from meshllm.engine.step import StageTiming
 from meshllm.errors import MeshError
+from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
 from meshllm.pipeline.stage_relay import Downstream
 from meshllm.transport import codec, stage_convert
@@ -42,12 +43,14 @@ _owners = itertools.count(1)  # 0 is the in-process pipeline's owner
 
 
 class ForwardStreams:
-    def __init__(self, stages: LoadedStages, channels: ChannelPool, max_streams: int):
+    def __init__(self, stages: LoadedStages, channels: ChannelPool, max_streams: int,
+                 faults: FaultInjector | None = None):
         if max_streams < 1:
             raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self._stages = stages
         self._channels = channels
         self.max_streams = max_streams
+        self._faults = faults or FaultInjector(None)  # tests only: see fault_injection.py
         self._lock = threading.Lock()
         self._num_open = 0
 
@@ -99,6 +102,8 @@ class ForwardStreams:
                     with stage.lock:
                         out = stage.runner.run(step, owner, max_held=stage.limits.max_seqs)
                     compute_s = time.perf_counter() - started
+                    if step.seqs:
+                        out = self._faults.after_compute(out)
                 except MeshError as e:
                     log.warning("stage %d step %d failed: %s", stage.index, request.step_id, e.code)
                     replies.put(stage_convert.error_reply(request.step_id, e.code, str(e), stage.index))

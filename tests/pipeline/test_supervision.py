@@ -149,7 +149,8 @@ def test_a_loop_that_keeps_failing_gives_up_and_says_so_on_health_and_submit(fil
                 leader.submit(prompt, GREEDY, lambda event: None)
             assert time.monotonic() - started < 1.0  # refused at once, not after a wait
             health = httpx.get(f"{live.url}/health", timeout=10)
-            assert health.status_code == 503 and health.json()["code"] == "leader_down"
+            assert health.status_code == 503 and health.json()["status"] == "unavailable"
+            assert health.json()["reason"].startswith("[leader_down] the leader stopped serving")
             reply = httpx.post(f"{live.url}/v1/completions", json={"model": files.model_id, "prompt": "Hi"},
                                timeout=10)
             assert reply.status_code == 503 and reply.json()["error"]["code"] == "leader_down"
