@@ -19,7 +19,7 @@ import psutil
 import torch
 
 from meshllm.engine.weight_forms import prepare_for_cpu
-from meshllm.errors import ModelLoadError, ShardUnavailable, WeightsMismatch
+from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.config import ModelConfig
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
@@ -75,6 +75,9 @@ class StageControl:
         if files.config.num_hidden_layers != request.num_layers:
             raise WeightsMismatch(f"{path} has {files.config.num_hidden_layers} layers, the plan "
                                   f"expects {request.num_layers}")
+        if not 0 <= request.first_layer < request.last_layer <= request.num_layers:
+            raise BadRequest(f"layer range [{request.first_layer}, {request.last_layer}) is not inside the model's "
+                             f"{request.num_layers} layers")
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")

@@ -1,7 +1,7 @@
 """Property-based fuzzing of every message a stage accepts, sent to real `meshllm node` processes
 holding real aidreams layers (a 2-stage plan loaded by a real leader): StepRequests through a
 long-lived Forward stream into stage 0 (token ids) and stage 1 (hidden states), and Load,
-Release and Info calls. Every input gets one clear answer in bounded time (a reply with an error
+Release, Unload and Info calls. Every input gets one clear answer in bounded time (a reply with an error
 code and message, or a gRPC status that names the problem, never UNKNOWN), the stream survives,
 the next good request succeeds, and closing the stream leaves nothing behind on the stages.
 Bounded: a few dozen examples each, no deadline."""
@@ -248,11 +248,16 @@ def test_any_load_release_or_info_gets_an_answer_or_a_named_error(cluster, targe
         except grpc.RpcError as e:
             assert e.code() in CLEAR and e.details(), (e.code(), e.details())
         assert stub.Release(stage_pb2.ReleaseRequest(plan_id=plan_id, seq_ids=seq_ids), timeout=10).num_released == 0
+        assert not stub.Unload(stage_pb2.UnloadRequest(plan_id="fuzz-unknown-" + plan_id), timeout=10).was_loaded
+        stub.Unload(stage_pb2.UnloadRequest(plan_id=load.plan_id), timeout=10)  # whatever the Load left
         # An Info request carrying whatever fields (here the LoadRequest's, unknown to it) is answered.
         info_request = stage_pb2.StageInfoRequest.FromString(load.SerializeToString())
         assert stub.Info(info_request, timeout=10).max_streams > 0
 
     answers()
+    # Every fuzzed plan was unloaded; the live plan's stage is untouched and still serves.
+    assert not [s.plan_id for s in stub.Info(stage_pb2.StageInfoRequest(), timeout=10).shards
+                if s.plan_id.startswith("fuzz-")]
     tokens = [e.token_id for e in leader.generate(files.tokenizer.encode("Hello"), SamplingParams(
         temperature=0.0, max_tokens=3, ignore_eos=True)) if e.token_id is not None]
     assert len(tokens) == 3
