@@ -197,8 +197,9 @@ def main() -> None:
                                threads_per_node=args.threads)
         cluster.start(timeout_s=180)
         try:
-            backend, plan, channels = local_cluster_backend(cluster, files, options, "soak-leader")
-            assert plan is not None and len(plan.stages) == 3, backend.plan_error
+            backend, owner, channels = local_cluster_backend(cluster, files, options, "soak-leader")
+            plan = owner.plan
+            assert plan is not None and len(plan.stages) == 3, backend.health.report().reason
             server = APIServer(create_app(backend, APIConfig(port=0, request_timeout_s=args.request_timeout)),
                                "127.0.0.1", 0)
             server.start()
