@@ -69,6 +69,28 @@ def test_steps_beyond_the_plans_limits_are_refused(msg, match):
         stage_convert.step_from_pb(msg, LIMITS)
 
 
+def verification(start: int, draft: tuple[int, ...], others: int = 0) -> stage_pb2.StepRequest:
+    """A speculative step: one sequence's last committed token plus `draft` (with its q), and
+    `others` decode rows of other sequences."""
+    n = 1 + len(draft)
+    msg = request((1, start, n), *((2 + i, 0, 1) for i in range(others)))
+    entry = msg.seqs[0]
+    entry.sampling.CopyFrom(stage_convert.sampling_to_pb(PARAMS))
+    entry.num_scored = n
+    entry.draft.extend(draft)
+    entry.draft_dists.extend(stage_pb2.DraftDist(ids=[t], probs=[1.0]) for t in draft)
+    return msg
+
+
+def test_draft_rows_count_against_the_plans_step_tokens_and_context():
+    assert stage_convert.step_from_pb(verification(40, tuple(range(15))), LIMITS).num_tokens == 16
+    with pytest.raises(PlanLimitExceeded, match="more than 16 tokens"):  # 1 + 15 drafts + another sequence
+        stage_convert.step_from_pb(verification(40, tuple(range(15)), others=1), LIMITS)
+    assert stage_convert.step_from_pb(verification(56, tuple(range(7))), LIMITS).num_tokens == 8
+    with pytest.raises(PlanLimitExceeded, match="position 65, beyond the plan's context of 64"):
+        stage_convert.step_from_pb(verification(56, tuple(range(8))), LIMITS)
+
+
 def test_another_block_size_or_more_blocks_than_the_plan_keeps_are_refused():
     with pytest.raises(MalformedMessage, match="block size 4"):
         stage_convert.step_from_pb(request((1, 0, 1), block_size=8), LIMITS)
