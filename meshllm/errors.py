@@ -142,6 +142,20 @@ class InvalidReply(MeshError):
     code = "invalid_reply"
 
 
+class PlanLimitExceeded(MeshError):
+    """A step asks more of a stage than the plan it was loaded for allows (more sequences, rows or
+    positions than the plan's batch, step and context), or a node has no room for another stream."""
+
+    code = "plan_limit_exceeded"
+
+
+class LeaderDown(MeshError):
+    """The leader's loop stopped after repeated internal errors; nothing more can be served until the
+    server is restarted."""
+
+    code = "leader_down"
+
+
 class TensorParallelUnsplittable(BadRequest):
     """A model's head, KV-head, MLP or block counts cannot be divided over a tensor-parallel group."""
 

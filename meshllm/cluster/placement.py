@@ -52,6 +52,7 @@ class PlacementRequest:
     safety_margin_fraction: float = 0.1  # of each node's free memory, never planned for
     exclude: frozenset[NodeId] = frozenset()  # nodes to leave out (failed ones when re-planning)
     prefill_chunk_tokens: int = 512  # tokens per prefill chunk; sizes the activation headroom
+    prefix_cache_tokens: int = 0  # prompt KV each stage keeps for reuse (the leader's prefix cache), budgeted too
     # Nodes per stage: None groups nodes whose measured link makes it pay, 1 never groups, N > 1
     # makes every stage a tensor-parallel group of N (--tp N).
     tensor_parallel: int | None = None
@@ -60,6 +61,8 @@ class PlacementRequest:
         for name in ("context_length", "max_batch", "weight_dtype_bytes", "kv_dtype_bytes", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise BadRequest(f"placement {name} must be at least 1, got {getattr(self, name)}")
+        if self.prefix_cache_tokens < 0:
+            raise BadRequest(f"placement prefix_cache_tokens must be non-negative, got {self.prefix_cache_tokens}")
         if self.num_stages is not None and self.num_stages < 1:
             raise BadRequest(f"--stages must be at least 1 (or left out for the fewest that fit), got {self.num_stages}")
         if self.tensor_parallel is not None:
@@ -91,7 +94,7 @@ class StageAssignment:
     last_layer: int  # exclusive
     # Per node (per rank of a group):
     weight_bytes: int  # its layers, + embedding on the first stage, + final norm and LM head on the last
-    kv_bytes: int  # KV cache of its layers for context_length × max_batch
+    kv_bytes: int  # KV cache of its layers for context_length × max_batch, and the prefix cache
     activation_bytes: int  # working memory of one step (prefill chunk or decode batch)
     workers: tuple[GroupMember, ...] = ()  # ranks 1.. of a tensor-parallel group; () for one node
     collective_endpoint: str | None = None  # rank 0's rendezvous store, for a group

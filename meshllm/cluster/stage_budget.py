@@ -31,7 +31,7 @@ class Footprint:
     """Bytes of each part of the model a stage may hold, for one placement request."""
 
     layer_weight: int  # one decoder layer (all layers are the same size)
-    layer_kv: int  # one layer's KV cache for context_length × max_batch
+    layer_kv: int  # one layer's KV cache for context_length × max_batch, plus its prefix-cache blocks
     embedding: int
     final_norm: int
     lm_head: int  # vocab × hidden; with tied embeddings a separate copy unless one stage holds both
@@ -53,7 +53,8 @@ class Footprint:
         scores = step_tokens * request.context_length * c.num_attention_heads
         return cls(
             layer_weight=c.layer_parameters() * wb,
-            layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1) * request.context_length * request.max_batch,
+            layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1)
+            * (request.context_length * request.max_batch + request.prefix_cache_tokens),
             embedding=c.vocab_size * c.hidden_size * wb,
             final_norm=c.hidden_size * wb,
             lm_head=c.vocab_size * c.hidden_size * wb,

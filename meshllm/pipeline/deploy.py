@@ -17,8 +17,11 @@ from dataclasses import dataclass
 import grpc
 
 from meshllm.cluster.placement import Plan
+from meshllm.engine.step_limits import (DEFAULT_PREFIX_BLOCKS, WIRE_MAX_CONTEXT, WIRE_MAX_SEQS,
+                                         WIRE_MAX_STEP_TOKENS, StepLimits)
 from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, ShardUnavailable, WeightsMismatch
 from meshllm.tp.group import RankRole
+from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.stage_convert import rank_role_to_pb
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
@@ -43,16 +46,28 @@ class NodeLoad:
     request: stage_pb2.LoadRequest
 
 
-def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None) -> str:
-    """Same plan on any node -> same id, so stages recognise a plan they already hold."""
-    parts = [plan.fingerprint, dtype, str(batch_invariant), quantization or ""] + [
+def default_limits(plan: Plan) -> StepLimits:
+    """Step limits from the plan alone (a caller that does not say what its leader sends): positions
+    within its context, its batch of sequences, no step larger than all of them together, any block
+    size and the default prefix budget. leader_for_plan sends the leader's exact limits."""
+    return StepLimits(min(plan.context_length, WIRE_MAX_CONTEXT), min(plan.max_batch, WIRE_MAX_SEQS),
+                      min(plan.context_length * plan.max_batch, WIRE_MAX_STEP_TOKENS), None, DEFAULT_PREFIX_BLOCKS)
+
+
+def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,
+               limits: StepLimits | None = None) -> str:
+    """Same plan on any node -> same id, so stages recognise a plan they already hold. The limits
+    are part of it: leaders with other limits must not share (and so reload) each other's stages."""
+    limits = limits or default_limits(plan)
+    parts = [plan.fingerprint, dtype, str(batch_invariant), quantization or "", repr(limits)] + [
         f"{'+'.join(s.node_ids)}@{s.address}:{s.first_layer}-{s.last_layer}" for s in plan.stages]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def load_requests(plan: Plan, dtype: str, batch_invariant: bool,
-                  quantization: str | None = None) -> list[NodeLoad]:
-    plan_id = plan_id_of(plan, dtype, batch_invariant, quantization)
+def load_requests(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,
+                  limits: StepLimits | None = None) -> list[NodeLoad]:
+    limits = limits or default_limits(plan)
+    plan_id = plan_id_of(plan, dtype, batch_invariant, quantization, limits)
     loads = []
     for i, s in enumerate(plan.stages):
         request = stage_pb2.LoadRequest(
@@ -61,6 +76,7 @@ def load_requests(plan: Plan, dtype: str, batch_invariant: bool,
             next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
             next_node_id=plan.stages[i + 1].node_id if i + 1 < len(plan.stages) else "",
             stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "")
+        stage_convert.limits_to_pb(limits, request)
         loads.append(NodeLoad(s.node_id, s.address, request))
         if s.workers:
             role = RankRole(0, s.tp_size, s.collective_endpoint, f"{plan_id}/{i}/{secrets.token_hex(6)}")
@@ -74,10 +90,13 @@ def load_requests(plan: Plan, dtype: str, batch_invariant: bool,
 
 
 def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False,
-           quantization: str | None = None) -> str:
+           quantization: str | None = None, limits: StepLimits | None = None) -> str:
     """Load every stage of `plan` (every rank of a group at once: they meet while loading);
-    returns the plan id. Raises the first node's error."""
-    loads = load_requests(plan, dtype, batch_invariant, quantization)
+    returns the plan id. Raises the first node's error.
+
+    `limits` are what the stages accept per step (the leader's scheduler within the plan); the
+    default suits a leader with the default scheduler settings."""
+    loads = load_requests(plan, dtype, batch_invariant, quantization, limits)
 
     def load(item: NodeLoad) -> None:
         stub = stage_pb2_grpc.StageStub(channels.get(item.address, item.node_id))

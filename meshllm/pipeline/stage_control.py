@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from meshllm.engine.weight_forms import prepare_for_cpu
-from meshllm.errors import ModelLoadError, ShardUnavailable, WeightsMismatch
+from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.config import ModelConfig
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
@@ -51,6 +51,7 @@ class StageControl:
         self._load_lock = threading.Lock()  # one load at a time: loads are memory-heavy
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
+        stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._load_lock:
             existing = self._stages.get(request.plan_id)
             if existing is not None and same_load(existing, request):
@@ -85,6 +86,9 @@ class StageControl:
         if files.config.num_hidden_layers != request.num_layers:
             raise WeightsMismatch(f"{path} has {files.config.num_hidden_layers} layers, the plan "
                                   f"expects {request.num_layers}")
+        if not 0 <= request.first_layer < request.last_layer <= request.num_layers:
+            raise BadRequest(f"layer range [{request.first_layer}, {request.last_layer}) is not inside the model's "
+                             f"{request.num_layers} layers")
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
@@ -130,6 +134,7 @@ class StageControl:
             return stage_pb2.UnloadReply(was_loaded=False)
         with stage.lock:  # a step of that plan still running finishes first
             stage.runner.release(stage.runner.held_sequences())
+            stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
         close_runner(stage)  # a tensor-parallel rank ends its group (rank 0 tells the workers)
         log.info("plan %s unloaded (%d weight bytes freed)", request.plan_id, freed)
         self._on_change()
@@ -152,7 +157,8 @@ class StageControl:
                     plan_id=plan_id, model_id=s.request.model_id, first_layer=s.request.first_layer,
                     last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
                     kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix),
-                    weight_bytes=s.weights.num_bytes, tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
+                    weight_bytes=s.weights.num_bytes, prefix_bytes=s.runner.prefix.num_bytes,
+                    tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
         return stage_pb2.StageInfoReply(shards=shards)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:

@@ -3,8 +3,10 @@
 Workers mirror rank 0 exactly: before computing a step, rank 0 broadcasts it (its
 sequences with their positions, prefix blocks and drafts; releases, publishes and
 evictions; the input ids or hidden states), so every rank runs the same step on its
-own slices and KV cache. Release commands mirror the stage's Release calls, heartbeats
-keep idle workers from timing out, and shutdown ends them.
+own slices and KV cache. Each step and release names the stream (owner) it came on and
+the plan's limit on sequences held, so every rank refuses or applies it alike, and when a
+stream ends every rank frees what that owner held (ReleaseOwner). Release commands mirror
+the stage's Release calls, heartbeats keep idle workers from timing out, and shutdown ends them.
 
 A step command carries what the workers compute from, nothing more (`worker_view`):
 sampling inputs (parameters, penalty counts, allowed-token masks, draft distributions)
@@ -23,7 +25,7 @@ from enum import IntEnum
 import torch
 from torch import Tensor
 
-from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.kv_cache import LOCAL_OWNER, Owner, SeqId
 from meshllm.engine.logit_processors import PenaltyCounts
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.step import Publish, SeqWork, Step
@@ -41,16 +43,30 @@ class Kind(IntEnum):
     STEP = 1
     RELEASE = 2
     SHUTDOWN = 3
+    RELEASE_OWNER = 4
+
+
+_NONE = -1  # an absent owner or limit (owners and limits are never negative)
 
 
 @dataclass(frozen=True, slots=True)
 class RunStep:
     step: Step
+    owner: Owner = LOCAL_OWNER  # the stream the step came on (StageRunner.run)
+    max_held: int | None = None  # the plan's batch: a step leaving the owner holding more is refused
 
 
 @dataclass(frozen=True, slots=True)
 class Release:
     seq_ids: tuple[SeqId, ...]
+    owner: Owner | None = None  # only what this owner holds; None: whoever holds them
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseOwner:
+    """A stream ended: free every sequence and prefix block its owner held."""
+
+    owner: Owner
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +79,7 @@ class Shutdown:
     pass
 
 
-Command = RunStep | Release | Heartbeat | Shutdown
+Command = RunStep | Release | ReleaseOwner | Heartbeat | Shutdown
 
 
 def worker_view(step: Step) -> Step:
@@ -78,12 +94,17 @@ def encode(command: Command) -> Tensor:
     meta: list[int] = []
     payload = torch.empty(0, dtype=torch.int64)
     match command:
-        case RunStep(step=step):
+        case RunStep(step=step, owner=owner, max_held=max_held):
             kind = Kind.STEP
+            meta += [owner, _NONE if max_held is None else max_held]
             payload = _encode_step(step, meta)
-        case Release(seq_ids=seq_ids):
+        case Release(seq_ids=seq_ids, owner=owner):
             kind = Kind.RELEASE
+            meta.append(_NONE if owner is None else owner)
             _put_list(meta, [_i64(s) for s in seq_ids])
+        case ReleaseOwner(owner=owner):
+            kind = Kind.RELEASE_OWNER
+            meta.append(owner)
         case Heartbeat():
             kind = Kind.HEARTBEAT
         case Shutdown():
@@ -107,9 +128,15 @@ def decode(words: Tensor) -> Command:
     try:
         match Kind(kind):
             case Kind.STEP:
-                command = RunStep(_decode_step(meta, payload))
+                owner, max_held = _owner(meta.one()), meta.one()
+                command = RunStep(_decode_step(meta, payload), owner, None if max_held == _NONE else
+                                  _non_negative(max_held))
             case Kind.RELEASE:
-                command = Release(tuple(SeqId(_u64(s)) for s in meta.list()))
+                owner = meta.one()
+                command = Release(tuple(SeqId(_u64(s)) for s in meta.list()), None if owner == _NONE else
+                                  _owner(owner))
+            case Kind.RELEASE_OWNER:
+                command = ReleaseOwner(_owner(meta.one()))
             case Kind.HEARTBEAT:
                 command = Heartbeat()
             case Kind.SHUTDOWN:
@@ -119,6 +146,16 @@ def decode(words: Tensor) -> Command:
     if not meta.done():
         raise MalformedMessage("tensor-parallel command has trailing words")
     return command
+
+
+def _non_negative(value: int) -> int:
+    if value < 0:
+        raise ValueError(f"negative count {value}")
+    return value
+
+
+def _owner(value: int) -> Owner:
+    return Owner(_non_negative(value))
 
 
 def _encode_step(step: Step, meta: list[int]) -> Tensor:

@@ -21,13 +21,13 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from meshllm.engine.kv_cache import KVCache, SeqId
+from meshllm.engine.kv_cache import LOCAL_OWNER, KVCache, Owner, SeqId
 from meshllm.engine.prefix_store import PrefixStore
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import SampledToken, Step
 from meshllm.errors import MeshError, TensorParallelFailed
 from meshllm.tp.channel import CommandChannel
-from meshllm.tp.command import Command, Heartbeat, Release, RunStep, Shutdown
+from meshllm.tp.command import Command, Heartbeat, Release, ReleaseOwner, RunStep, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +84,21 @@ class TensorParallelRunner(RankStage):
     def held_sequences(self) -> list[SeqId]:
         return self.runner.held_sequences()
 
-    def run(self, step: Step) -> Tensor | list[SampledToken]:
+    def run(self, step: Step, owner: Owner = LOCAL_OWNER, max_held: int | None = None) -> Tensor | list[SampledToken]:
         with self._lock:
-            self._send(RunStep(step))
-            return self._guarded(lambda: self.runner.run(step))
+            self._send(RunStep(step, owner, max_held))
+            return self._guarded(lambda: self.runner.run(step, owner, max_held))
 
-    def release(self, seq_ids) -> int:
+    def release(self, seq_ids, owner: Owner | None = None) -> int:
         with self._lock:
             seq_ids = tuple(SeqId(s) for s in seq_ids)
-            self._send(Release(seq_ids))
-            return self._guarded(lambda: self.runner.release(seq_ids))
+            self._send(Release(seq_ids, owner))
+            return self._guarded(lambda: self.runner.release(seq_ids, owner))
+
+    def release_owner(self, owner: Owner) -> tuple[int, int]:
+        with self._lock:
+            self._send(ReleaseOwner(owner))
+            return self._guarded(lambda: self.runner.release_owner(owner))
 
     def close(self) -> None:
         """Tell the workers to stop (best effort) and drop the group; idempotent."""

@@ -43,12 +43,15 @@ class WorkerStage(RankStage):
         with self.worker.lock:
             return self.runner.held_sequences()
 
-    def run(self, step: Step):
+    def run(self, step: Step, owner=None, max_held=None):
         raise BadRequest(f"this node is rank {self.worker.collective.rank} of tensor-parallel group "
                          f"{self.worker.collective.name}: send its steps to rank 0")
 
-    def release(self, seq_ids) -> int:
+    def release(self, seq_ids, owner=None) -> int:
         return 0  # rank 0 mirrors every release to its workers
+
+    def release_owner(self, owner) -> tuple[int, int]:
+        return 0, 0  # likewise when a stream ends
 
     def close(self) -> None:
         self.worker.collective.close()  # rank 0 sees the group fail at its next step or heartbeat

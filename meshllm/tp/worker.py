@@ -17,7 +17,7 @@ from collections.abc import Callable
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.errors import MalformedMessage, MeshError, TensorParallelFailed
 from meshllm.tp.channel import CommandChannel
-from meshllm.tp.command import Heartbeat, Release, RunStep, Shutdown
+from meshllm.tp.command import Heartbeat, Release, ReleaseOwner, RunStep, Shutdown
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,13 @@ class TensorParallelWorker:
             while True:
                 command = self.channel.receive(self.collective.timeout_s)
                 match command:
-                    case RunStep(step=step):
-                        self._apply(lambda: self.runner.run(step))
+                    case RunStep(step=step, owner=owner, max_held=max_held):
+                        self._apply(lambda: self.runner.run(step, owner, max_held))
                         self.num_steps += 1
-                    case Release(seq_ids=seq_ids):
-                        self._apply(lambda: self.runner.release(seq_ids))
+                    case Release(seq_ids=seq_ids, owner=owner):
+                        self._apply(lambda: self.runner.release(seq_ids, owner))
+                    case ReleaseOwner(owner=owner):
+                        self._apply(lambda: self.runner.release_owner(owner))
                     case Heartbeat():
                         pass
                     case Shutdown():

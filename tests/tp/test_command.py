@@ -17,7 +17,7 @@ from meshllm.errors import MalformedMessage
 from meshllm.cluster.tp_cost import COMMAND_FRAME_BYTES
 from meshllm.tp.channel import DEFAULT_FRAME_WORDS, from_frames, num_frames, to_frames
 from meshllm.engine.logit_processors import PenaltyCounts
-from meshllm.tp.command import Heartbeat, Release, RunStep, Shutdown, decode, encode, worker_view
+from meshllm.tp.command import Heartbeat, Release, ReleaseOwner, RunStep, Shutdown, decode, encode, worker_view
 
 u64 = st.integers(0, 2**64 - 1)
 small = st.integers(0, 10_000)
@@ -64,11 +64,15 @@ def _same_step(got: Step, sent: Step) -> None:
     assert got.input.dtype == sent.input.dtype and torch.equal(got.input, sent.input)
 
 
+OWNERS = st.integers(0, 2**62)
+
+
 @settings(max_examples=200, deadline=None)
-@given(steps())
-def test_step_round_trip(step):
-    decoded = decode(encode(RunStep(step)))
+@given(steps(), OWNERS, st.none() | st.integers(0, 4096))
+def test_step_round_trip(step, owner, max_held):
+    decoded = decode(encode(RunStep(step, owner, max_held)))
     assert isinstance(decoded, RunStep)
+    assert (decoded.owner, decoded.max_held) == (owner, max_held)
     _same_step(decoded.step, step)
     # What the view leaves out is only what sampling reads: rank 0 keeps it.
     for got, sent in zip(decoded.step.seqs, step.seqs):
@@ -96,9 +100,14 @@ def test_a_prefill_of_hidden_states_spans_many_frames():
     _same_step(decode(from_frames(frames)).step, step)
 
 
-@given(st.lists(u64, max_size=50))
-def test_release_round_trip(ids):
-    assert decode(encode(Release(tuple(SeqId(i) for i in ids)))) == Release(tuple(ids))
+@given(st.lists(u64, max_size=50), st.none() | OWNERS)
+def test_release_round_trip(ids, owner):
+    assert decode(encode(Release(tuple(SeqId(i) for i in ids), owner))) == Release(tuple(ids), owner)
+
+
+@given(OWNERS)
+def test_release_owner_round_trip(owner):
+    assert decode(encode(ReleaseOwner(owner))) == ReleaseOwner(owner)
 
 
 def test_the_planner_counts_the_frame_the_channel_sends():

@@ -118,15 +118,20 @@ def test_pipeline_with_a_tp_group_stage_serves_exactly_what_one_process_does(clu
                                                      temperature=0)
             live.wait_for(lambda: not any(s.seq_ids for i in range(3) for s in cluster.shards(i, plan_id)),
                           timeout_s=20, what="every rank to free the finished sequences")
+            [rank0], [rank1] = cluster.shards(1, plan_id), cluster.shards(2, plan_id)
     finally:
         backend.close()
     assert got == want and all(got)
     assert again.choices[0].text == want[1]
     # Each rank holds its slice of stage 1 and the same prefix blocks (rank-local KV, same hashes).
-    [rank0], [rank1] = cluster.shards(1, plan_id), cluster.shards(2, plan_id)
     assert (rank0.tp_rank, rank0.tp_size, rank1.tp_rank, rank1.tp_size) == (0, 2, 1, 2)
     assert rank0.num_prefix_blocks == rank1.num_prefix_blocks > 0
     assert rank0.kv_bytes == rank1.kv_bytes  # 2 of aidreams' 4 KV heads each
+    # The leader's stream ended: rank 0 frees what it held, and so does every rank it tells.
+    deadline = time.monotonic() + 20
+    while any(s.num_prefix_blocks or s.seq_ids for i in (1, 2) for s in cluster.shards(i, plan_id)):
+        assert time.monotonic() < deadline, "a rank kept the ended stream's prefix blocks"
+        time.sleep(0.1)
     # Their cards advertise a slice of a group, which no planner mistakes for the whole range.
     cards = cluster.view()
     assert [(s.first_layer, s.last_layer, s.tp_size) for s in cards["node-2"].shards] == [(2, 4, 2)]
