@@ -174,7 +174,8 @@ def test_a_rank_killed_mid_generation_fails_its_group_and_the_leader_fails_over(
         [stage] = owner.plan.stages
         rank0, [worker] = stage.node_id, [w.node_id for w in stage.workers]
         [spare] = set(cluster.local.node_ids) - {rank0, worker}
-        plan_id = plan_id_of(owner.plan, OPTIONS.dtype, OPTIONS.batch_invariant)
+        plan_id = plan_id_of(owner.plan, OPTIONS.dtype, OPTIONS.batch_invariant, None,
+                             OPTIONS.step_limits(context_of(cluster.files, OPTIONS)))
         assert [s.tp_rank for s in cluster.shards(cluster.local.node_ids.index(worker), plan_id)] == [1]
         index = cluster.local.node_ids.index
         with serve(backend) as live:
