@@ -27,7 +27,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -39,12 +39,15 @@ from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Wor
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
-from meshllm.errors import ContextOverflow, InvalidReply, LeaderDown, MeshError, PipelineStalled
+from meshllm.errors import ContextOverflow, InvalidReply, LeaderDown, MeshError
 from meshllm.pipeline.chores import StageChores
 from meshllm.pipeline.deadline import DEFAULT_FLOOR_S, DeadlineConfig, StallWatch
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
 from meshllm.pipeline.failover import (Deployment, FailoverConfig, Probed, Recovered, Recovery, RecoveryFailed,
                                        RecoveryTiming, Replanner, StageFailure, blame, invalid_reply_failure)
+from meshllm.pipeline.leader_failover import LeaderFailover
+from meshllm.pipeline.leader_lifecycle import LeaderLifecycle
+from meshllm.pipeline.leader_messages import Cancel, InFlight, Request, StepDone, Submit, Wake
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
 from meshllm.pipeline.replies import ReplyCheck
 from meshllm.pipeline.seq_constraints import SeqConstraints
@@ -58,58 +61,7 @@ log = logging.getLogger(__name__)
 Detokenizer = Callable[[int], str]
 
 
-@dataclass
-class _Request:
-    seq: Sequence
-    checker: StopChecker
-    constraints: SeqConstraints
-    on_event: Callable[[GenerationEvent], None]
-    submitted_at: float
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_failovers: int = 0
-
-
-# --- the loop's inbox: one small typed message per kind ------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Submit:
-    request: _Request
-    user_seeded: bool = False  # the caller chose the seed: output must be reproducible
-    speculative: bool | None = None  # None: the leader's default (draft when it has a proposer)
-    max_draft: int | None = None  # cap on draft tokens per step for this request
-    done: threading.Event = field(default_factory=threading.Event)
-    refused: list[MeshError] = field(default_factory=list)  # set by the loop when admission fails
-
-    def refuse(self, error: MeshError) -> None:
-        if not self.done.is_set():
-            self.refused.append(error)
-            self.done.set()
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    seq_id: SeqId
-
-
-@dataclass(frozen=True, slots=True)
-class _StepDone:
-    step_id: int
-    result: StepResult
-
-
-@dataclass(frozen=True, slots=True)
-class _Wake:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _InFlight:
-    batch: MicroBatch
-    sent_at: float
-    epoch: int  # of the transport when sent: a later one means the stages lost what this step computed
-
-
-class Leader:
+class Leader(LeaderFailover, LeaderLifecycle):
     """`transport` None: no plan yet (the replanner is asked for one when a request comes)."""
 
     def __init__(self, transport: StepTransport | None, *, eos_token_ids: Collection[int],
@@ -146,8 +98,8 @@ class Leader:
         self._last_failure: StageFailure | None = None  # until the first token after its failover
         self._swapped: tuple[Deployment, float] | None = None  # the failover's deployment and swap time
         self._inbox: queue.Queue = queue.Queue()
-        self._requests: dict[SeqId, _Request] = {}
-        self._in_flight: dict[int, _InFlight] = {}
+        self._requests: dict[SeqId, Request] = {}
+        self._in_flight: dict[int, InFlight] = {}
         self._seq_counter = 0
         self._id_lock = threading.Lock()
         self._closed = threading.Event()
@@ -183,7 +135,7 @@ class Leader:
         seq = Sequence(seq_id, list(prompt_ids), params)
         checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
         constraints = SeqConstraints(params, seq.prompt_ids, grammar)
-        message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
+        message = Submit(Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
                           speculative, max_draft)
         if self.failure is not None:
             raise self.failure
@@ -201,7 +153,7 @@ class Leader:
         return self._supervisor.failure or (LeaderDown("the leader is closed") if self._closed.is_set() else None)
 
     def cancel(self, seq_id: SeqId) -> None:
-        self._inbox.put(_Cancel(seq_id))
+        self._inbox.put(Cancel(seq_id))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  speculative: bool | None = None) -> Iterator[GenerationEvent]:
@@ -221,7 +173,7 @@ class Leader:
         """Cancel what is running, free it on every stage (a last step carries the releases), and
         close the stream: a stage frees whatever a closed stream still held."""
         self._closed.set()
-        self._inbox.put(_Wake())
+        self._inbox.put(Wake())
         self._thread.join(timeout=10)
         if self.drafter is not None:
             self.drafter.close()
@@ -269,7 +221,7 @@ class Leader:
     def _handle(self, message) -> None:
         self._turn = Turn(())
         match message:
-            case _Submit(request=request):
+            case Submit(request=request):
                 self._turn = Turn((request.seq.seq_id,), message.refuse)
                 try:
                     self.scheduler.add(request.seq)
@@ -281,12 +233,12 @@ class Leader:
                 message.done.set()
                 if self.transport is None and not message.refused:
                     self._recovery.start(None)  # no plan now: this request asks for one
-            case _Cancel(seq_id=seq_id):
+            case Cancel(seq_id=seq_id):
                 self._turn = Turn((seq_id,))
                 request = self._requests.get(seq_id)
                 if request is not None:
                     self._finish(request, "cancelled")
-            case _StepDone(step_id=step_id, result=result):
+            case StepDone(step_id=step_id, result=result):
                 flight = self._in_flight.pop(step_id, None)
                 if flight is None:
                     return  # given up as stalled, or sent through a transport since replaced
@@ -306,75 +258,17 @@ class Leader:
             case Recovered() | RecoveryFailed() | Probed():
                 self._turn = Turn()  # a failover touches every running sequence
                 self._on_recovery(message)
-            case _Wake():
+            case Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
 
-    # --- supervision (loop thread) -------------------------------------------------------------------
+    # --- loop-thread state ---------------------------------------------------------------------------
     def _new_state(self) -> None:
         self._chores = StageChores()
         c = self._config
         self.prefix = LeaderPrefixCache(c.prefix_block_size, c.prefix_cache_blocks, self._seq_prefix,
                                         self._chores, self.observer)
         self.scheduler = Scheduler(c, on_admit=self.prefix.match)
-
-    def _recover(self, error: MeshError) -> None:
-        """After an unexpected exception: fail the requests the turn touched; when that is not
-        known (scheduling, failover), fail them all and start from a fresh scheduler and prefix cache."""
-        turn, self._turn = self._turn, Turn(())
-        if turn.refuse is not None:
-            turn.refuse(error)
-        if turn.seq_ids is not None:
-            for seq_id in turn.seq_ids:
-                request = self._requests.get(seq_id)
-                if request is not None:
-                    request.seq.in_flight = False
-                    self._finish(request, "error", error)
-            return
-        started = {s.seq_id for s in self.scheduler.running} | {
-            r.seq.seq_id for r in self._requests.values() if r.seq.status is SeqStatus.RUNNING}
-        cached = self.prefix.index.hashes()
-        requests = list(self._requests.values())
-        self._requests.clear()
-        self._in_flight.clear()  # their replies are dropped when they come
-        self._watch.reset()
-        self._new_state()
-        if self.transport is not None:  # else no stage holds anything of theirs
-            self._chores.release.extend(sorted(started))
-            self._chores.drop(cached)
-        for request in requests:
-            if self.drafter is not None:
-                self.drafter.finish(request.seq.seq_id)
-            _notify_failed(request, error)
-
-    def _release_all(self, error: MeshError) -> None:
-        """On close: cancel every request and send their releases down the stream, in order after
-        the steps already sent (an out-of-band Release could overtake them)."""
-        try:
-            for request in list(self._requests.values()):
-                self._finish(request, "error", error)
-            if self._chores and self.transport is not None:
-                self._send(MicroBatch(()))
-        except Exception:  # noqa: BLE001 - closing anyway: the stages free what the closed stream held
-            log.exception("leader: could not release the running sequences on close")
-
-    def _abandon_all(self, error: MeshError) -> None:
-        """The loop stopped: end every request and refuse the submits still queued; closing the
-        transport ends the stream, so the stages free every sequence of this leader."""
-        for request in list(self._requests.values()):
-            _notify_failed(request, error)
-        self._requests.clear()
-        while True:
-            try:
-                message = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(message, _Submit):
-                message.refuse(error)
-            elif isinstance(message, Recovered):
-                message.deployment.transport.close()
-        if self.transport is not None:
-            self.transport.close()
 
     def _wait_s(self) -> float:
         now = time.perf_counter()
@@ -384,34 +278,6 @@ class Leader:
         if left is None:
             return wait
         return max(0.0005, min(wait, max(0.01, left)))
-
-    def _check_progress(self) -> None:
-        """No reply within the deadline: probe the stages (with a replanner), else give up on
-        the steps in flight so a stalled stage gives clear errors instead of hanging requests."""
-        if self.transport is None:
-            # No plan fits: try again now and then, so the service recovers on its own when a node joins.
-            if self._recovery is not None and not self._recovery.running and \
-                    time.monotonic() - self._recovery.last_attempt >= self._recovery.config.retry_interval_s:
-                self._recovery.start(None)
-            return
-        if not self._in_flight:
-            if self._recovery is not None and self._recovery.idle_probe_due():
-                self._recovery.probe(self._recovery.config.idle_probe_timeout_s, idle=True)
-            return
-        if not self._watch.due():
-            return
-        if self._recovery is not None:
-            self._watch.start_probe()
-            self._recovery.probe(self._watch.config.probe_timeout_s)
-            return
-        stalled_s = self._watch.stalled_for()
-        self._watch.reset()
-        for step_id, flight in list(self._in_flight.items()):
-            del self._in_flight[step_id]
-            log.warning("step %d stalled for %.1fs; failing its %d sequences", step_id, stalled_s,
-                        len(flight.batch.works))
-            self._apply(flight.batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
-                                                 error_message=f"no answer within {stalled_s:.1f}s"))
 
     def _fill_pipeline(self) -> None:
         if self.transport is None:
@@ -456,10 +322,10 @@ class Leader:
         release, publish, evict = self._chores.take()
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
                     self.prefix.block_size)
-        self._in_flight[step_id] = _InFlight(batch, time.perf_counter(), self._epoch)
+        self._in_flight[step_id] = InFlight(batch, time.perf_counter(), self._epoch)
         self._watch.sent(batch.num_tokens)
         future = self.transport.submit(step)
-        future.add_done_callback(lambda f, sid=step_id: self._inbox.put(_StepDone(sid, f.result())))
+        future.add_done_callback(lambda f, sid=step_id: self._inbox.put(StepDone(sid, f.result())))
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
         if not result.ok:
@@ -511,82 +377,6 @@ class Leader:
             if self.drafter is not None and w.seq.status is not SeqStatus.FINISHED:
                 self.drafter.committed(w.seq)
 
-    # --- failover (loop thread) ---------------------------------------------------------------------
-    def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
-        """Stop using the transport, mark every running sequence for a rebuild of its KV, and
-        re-plan off the loop. Sequences past their failover limit end with pipeline_stalled."""
-        log.warning("failing over: stage %s [%s] %s", failure.stage_index, failure.code, failure.message)
-        self.observer.on_failure(failure)
-        self._last_failure = self._last_failure or failure  # a second failure is part of the same recovery
-        in_flight = set()
-        batches = [f.batch for f in self._in_flight.values()] + ([failed] if failed is not None else [])
-        for batch in batches:
-            for w in batch.works:
-                w.seq.in_flight = False
-                in_flight.add(w.seq.seq_id)
-        self._in_flight.clear()
-        self._watch.reset()
-        self.transport.close()
-        self.transport = None
-        self._chores.take()  # the new plan's stages hold none of those sequences or blocks
-        limit = self._recovery.config.max_failovers
-        for seq in list(self.scheduler.running):
-            if not seq.num_computed and seq.seq_id not in in_flight:
-                continue  # admitted but never sent: nothing to rebuild
-            request = self._requests[seq.seq_id]
-            request.num_failovers += 1
-            if request.num_failovers > limit:
-                self._finish(request, "error", PipelineStalled(
-                    f"gave up after {limit} failovers; the last: stage {failure.stage_index} "
-                    f"[{failure.code}] {failure.message}"))
-                continue
-            self.prefix.forget(seq)
-            seq.num_computed = 0  # re-prefill prompt and output; sample only the token after them
-        self._recovery.start(failure)
-
-    def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
-        if isinstance(message, Probed):
-            self._recovery.probing = False
-        if message.epoch != self._recovery.epoch:
-            return  # about a transport that has been replaced since
-        match message:
-            case Probed(unresponsive=unresponsive, idle=True):
-                if unresponsive and self.transport is not None:
-                    i = unresponsive[0]
-                    self._fail_over(StageFailure(i, "stage_unreachable", f"stage {i} stopped answering health "
-                                                 "checks between requests"))
-            case Probed(unresponsive=unresponsive):
-                if self.transport is None:
-                    return
-                stalled_s = self._watch.stalled_for()
-                if unresponsive:
-                    self.observer.on_stall()
-                    i = unresponsive[0]
-                    self._fail_over(StageFailure(i, "pipeline_stalled", f"stage {i} stopped answering: no reply "
-                                                 f"for {stalled_s:.1f}s and no answer to a health check",
-                                                 detect_s=stalled_s))
-                elif self._watch.probed():
-                    self.observer.on_stall()
-                    self._fail_over(StageFailure(None, "pipeline_stalled", f"no reply for {stalled_s:.1f}s "
-                                                 f"although every stage answers health checks",
-                                                 detect_s=stalled_s))
-            case Recovered(deployment=deployment):
-                self._recovery.finished()
-                self.transport = deployment.transport
-                self._config = replace(self._config, num_stages=deployment.transport.num_stages)
-                self.scheduler.config = replace(self.scheduler.config, num_stages=deployment.transport.num_stages)
-                self._replies = ReplyCheck(self._vocab_size, deployment.transport.stage_names)
-                self._epoch = deployment.transport.epoch
-                self.prefix.reset()
-                self._swapped = (deployment, time.perf_counter()) if self._last_failure else None
-                log.info("serving through %s", deployment.description or "a new plan")
-            case RecoveryFailed(error=error):
-                self._recovery.finished()
-                self._last_failure = None
-                log.warning("no plan: [%s] %s", error.code, error)
-                for request in list(self._requests.values()):
-                    self._finish(request, "error", error)
-
     def _fail(self, works: tuple[Work, ...], error: MeshError) -> None:
         for w in works:
             w.seq.in_flight = False
@@ -594,7 +384,7 @@ class Leader:
             if request is not None:
                 self._finish(request, "error", error)
 
-    def _deliver(self, request: _Request, token: SampledToken, now: float) -> None:
+    def _deliver(self, request: Request, token: SampledToken, now: float) -> None:
         seq = request.seq
         text = request.checker.feed(token.token_id)
         first = request.first_token_at is None
@@ -615,7 +405,7 @@ class Leader:
                                          num_prompt_tokens=seq.num_prompt_tokens,
                                          num_cached_tokens=seq.num_cached))
 
-    def _finish(self, request: _Request, reason: str, error: MeshError | None = None,
+    def _finish(self, request: Request, reason: str, error: MeshError | None = None,
                 notify: bool = True) -> None:
         seq = request.seq
         self.prefix.forget(seq)
@@ -631,13 +421,3 @@ class Leader:
             request.on_event(GenerationEvent(seq.seq_id, "", finish_reason=reason, error=error,
                                              num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached))
-
-
-def _notify_failed(request: _Request, error: MeshError) -> None:
-    """Tell a request's caller it ended with `error`, bypassing state that may be broken."""
-    seq = request.seq
-    try:
-        request.on_event(GenerationEvent(seq.seq_id, "", finish_reason="error", error=error,
-                                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached))
-    except Exception:  # noqa: BLE001 - one broken callback must not stop the others from hearing
-        log.exception("request %d: its event callback failed", seq.seq_id)

@@ -65,14 +65,11 @@ class LeaderPrefixCache:
         self.index.remove([h for w in works for h in w.attach])
 
     def reset(self) -> None:
-        """The stages dropped every block (the stream that published them ended): start empty."""
+        """The stages hold no cached block (the stream that published them ended, or a new plan):
+        start empty, and drop publish/evict chores about blocks no stage has."""
         self.index = PrefixIndex(self.index.block_size, self.index.capacity_blocks)
         self._chores.publish.clear()
         self._chores.evict.clear()
-
-    def reset(self) -> None:
-        """A new plan: its stages hold no cached blocks yet."""
-        self.index = PrefixIndex(self.index.block_size, self.index.capacity_blocks)
 
     def forget(self, seq: Sequence) -> None:
         """The sequence ends: unpin blocks it was admitted with but never sent."""
