@@ -59,7 +59,8 @@ def test_asked_for_group_splits_every_layer_and_halves_each_budget():
 def test_asked_for_groups_form_every_stage_of_a_pipeline():
     fleet = [node(n, free_gib=5) for n in "abcd"]  # 13 GB of weights: two groups of two
     plan = plan_placement(request(tensor_parallel=2), fleet)
-    assert [s.node_ids for s in plan.stages] == [("a", "b"), ("c", "d")] or len(plan.stages) == 2
+    # Which nodes pair up is the planner's choice (equal nodes); that every stage is a pair is not.
+    assert len(plan.stages) == 2 and all(len(s.node_ids) == 2 for s in plan.stages)
     assert {n for s in plan.stages for n in s.node_ids} == set("abcd")
     assert sum(s.num_layers for s in plan.stages) == 32
 
