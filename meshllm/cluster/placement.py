@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from meshllm.cluster.card import Card, NodeId, Role
 from meshllm.cluster.cover import cover_loaded_shards
 from meshllm.cluster.registry import newer
-from meshllm.cluster.stage_budget import Footprint, split_layers, usable_bytes
+from meshllm.cluster.stage_budget import Footprint, WeightBytes, split_layers, usable_bytes
 from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable
 from meshllm.model.config import ModelConfig
 
@@ -41,6 +41,9 @@ class PlacementRequest:
     safety_margin_fraction: float = 0.1  # of each node's free memory, never planned for
     exclude: frozenset[NodeId] = frozenset()  # nodes to leave out (failed ones when re-planning)
     prefill_chunk_tokens: int = 512  # tokens per prefill chunk; sizes the activation headroom
+    # Real bytes of the weights as stages hold them (quantized GGUF blocks, --quantize); None:
+    # every parameter takes weight_dtype_bytes.
+    weight_bytes: WeightBytes | None = None
 
     def __post_init__(self):
         for name in ("context_length", "max_batch", "weight_dtype_bytes", "kv_dtype_bytes", "prefill_chunk_tokens"):

@@ -20,6 +20,21 @@ if TYPE_CHECKING:
 ACTIVATION_DTYPE_BYTES = 4
 
 
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    """Bytes the weights take as a stage holds them (quantized blocks as stored), measured from the
+    model's tensor table at the leader; the planner uses these instead of parameters × dtype bytes."""
+
+    layer: int  # the largest decoder layer (mixed-type files such as Q4_K_M differ a little per layer)
+    embedding: int
+    final_norm: int
+    lm_head: int  # with tied embeddings: the same table (a separate copy unless one stage holds both)
+
+    def __post_init__(self):
+        if min(self.layer, self.embedding, self.final_norm, self.lm_head) < 0:
+            raise ValueError(f"weight bytes must not be negative: {self}")
+
+
 def usable_bytes(card: Card, safety_margin_fraction: float) -> int:
     """Free memory a plan may use on this node: the margin is left for the OS and other programs."""
     return max(0, int(card.memory_free_bytes * (1.0 - safety_margin_fraction)))
@@ -50,12 +65,16 @@ class Footprint:
         # One layer's attention scores if the kernel materialises them (no flash attention on
         # every backend); layers run one at a time, so only one layer's worth is live.
         scores = step_tokens * request.context_length * c.num_attention_heads
+        held = request.weight_bytes or WeightBytes(layer=c.layer_parameters() * wb,
+                                                   embedding=c.vocab_size * c.hidden_size * wb,
+                                                   final_norm=c.hidden_size * wb,
+                                                   lm_head=c.vocab_size * c.hidden_size * wb)
         return cls(
-            layer_weight=c.layer_parameters() * wb,
+            layer_weight=held.layer,
             layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1) * request.context_length * request.max_batch,
-            embedding=c.vocab_size * c.hidden_size * wb,
-            final_norm=c.hidden_size * wb,
-            lm_head=c.vocab_size * c.hidden_size * wb,
+            embedding=held.embedding,
+            final_norm=held.final_norm,
+            lm_head=held.lm_head,
             tied=c.tie_word_embeddings,
             step_activation=(step_tokens * per_token + scores) * ACTIVATION_DTYPE_BYTES,
             logits=request.max_batch * c.vocab_size * ACTIVATION_DTYPE_BYTES,

@@ -18,6 +18,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.api.app import create_app
 from meshllm.api.cluster_backend import local_cluster_backend
 from meshllm.api.config import API_KEY_ENV, MIB, APIConfig, add_api_guard_arguments, api_key_from
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
                         help="weights and activations on every stage (default bfloat16: on a CPU with "
                              "AVX-512 BF16 it decodes through meshllm's own matrix-vector kernel)")
+    parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
+                        help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
+                             "GGUF files stay in their own quantization without it (default: none)")
     parser.add_argument("--max-context", type=int, default=2048, help="tokens per request (default 2048)")
     parser.add_argument("--once", action="store_true", help="exit after the sample completion")
     add_api_guard_arguments(parser)
@@ -66,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     backend = server = None
     try:
         options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
-                                 dtype=args.dtype, scheduler=SchedulerConfig())
+                                 dtype=args.dtype, quantization=args.quantize, scheduler=SchedulerConfig())
         backend, plan, _ = local_cluster_backend(cluster, files, options, "demo-leader")
         if plan is None:
             raise backend.plan_error

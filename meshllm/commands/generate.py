@@ -21,9 +21,8 @@ from tqdm import tqdm
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.engine.generate import TextDelta, check_fits, stream_many
 from meshllm.engine.sampler import SamplingParams
-from meshllm.engine.weight_forms import prepare_for_cpu
+from meshllm.engine.stage_weights import QUANTIZE_TYPES, load_stage_decoder
 from meshllm.errors import BadRequest, PeerUnreachable
-from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.events import GenerationEvent
 from meshllm.transport.channels import ChannelConfig, ChannelPool
@@ -70,9 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, default=None,
                         help="with --peer: split the model over this many nodes (default: fewest that fit)")
     add_transport_arguments(parser)
-    parser.add_argument("--int8", action="store_true",
-                        help="keep linear weights as int8 with one scale per row: decodes "
-                             "~1.5x faster on CPU, output close to but not identical with 16-bit weights")
+    parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
+                        help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
+                             "GGUF files stay in their own quantization without it (default: none)")
+    parser.add_argument("--int8", dest="quantize", action="store_const", const="int8",
+                        help="same as --quantize int8 (kept for old scripts)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice, one per core)")
 
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.peer:
         deltas = _cluster_stream(files, prompt_ids, params, args)
     else:
-        deltas = _local_stream(files, prompt_ids, params, resolve_dtype(args.dtype), args.int8)
+        deltas = _local_stream(files, prompt_ids, params, resolve_dtype(args.dtype), args.quantize)
     num_tokens, finish_reason, first_token_at = 0, None, None
     for delta in deltas:
         first_token_at = first_token_at or time.perf_counter()
@@ -109,15 +110,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
-                  dtype: torch.dtype, int8: bool = False) -> Iterator[TextDelta]:
+                  dtype: torch.dtype, quantization: str | None = None) -> Iterator[TextDelta]:
     # The whole model in this process; a --peer branch (cluster) would return the same deltas.
     with tqdm(total=1, desc=f"loading {files.model_id}", unit="tensor", file=sys.stderr, leave=False) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
-        decoder = load_decoder(files.source, files.config, dtype=dtype, progress=progress)
-    prepare_for_cpu(decoder, "int8" if int8 else None, batch_invariant=False)
+        decoder = load_stage_decoder(files.source, files.config, dtype=dtype, quantization=quantization,
+                                     progress=progress)
     return stream_many(decoder, files.tokenizer, [prompt_ids], [params])
 
 
@@ -143,7 +144,7 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
     dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[
         AUTO_DTYPE["cpu"] if args.dtype == "auto" else args.dtype]
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
-                             num_stages=args.stages, dtype=dtype, quantization="int8" if args.int8 else None)
+                             num_stages=args.stages, dtype=dtype, quantization=args.quantize)
     leader, plan = cluster_leader(files, fleet, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
     print("[" + ", ".join(f"{s.node_id}: layers {s.first_layer}-{s.last_layer - 1}" for s in plan.stages) + "]",
           file=sys.stderr)

@@ -19,6 +19,7 @@ from meshllm.api.server import APIServer
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
 from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.model.source import default_model_path, open_model
 from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
 from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions, wait_for_fleet
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model folder or .gguf file to serve (default: the SmolLM2-135M-Instruct demo GGUF)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_SERVING.dtype,
                         help=f"weights and activations dtype (default {_SERVING.dtype})")
+    parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
+                        help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
+                             "GGUF files stay in their own quantization without it (default: none)")
     parser.add_argument("--max-context", type=int, default=_SERVING.context_length,
                         help=f"tokens (prompt + completion) per request, capped by the model's own context "
                              f"(default {_SERVING.context_length})")
@@ -72,7 +76,7 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
                          f"and {args.max_batch}")
     scheduler = SchedulerConfig(max_waiting=args.max_queue)
     return ServingOptions(context_length=args.max_context, max_batch=args.max_batch, dtype=args.dtype,
-                          batch_invariant=args.batch_invariant, scheduler=scheduler)
+                          batch_invariant=args.batch_invariant, quantization=args.quantize, scheduler=scheduler)
 
 
 def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:

@@ -16,9 +16,8 @@ from meshllm.cluster.card import Card
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
-from meshllm.engine.weight_forms import prepare_for_cpu
+from meshllm.engine.stage_weights import held_weight_bytes, load_stage_decoder
 from meshllm.errors import PeerUnreachable, ShardUnavailable
-from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles
 from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
@@ -39,7 +38,7 @@ class ServingOptions:
     num_stages: int | None = None  # None: the fewest stages that fit
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
-    quantization: str | None = None  # "int8": weight-only int8 linears on every stage
+    quantization: str | None = None  # "int8" / "int4": quantize a 16/32-bit model's linears at load
     step_timeout_s: float = 120.0  # a micro-batch unanswered this long fails its sequences (stalled stage)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -70,8 +69,8 @@ def new_leader(files: ModelFiles, transport, options: ServingOptions,
 
 def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:
     """The whole model in this process: the single-process reference and the no-peer mode."""
-    decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
-    prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
+    decoder = load_stage_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype],
+                                 quantization=options.quantization, batch_invariant=options.batch_invariant)
     return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer)
 
 
@@ -79,7 +78,9 @@ def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> P
     request = PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
                                config=files.config, context_length=context_of(files, options),
                                max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
-                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages)
+                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
+                               weight_bytes=held_weight_bytes(files.source, files.config, DTYPE_BYTES[options.dtype],
+                                                              options.quantization))
     return plan_placement(request, fleet)
 
 

@@ -15,9 +15,8 @@ from pathlib import Path
 import torch
 
 from meshllm.engine.stage_runner import StageRunner
-from meshllm.engine.weight_forms import prepare_for_cpu
+from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.errors import ModelLoadError, WeightsMismatch
-from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
 from meshllm.transport.protos import stage_pb2
@@ -57,8 +56,8 @@ class StageControl:
             dtype = DTYPES.get(request.dtype)
             if dtype is None:
                 raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
-            decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
-            prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
+            decoder = load_stage_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype,
+                                         request.quantization or None, request.batch_invariant)
             self._stages.put(request.plan_id, LoadedStage(request, StageRunner(decoder)))
             log.info("loaded %s layers [%d, %d) for plan %s in %.1fs", request.model_id, request.first_layer,
                      request.last_layer, request.plan_id, time.perf_counter() - started)
