@@ -173,9 +173,10 @@ class GraphScope:
         return self.g.ggml_new_graph_custom(self.ctx, self._max_nodes, False)
 
     def wrap(self, t: Tensor):
-        """A ggml tensor over a contiguous torch tensor's memory (ggml dims are torch's reversed).
-        The caller keeps `t` alive while the graph runs (see keep)."""
+        """A ggml tensor over a contiguous torch tensor's memory (ggml dims are torch's reversed);
+        `t` is kept alive until the scope ends."""
         assert t.is_contiguous() and t.dtype in _GGML_DTYPES, (t.dtype, t.is_contiguous())
+        self._kept.append(t)
         dims = list(reversed(t.shape)) + [1] * (4 - t.dim())
         gt = self.g.ggml_new_tensor_4d(self.ctx, _GGML_DTYPES[t.dtype], *dims)
         gt.contents.data = t.data_ptr()
@@ -189,12 +190,15 @@ class GraphScope:
     def compute(self, *outputs) -> None:
         self.compute_graph(self.new_graph(), *outputs)
 
-    def compute_graph(self, graph, *outputs) -> None:
-        """Compute `graph` after adding `outputs` (None entries skipped) to it."""
+    def compute_graph(self, graph, *outputs, allocator=None) -> None:
+        """Compute `graph` after adding `outputs` (None entries skipped) to it. Intermediate tensors
+        get memory from `allocator` (a ggml_gallocr); without one every tensor must point somewhere."""
         g, rt = self.g, self.rt
         for out in outputs:
             if out is not None:
                 g.ggml_build_forward_expand(graph, out)
+        if allocator is not None and not g.ggml_gallocr_alloc_graph(allocator, graph):
+            raise MemoryError("ggml could not allocate the step's intermediate tensors")
         plan = g.ggml_graph_plan(graph, rt.num_threads, rt.threadpool)
         if plan.work_size > GraphScope._work.numel():
             GraphScope._work = torch.empty(plan.work_size, dtype=torch.uint8)

@@ -13,6 +13,7 @@ it reads layers [first, last) and decides the weight form once, for all of them:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 
@@ -21,6 +22,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from torch import nn
 
 from meshllm.cluster.stage_budget import WeightBytes
+from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, quantize
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
@@ -100,7 +102,26 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
         return prepare_for_cpu(decoder, quantization if quantization in QUANTIZATIONS else None, batch_invariant)
     form = GGMLWeightForm(rt, QUANTIZE_TYPES.get(quantization))
     decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form)
+    _return_freed_memory()
+    why_not = ggml_stage.supports(decoder)
+    if why_not is None:
+        decoder.fast_path = ggml_stage.GGMLStage(rt, decoder)  # the linears stay as ggml reads them
+        return decoder
+    log.debug("whole-layer ggml path unused for %s: %s", source.path, why_not)
     return prepare_for_cpu(decoder, None, batch_invariant=False)
+
+
+def _return_freed_memory() -> None:
+    """Give the read buffers freed during loading back to the OS.
+
+    Each weight is read into a temporary buffer and copied into ggml's; glibc keeps freed heap
+    memory mapped (its mmap threshold grows after the first large frees), which left ~100 MiB of
+    a SmolLM2 stage's RSS as dead buffers. A no-op where the C library is not glibc.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: int,

@@ -224,6 +224,8 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype) if self.has_head else None
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype) if self.has_head else None
         self.rotary = Rotary(config, dtype)
+        # Set by engine/stage_weights.py: runs the whole layer range as one ggml graph per step.
+        self.fast_path = None
         self.requires_grad_(False)
 
     def kv_layout(self, kv_dtype: torch.dtype | None = None) -> KVLayout:
@@ -247,6 +249,11 @@ class Decoder(nn.Module):
         assert row == x.shape[0] == positions.shape[0], (row, x.shape[0], positions.shape[0])
         for s in slices:
             s.kv.reserve(s.start + s.num_tokens)
+        if self.fast_path is not None:
+            out = self.fast_path.forward(x, positions, slices, logit_rows)
+            for s in slices:
+                s.kv.length += s.num_tokens
+            return out
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
         rotation = self.rotary.rotation(positions)
         for i, layer in enumerate(self.layers):
