@@ -14,8 +14,8 @@ ggml buffers, and dense fp32/fp16/bf16 parameters, which ggml reads straight fro
 
 from __future__ import annotations
 
-import ctypes
 import math
+import time
 
 import torch
 from torch import Tensor, nn
@@ -120,8 +120,11 @@ class GGMLStage:
         # the factors carry llama3's frequency scaling.
         base = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
         factors = base / _inv_freq(c)
-        # Memory for a step's intermediate tensors, reused (and grown when needed) step after step.
+        # Memory for a step's intermediate tensors, reused (and grown when needed) step after step;
+        # the cached decode graph has its own, so a prefill step never moves its tensors.
         self._allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
+        self._decode_allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
+        self._cached: _Step | None = None
         self.freq_factors = None if bool((factors == 1).all()) else wrap_f32(factors)
 
     # --- graph pieces ---------------------------------------------------------------------------
@@ -177,10 +180,13 @@ class GGMLStage:
                 dst = g.ggml_view_3d(ctx, cache, hd, t, kv_heads, row_nb, head_nb, start * row_nb)
                 # Expanded now: the attention below reads the cache through another view, which
                 # ggml does not know depends on this write; graph order is execution order.
-                g.ggml_build_forward_expand(graph, g.ggml_cpy(ctx, g.ggml_permute(ctx, rows, 0, 2, 1, 3), dst))
+                write = g.ggml_cpy(ctx, g.ggml_permute(ctx, rows, 0, 2, 1, 3), dst)
+                g.ggml_build_forward_expand(graph, write)
+                s.writes.append((dst, write, cache.contents.data, row_nb))
             q_seq = g.ggml_view_3d(ctx, q, hd, heads, t, q.contents.nb[1], q.contents.nb[2], seq.row * q.contents.nb[2])
             keys = g.ggml_view_3d(ctx, k_cache, hd, end, kv_heads, row_nb, head_nb, 0)
             values = g.ggml_view_3d(ctx, v_cache, hd, end, kv_heads, row_nb, head_nb, 0)
+            s.reads.append((keys, values))
             out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q_seq, 0, 2, 1, 3), keys, values, mask,
                                         1.0 / math.sqrt(hd), 0.0, 0.0)  # [hd, heads, t]
             g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
@@ -202,38 +208,75 @@ class GGMLStage:
 
     # --- one step ------------------------------------------------------------------------------
     def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> Tensor:
-        """Decoder.forward's contract; the caller reserved KV room and commits the lengths."""
+        """Decoder.forward's contract; the caller reserved KV room and commits the lengths.
+
+        A decode step shaped like the previous one (same sequences, same KV tensors, one token
+        each) reuses that step's graph: only the KV write offsets, the attended lengths and the
+        inputs change, and those are patched in place instead of rebuilding ~40 nodes per layer
+        from Python.
+        """
+        started = time.perf_counter()
+        key = self._decode_key(x, slices, logit_rows)
+        step = self._cached if key is not None and self._cached is not None and self._cached.key == key else None
+        if step is None:
+            self._drop_cached()
+            step = self._build(x, slices, logit_rows, key)
+        step.patch(x, positions, slices, logit_rows)
+        out = torch.empty(step.out_shape, dtype=torch.float32)
+        built = time.perf_counter()
+        step.run(out)
+        if key is not None:
+            self._cached = step
+        else:
+            step.close()
+        # Where a step's time goes (bench/decode.py reports it): Python building the graph, ggml running it.
+        self.last_build_s, self.last_compute_s = built - started, time.perf_counter() - built
+        return out if self.decoder.has_head else out.to(self.decoder.dtype)
+
+    @staticmethod
+    def _decode_key(x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
+        """What a reusable decode graph depends on; None for steps that build their own graph."""
+        if any(s.num_tokens != 1 for s in slices):
+            return None
+        return (x.dtype, x.shape, None if logit_rows is None else logit_rows.numel(),
+                tuple((s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.capacity) for s in slices))
+
+    def _drop_cached(self) -> None:
+        if self._cached is not None:
+            self._cached.close()
+            self._cached = None
+
+    def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
         g, c, n = self.g, self.config, x.shape[0]
         max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices)) + 64
-        with GraphScope(self.rt, max_nodes=max_nodes) as s:
-            ctx = s.ctx
-            graph = s.new_graph()
-            pos = s.wrap(positions.to(torch.int32).contiguous())
-            masks = [self._mask(s, seq) for seq in slices]
-            s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
-            if self.embedding is not None:
-                h = g.ggml_get_rows(ctx, self.embedding, s.wrap(x.to(torch.int32).contiguous()))
-            else:
-                h = s.wrap(s.keep(x.float().contiguous()))
-            for i, w in enumerate(self.layers):
-                h = g.ggml_add(ctx, h, self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos,
-                                                       slices, masks, n))
-                h = g.ggml_add(ctx, h, self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n))
-            if self.decoder.has_head:
-                rows = n
-                if logit_rows is not None:
-                    rows = logit_rows.numel()
-                    h = g.ggml_get_rows(ctx, h, s.wrap(logit_rows.to(torch.int32).contiguous()))
-                (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
-                out = torch.empty(rows, c.vocab_size, dtype=torch.float32)
-            else:
-                out = torch.empty(n, c.hidden_size, dtype=torch.float32)
-            if out.numel():
-                s.point(h, out)
-                s.compute_graph(graph, h, allocator=self._allocator)
-            else:  # no logit rows asked for: still write the KV
-                s.compute_graph(graph, None, allocator=self._allocator)
-        return out if self.decoder.has_head else out.to(self.decoder.dtype)
+        s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
+        ctx = s.ctx
+        s.writes, s.reads = [], []
+        graph = s.new_graph()
+        step = _Step(key, s, graph, self._decode_allocator if key is not None else self._allocator)
+        step.pos = torch.zeros(n, dtype=torch.int32)
+        pos = s.wrap(step.pos)
+        masks = [self._mask(s, seq) for seq in slices]
+        s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
+        if self.embedding is not None:
+            step.ids = torch.zeros(n, dtype=torch.int32)
+            h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
+        else:
+            step.hidden = torch.zeros(n, c.hidden_size, dtype=torch.float32)
+            h = s.wrap(step.hidden)
+        for i, w in enumerate(self.layers):
+            h = g.ggml_add(ctx, h, self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos,
+                                                   slices, masks, n))
+            h = g.ggml_add(ctx, h, self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n))
+        step.out_shape = (n, c.hidden_size)
+        if self.decoder.has_head:
+            if logit_rows is not None:
+                step.rows = torch.zeros(logit_rows.numel(), dtype=torch.int32)
+                h = g.ggml_get_rows(ctx, h, s.wrap(step.rows))
+            (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
+            step.out_shape = (n if logit_rows is None else logit_rows.numel(), c.vocab_size)
+        step.out = h
+        return step
 
     def _mask(self, s: GraphScope, seq: SeqSlice):
         """f16 [t, end] additive causal mask, or None when every key is visible (a decode row)."""
@@ -248,5 +291,53 @@ class GGMLStage:
 
     def __del__(self):
         if getattr(self, "_allocator", None):
+            self._drop_cached()
             self.g.ggml_gallocr_free(self._allocator)
+            self.g.ggml_gallocr_free(self._decode_allocator)
             self._allocator = None
+
+
+class _Step:
+    """One built graph and where a new step's values go into it."""
+
+    def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
+        self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
+        self.ids = self.hidden = self.rows = self.pos = self.out = None
+        self.out_shape: tuple[int, int] = (0, 0)
+        self._allocated = False
+
+    def patch(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> None:
+        self.pos.copy_(positions)
+        if self.ids is not None:
+            self.ids.copy_(x)
+        else:
+            self.hidden.copy_(x)
+        if self.rows is not None:
+            self.rows.copy_(logit_rows)
+        if self.key is None:  # built for this very step: its offsets are already right
+            return
+        num_seqs = len(slices)
+        # Per layer: k and v writes of each sequence, in slice order (see _attention).
+        for i, (dst, write, base, row_nb) in enumerate(self.scope.writes):
+            address = base + slices[(i // 2) % num_seqs].start * row_nb
+            dst.contents.data = address
+            write.contents.data = address
+        for i, (keys, values) in enumerate(self.scope.reads):
+            end = slices[i % num_seqs].start + 1
+            keys.contents.ne[1] = end
+            values.contents.ne[1] = end
+
+    def run(self, out: Tensor) -> None:
+        if out.numel():
+            self.out.contents.data = out.data_ptr()
+            outputs = (self.out,)
+        else:  # no logit rows asked for: still write the KV
+            outputs = ()
+        if self._allocated:
+            self.scope.compute_graph(self.graph)
+        else:
+            self.scope.compute_graph(self.graph, *outputs, allocator=self.allocator)
+            self._allocated = True
+
+    def close(self) -> None:
+        self.scope.__exit__(None, None, None)
