@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_api_guard_arguments(parser)
 
 
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    """How the demo serves: a GGUF keeps its own quantization (ggml holds the blocks)."""
+    return ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
+                          dtype=args.dtype, quantization=args.quantize, scheduler=SchedulerConfig())
+
+
 def run(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise SystemExit("meshllm demo: --nodes must be at least 1")
@@ -69,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
     cluster.start()
     backend = server = None
     try:
-        options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
-                                 dtype=args.dtype, quantization=args.quantize, scheduler=SchedulerConfig())
+        options = serving_options(args)
         backend, plan, _ = local_cluster_backend(cluster, files, options, "demo-leader")
         if plan is None:
             raise backend.plan_error

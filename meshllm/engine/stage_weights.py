@@ -104,11 +104,29 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
     decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form)
     _return_freed_memory()
     why_not = ggml_stage.supports(decoder)
+    log.info("layers [%d, %d) of %s: weights %s", first_layer, decoder.last_layer, source.path,
+             describe_weights(decoder))
     if why_not is None:
         decoder.fast_path = ggml_stage.GGMLStage(rt, decoder)  # the linears stay as ggml reads them
         return decoder
     log.debug("whole-layer ggml path unused for %s: %s", source.path, why_not)
     return prepare_for_cpu(decoder, None, batch_invariant=False)
+
+
+def describe_weights(decoder: Decoder) -> str:
+    """E.g. "ggml Q4_1 63.0 MiB, Q8_0 28.1 MiB; dense 0.1 MiB" (logs: what a stage holds, and how)."""
+    matrices = {}  # a tied LM head shares the embedding's matrix: count it once
+    for module in decoder.modules():
+        if isinstance(module, QuantizedLinear):
+            matrices.update((id(m), m) for m in module.matrices)
+        elif isinstance(module, QuantizedEmbedding):
+            matrices[id(module.table)] = module.table
+    held: dict[str, int] = {}
+    for m in matrices.values():
+        held[m.ggml_type.name] = held.get(m.ggml_type.name, 0) + m.num_bytes
+    dense = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    quantized = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sorted(held.items()))
+    return f"ggml {quantized}; dense {dense / 2**20:.1f} MiB" if held else f"dense {dense / 2**20:.1f} MiB"
 
 
 def _return_freed_memory() -> None:
