@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,6 +140,7 @@ class GGMLMatrix:
         return (self.rows, self.cols)
 
 
+_COMPUTE_LOCK = threading.Lock()
 _GGML_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30, torch.int32: 26}
 
 
@@ -199,10 +201,13 @@ class GraphScope:
                 g.ggml_build_forward_expand(graph, out)
         if allocator is not None and not g.ggml_gallocr_alloc_graph(allocator, graph):
             raise MemoryError("ggml could not allocate the step's intermediate tensors")
-        plan = g.ggml_graph_plan(graph, rt.num_threads, rt.threadpool)
-        if plan.work_size > GraphScope._work.numel():
-            GraphScope._work = torch.empty(plan.work_size, dtype=torch.uint8)
-        plan.work_data = ctypes.cast(GraphScope._work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
-        status = g.ggml_graph_compute(graph, ctypes.byref(plan))
-        if status != 0:
-            raise RuntimeError(f"ggml graph compute failed with status {status}")
+        # One compute at a time per process: the work buffer and ggml's threads are shared (two
+        # stages loaded on one node run on different gRPC threads).
+        with _COMPUTE_LOCK:
+            plan = g.ggml_graph_plan(graph, rt.num_threads, rt.threadpool)
+            if plan.work_size > GraphScope._work.numel():
+                GraphScope._work = torch.empty(plan.work_size, dtype=torch.uint8)
+            plan.work_data = ctypes.cast(GraphScope._work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+            status = g.ggml_graph_compute(graph, ctypes.byref(plan))
+            if status != 0:
+                raise RuntimeError(f"ggml graph compute failed with status {status}")

@@ -59,6 +59,10 @@ class GGMLWeightForm:
         if all(getattr(source, "is_block_quantized", lambda _: False)(n) for n in hf_names):
             parts = [self._blocks(source, n) for n in hf_names]
         elif self.quantize_to is not None:
+            shapes = source.tensor_shapes()
+            block = GGML_QUANT_SIZES[self.quantize_to][0]
+            if any(shapes[n][-1] % block for n in hf_names):
+                return None  # rows are not whole blocks (aidreams' 172-wide MLP): keep it dense
             parts = [quantize(self.rt, t, self.quantize_to)
                      for t in source.read(hf_names, torch.float32).values()]
         else:
