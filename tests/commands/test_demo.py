@@ -40,9 +40,9 @@ def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gg
     does) and the demo keeps bf16 hidden states and KV, so our logits differ from transformers' fp32
     ones by up to ~1 (max over the vocabulary; logits span ~27). Greedy output may then differ only
     where transformers itself nearly ties: each reply must equal transformers' up to its first
-    differing token, there our token must be transformers' second choice and its top-2 margin below
-    NEAR_TIE, half the measured deviation (divergences seen: margins 0.012, 0.052, 0.155); at least
-    half the replies must be identical in full.
+    differing token, and there transformers may prefer its own token over ours by less than
+    NEAR_TIE logits, half the measured deviation; at least half the replies must be identical in
+    full.
     """
     from transformers import AutoModelForCausalLM
 
@@ -89,10 +89,10 @@ def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gg
                     assert ours == theirs, (prompt, ours, theirs)  # same tokens, same stop
                     identical += 1
                     continue
-                top2 = logits[first].topk(2)
-                margin = float(top2.values[0] - top2.values[1])
-                assert ours[first] == int(top2.indices[1]), (prompt, first, ours[first], top2)
-                assert margin < NEAR_TIE, (prompt, first, margin, ours, theirs)
+                # How much transformers itself prefers its token over ours, where they first differ.
+                gap = float(logits[first].max() - logits[first, ours[first]])
+                print(f"{prompt!r}: first difference at token {first}, transformers' gap {gap:.3f}")
+                assert gap < NEAR_TIE, (prompt, first, gap, ours, theirs)
         finally:
             leader.close()
     finally:
