@@ -26,7 +26,8 @@ from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
 
 _F32 = 4
-_NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 40, 12
+# Graph capacity: ~25 nodes per layer plus 14 per sequence and layer (views count), with room to spare.
+_NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 48, 24
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 
 

@@ -88,3 +88,12 @@ def test_rollback_then_decode_recomputes_the_same_logits(decoder):
     again = [decoder(torch.tensor([t]), torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
              for t in (4, 5)]
     assert torch.equal(first[1], again[0]) and torch.equal(first[2], again[1])
+
+
+def test_sixteen_sequences_fit_one_graph(decoder):
+    # A graph too small for the batch aborts the process inside ggml (GGML_ASSERT), so this
+    # guards the capacity estimate: 16 sequences of a prefill and decode steps.
+    prompts = [[3 + i, 40 + i, 500 + i] for i in range(16)]
+    fast, slow = _run(decoder, prompts, 2, True), _run(decoder, prompts, 2, False)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
