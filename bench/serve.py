@@ -153,7 +153,7 @@ def main() -> int:
         try:
             options = ServingOptions(context_length=2048, max_batch=16, num_stages=2, dtype=args.dtype,
                                      scheduler=SchedulerConfig(max_batched_tokens=512, prefill_chunk=256))
-            backend, plan, _ = local_cluster_backend(cluster, files, options, "bench")
+            backend, _, _ = local_cluster_backend(cluster, files, options, "bench")
             server = APIServer(create_app(backend, APIConfig(port=0)), "127.0.0.1", 0)
             server.start()
             client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)

@@ -58,8 +58,11 @@ class NodeConfig:
     state_dir: Path = field(default_factory=default_state_dir)
     tls: TlsMode = None  # None: TLS with certificates derived from the cluster key
     device: str = "cpu"
+    max_memory_bytes: int | None = None  # the most memory this node offers to plans (None: what is free)
 
     def __post_init__(self):
+        if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
+            raise ValueError(f"--max-memory must be positive, got {self.max_memory_bytes} bytes")
         if self.gossip_interval_s <= 0:
             raise ValueError(f"--gossip-interval must be positive, got {self.gossip_interval_s}")
         if not self.gossip_interval_s < self.ttl_s <= MAX_TTL_S:
@@ -69,6 +72,12 @@ class NodeConfig:
             host, sep, port = peer.rpartition(":")
             if not (sep and host and port.isdigit()):
                 raise ValueError(f"--peer {peer!r} is not host:port")
+
+
+def capped_memory(memory: tuple[int, int], cap: int | None) -> tuple[int, int]:
+    """(total, free) as the card advertises them: never more than --max-memory."""
+    total, free = memory
+    return (total, free) if cap is None else (min(total, cap), min(free, cap))
 
 
 class Service(Protocol):
@@ -93,7 +102,8 @@ class Node:
         self.models = ModelScan(config.model_paths)
         profile = load_or_probe(config.device, config.state_dir)
         self.card = OwnCard(CardIdentity(self.node_id, self.address, platform_name(), config.ttl_s), profile,
-                            memory=lambda: memory_of(config.device), models=lambda: self.models.models)
+                            memory=lambda: capped_memory(memory_of(config.device), config.max_memory_bytes),
+                            models=lambda: self.models.models)
         self.registry = Registry(self.card.build())
         self.server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(self.registry))
         self.server.add(cluster_pb2_grpc.add_HealthServicer_to_server, HealthServicer(self.registry))
@@ -136,9 +146,11 @@ class Node:
         self.server.stop()
 
 
-def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda node: None) -> None:
-    """Start `node`, call `on_ready`, and stop cleanly on SIGINT or SIGTERM.
-    Call from the main thread (Python delivers signals there)."""
+def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda node: None,
+                        on_stopping: Callable[[], None] = lambda: None) -> None:
+    """Start `node`, call `on_ready`, and stop cleanly on SIGINT or SIGTERM: `on_stopping` first
+    (what was built on the node, such as an API and its leader, goes before the stages it uses),
+    then the node. Call from the main thread (Python delivers signals there)."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -148,6 +160,9 @@ def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda no
             pass
         log.info("node %s stopping", node.node_id)
     finally:
-        node.stop()
+        try:
+            on_stopping()
+        finally:
+            node.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)

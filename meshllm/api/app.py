@@ -16,7 +16,7 @@ from meshllm.api import replies
 from meshllm.api.auth import APIKeyMiddleware
 from meshllm.api.backend import Backend
 from meshllm.api.choices import ChoiceState, LogprobFormatter
-from meshllm.api.cluster_view import ClusterView, cluster_view
+from meshllm.api.cluster_view import ClusterView, cluster_view, health_view
 from meshllm.api.config import APIConfig
 from meshllm.api.errors import document_errors, error_responses, install_error_handlers
 from meshllm.api.generation import ClientDisconnected, Generation
@@ -55,14 +55,13 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     def leader_for(model: str) -> Leader:
         if model != backend.model_id:
             raise UnknownModel(f"model {model!r} is not served here; GET /v1/models lists {backend.model_id!r}")
-        leader, error = backend.leader, backend.plan_error
-        if leader is not None:
-            return leader
-        if isinstance(error, ShardUnavailable):
-            raise error
-        if error is None:  # caught between the two writes of a fleet change
-            raise ShardUnavailable(f"{model} is being re-planned on the fleet; retry in a moment")
-        raise ShardUnavailable(f"{model} cannot run on the fleet right now: [{error.code}] {error}")
+        if backend.leader is None:
+            report = backend.health.report()
+            raise ShardUnavailable(f"{model} cannot run: {report.reason}", missing_bytes=report.missing_bytes,
+                                   part=report.missing)
+        # Without a working plan right now the leader tries to get one for this request (it
+        # waits through a failover; when nothing fits it fails with shard_unavailable).
+        return backend.leader
 
     async def answer(request: Request, leader: Leader, choices: list[ChoiceRequest], body: SamplingFields,
                      ctx: ReplyContext, chat: bool) -> Response | ChatCompletion | Completion:
@@ -92,8 +91,9 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
 
     @app.get("/health", responses={503: {"description": "No plan fits the fleet: the model cannot run now"}})
     async def health() -> JSONResponse:
-        ready = backend.leader is not None
-        return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+        """For load balancers: 200 only while a working plan serves; else 503 and why."""
+        view = health_view(backend.health.report())
+        return JSONResponse(view.model_dump(), status_code=200 if view.status == "ok" else 503)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from meshllm.api.metrics import MetricsObserver
 from meshllm.cluster.card import Card
-from meshllm.errors import MeshError
 from meshllm.model.source import open_model
 from meshllm.model.tokenizer import Tokenizer
 from meshllm.pipeline.cluster import ServingOptions, context_of, local_leader
+from meshllm.pipeline.health import ServingHealth
 from meshllm.pipeline.leader import Leader
 
 
@@ -23,13 +23,13 @@ def _no_fleet() -> list[Card]:
     return []
 
 
-@dataclass
+@dataclass(frozen=True)
 class Backend:
-    """One served model. Not frozen on purpose: cluster mode may swap `leader` and
-    `plan_error` when the fleet changes (attribute writes are atomic); handlers read
-    them once per request.
+    """One served model.
 
-    `leader` is None exactly when `plan_error` says why no plan fits (-> HTTP 503).
+    `leader` is None only for a backend that can never serve (its `health` says why: HTTP 503);
+    in cluster mode the leader lives on through failures and re-plans, and `health` (written by
+    the plan's owner, pipeline/plan_owner.py) says whether a working plan exists right now.
     `max_context` is the most tokens (prompt + completion) one sequence may hold.
     `metrics` must be the observer the leader was built with: /metrics reads it.
     `fleet_view` returns the cards /v1/cluster shows ([] for a process without a node).
@@ -41,13 +41,14 @@ class Backend:
     leader: Leader | None
     metrics: MetricsObserver = field(default_factory=MetricsObserver, repr=False)
     fleet_view: Callable[[], list[Card]] = _no_fleet
-    plan_error: MeshError | None = None
+    health: ServingHealth = field(default_factory=ServingHealth)  # ok: the in-process model always serves
 
     def __post_init__(self):
-        if (self.leader is None) == (self.plan_error is None):
-            raise ValueError("a Backend has either a leader or a plan_error, not both or neither")
+        if self.leader is None and self.health.report().ok:
+            raise ValueError("a Backend without a leader must say why in an unavailable health")
         if self.max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {self.max_context}")
+        self.health.subscribe(self.metrics.on_health)
 
     def close(self) -> None:
         if self.leader is not None:

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from meshllm.api.backend import Backend
 from meshllm.api.metrics import MetricsObserver
 from meshllm.cluster.card import Card
+from meshllm.pipeline.health import HealthReport
 
 
 class ShardView(BaseModel):
@@ -39,15 +40,57 @@ class NodeView(BaseModel):
     age_s: float  # since the card was announced
 
 
+class StageView(BaseModel):
+    node_id: str
+    address: str
+    first_layer: int
+    last_layer: int  # exclusive
+
+
+class HealthView(BaseModel):
+    """GET /health's body, and the `health` of /v1/cluster."""
+
+    status: str  # ok | degraded | unavailable
+    reason: str | None  # what failed or what is missing, for a person
+    failed_node: str | None  # the node blamed for the last failure, while not ok
+    missing: str | None  # what does not fit ("layers 2-3") when unavailable for lack of memory
+    missing_bytes: int | None
+    stages: list[StageView]  # the plan serving now
+    num_failovers: int
+    since: float  # unix seconds of the last change of status
+
+
+def health_view(report: HealthReport) -> HealthView:
+    return HealthView(status=report.status.value, reason=report.reason, failed_node=report.failed_node,
+                      missing=report.missing, missing_bytes=report.missing_bytes,
+                      stages=[StageView(node_id=s.node_id, address=s.address, first_layer=s.first_layer,
+                                        last_layer=s.last_layer) for s in report.stages],
+                      num_failovers=report.num_failovers, since=report.since)
+
+
+class RecoveryView(BaseModel):
+    """One failover, seconds per part (pipeline/failover.py RecoveryTiming)."""
+
+    code: str
+    stage_index: int | None
+    detect_s: float
+    plan_s: float
+    load_s: float
+    reprefill_s: float
+    total_s: float
+
+
 class ServedModelView(BaseModel):
     model_id: str
-    ready: bool
-    plan_error: str | None
+    ready: bool  # health is ok
+    plan_error: str | None  # the reason when no plan serves
+    health: HealthView
     max_context: int
     queue_depth: int
     running_sequences: int
     tokens_per_second: float
     generated_tokens: int
+    recent_failovers: list[RecoveryView]  # the last 20, oldest first
 
 
 class ClusterView(BaseModel):
@@ -69,12 +112,16 @@ def node_view(card: Card, now: float) -> NodeView:
 
 def cluster_view(backend: Backend, metrics: MetricsObserver) -> ClusterView:
     now = time.time()
-    error = backend.plan_error
+    report = backend.health.report()
     served = ServedModelView(
-        model_id=backend.model_id, ready=backend.leader is not None,
-        plan_error=None if error is None else f"[{error.code}] {error}", max_context=backend.max_context,
+        model_id=backend.model_id, ready=report.ok, plan_error=None if report.ok else report.reason,
+        health=health_view(report), max_context=backend.max_context,
         queue_depth=metrics.num_waiting, running_sequences=metrics.num_running,
         tokens_per_second=round(metrics.recent_tokens_per_second(), 2),
-        generated_tokens=metrics.num_generated_tokens)
+        generated_tokens=metrics.num_generated_tokens,
+        recent_failovers=[RecoveryView(code=t.code, stage_index=t.stage_index, detect_s=round(t.detect_s, 4),
+                                       plan_s=round(t.plan_s, 4), load_s=round(t.load_s, 4),
+                                       reprefill_s=round(t.reprefill_s, 4), total_s=round(t.total_s, 4))
+                          for t in metrics.recent_recoveries()])
     nodes = sorted((node_view(c, now) for c in backend.fleet_view()), key=lambda n: n.node_id)
     return ClusterView(served=served, nodes=nodes, generated_at=now)

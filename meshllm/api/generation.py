@@ -51,7 +51,8 @@ class Generation:
             for choice in self.choices:
                 matcher = None if choice.grammar is None else self.grammars.matcher(choice.grammar)
                 self._seq_ids[choice.index] = self.leader.submit(
-                    choice.prompt_ids, choice.params, self._callback(choice.index), grammar=matcher)
+                    choice.prompt_ids, choice.params, self._callback(choice.index), grammar=matcher,
+                    speculative=choice.speculative)
         except MeshError:
             self.cancel()
             raise

@@ -18,10 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 from meshllm.engine.scheduler import MicroBatch
 from meshllm.engine.step import StepResult
 from meshllm.pipeline.events import LeaderObserver
+from meshllm.pipeline.failover import RecoveryTiming, StageFailure
+from meshllm.pipeline.health import HealthReport, HealthStatus
 
 # Seconds; from a fast GPU decode step to a slow CPU prefill over a LAN.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _THROUGHPUT_WINDOW_S = 10  # whole seconds
+# Failover: from a broken stream on loopback (tenths of a second) to loading gigabytes on a new node.
+_RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class MetricsObserver(LeaderObserver):
@@ -62,12 +66,44 @@ class MetricsObserver(LeaderObserver):
             "meshllm_generation_tokens_per_second",
             f"Tokens generated per second over the last {_THROUGHPUT_WINDOW_S} s.", registry=r)
         self.tokens_per_second.set_function(self.recent_tokens_per_second)
+        self.drafted_tokens = Counter(
+            "meshllm_spec_drafted_tokens", "Draft tokens sent for verification (speculative decoding).", registry=r)
+        self.accepted_tokens = Counter(
+            "meshllm_spec_accepted_tokens", "Draft tokens the verifier accepted.", registry=r)
+        self.verifier_passes = Counter(
+            "meshllm_spec_verifier_passes", "Decode passes of a sequence through the verifier (with or without "
+            "a draft).", registry=r)
+        self.acceptance_rate = Gauge(
+            "meshllm_spec_acceptance_rate", "Accepted over drafted tokens since start.", registry=r)
+        self.acceptance_rate.set_function(lambda: self._accepted / self._drafted if self._drafted else 0.0)
+        self.tokens_per_pass = Gauge(
+            "meshllm_spec_tokens_per_verifier_pass", "Tokens committed per decode pass since start (1 without "
+            "speculation).", registry=r)
+        self.tokens_per_pass.set_function(lambda: (self._passes + self._accepted) / self._passes if self._passes
+                                          else 0.0)
         self.api_errors = Counter("meshllm_api_errors", "HTTP API errors, by error code.", ["code"], registry=r)
+        # Failover (pipeline-sharding-spec §5.10 names, with our prefix).
+        self.failovers = Counter("meshllm_failovers", "Failovers started: a stage failed or stalled and the "
+                                 "leader re-planned, by error code.", ["code"], registry=r)
+        self.recovery_seconds = Histogram(
+            "meshllm_recovery_seconds", "From the last progress before a failure to the first token after the "
+            "failover (detect + re-plan + load + re-prefill).", buckets=_RECOVERY_BUCKETS, registry=r)
+        self.fallback_to_local = Counter("meshllm_fallback_to_local", "Times no plan fit the fleet and the "
+                                         "leader ran the model alone (--fallback-local).", registry=r)
+        self.shard_corruption_detected = Counter(
+            "meshllm_shard_corruption_detected", "Steps refused for corrupt activations (NaN/Inf, wrong shape or "
+            "dtype) or an invalid reply; the sending node is excluded.", registry=r)
+        self.stalls = Counter("meshllm_stalls", "Stages declared stalled: no reply within the deadline and no "
+                              "answer to a health check.", registry=r)
+        self.health_status = Gauge("meshllm_serving_status", "1 for the served model's current health status "
+                                   "(ok, degraded, unavailable), 0 for the others.", ["status"], registry=r)
+        self._recent_recoveries: deque[RecoveryTiming] = deque(maxlen=20)
         self._lock = threading.Lock()
         self._recent: deque[list[int]] = deque()  # [whole monotonic second, tokens generated in it]
         self._num_waiting = 0
         self._num_running = 0
         self._num_generated_tokens = 0
+        self._drafted = self._accepted = self._passes = 0
 
     # --- leader loop thread ------------------------------------------------------------------------
     def on_step(self, batch: MicroBatch, result: StepResult, seconds: float) -> None:
@@ -104,12 +140,46 @@ class MetricsObserver(LeaderObserver):
         self.running.set(num_running)
         self._num_waiting, self._num_running = num_waiting, num_running
 
+    def on_failure(self, failure: StageFailure) -> None:
+        self.failovers.labels(code=failure.code).inc()
+        if failure.code in ("shard_corrupt", "invalid_reply"):
+            self.shard_corruption_detected.inc()
+
+    def on_stall(self) -> None:
+        self.stalls.inc()
+
+    def on_recovered(self, timing: RecoveryTiming) -> None:
+        self.recovery_seconds.observe(timing.total_s)
+        with self._lock:
+            self._recent_recoveries.append(timing)
+
+    def on_fallback_local(self) -> None:
+        self.fallback_to_local.inc()
+
     def on_prefix(self, hit_tokens: int, miss_tokens: int) -> None:
         """Prefix-cache accounting of one admitted prompt (called by the scheduler once it has a prefix cache)."""
         self.prefix_cache_hit_tokens.inc(hit_tokens)
         self.prefix_cache_miss_tokens.inc(miss_tokens)
 
+    def on_verified(self, num_drafted: int, num_accepted: int) -> None:
+        self.verifier_passes.inc()
+        self._passes += 1
+        if num_drafted:
+            self.drafted_tokens.inc(num_drafted)
+            self.accepted_tokens.inc(num_accepted)
+            self._drafted += num_drafted
+            self._accepted += num_accepted
+
     # --- any thread --------------------------------------------------------------------------------
+    def on_health(self, report: HealthReport) -> None:
+        """The plan owner changed the served model's health."""
+        for status in HealthStatus:
+            self.health_status.labels(status=status.value).set(1 if report.status is status else 0)
+
+    def recent_recoveries(self) -> list[RecoveryTiming]:
+        with self._lock:
+            return list(self._recent_recoveries)
+
     def recent_tokens_per_second(self) -> float:
         with self._lock:
             self._drop_old(int(time.monotonic()))

@@ -9,7 +9,6 @@ tokens is refused by its length alone, so no request tokenizes megabytes.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -31,6 +30,7 @@ class ChoiceRequest:
     prompt_ids: list[int]
     params: SamplingParams
     grammar: Grammar | None = None  # what the output must match (response_format, forced tool call)
+    speculative: bool | None = None  # the request's override of the server's speculative decoding
 
 
 # Normalizers may fold a few characters into one (composed accents): allow for it, so
@@ -141,8 +141,9 @@ def _logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float
 def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
             model: ModelText, grammar: Grammar | None = None) -> list[ChoiceRequest]:
     """n choices per prompt, OpenAI's order (prompt-major). Choice j gets seed base + j, so a
-    request with a seed is reproducible and its choices still differ from one another."""
-    base_seed = body.seed if body.seed is not None else secrets.randbits(63)
+    request with a seed is reproducible and its choices still differ from one another. Without a
+    seed each choice draws its own at the leader, which may then verify sampled drafts with
+    min(1, p/q) (not bit-reproducible, exactly distributed)."""
     max_context = model.max_context
     logit_bias = _logit_bias(body, model.tokenizer.vocab_size)
     choices = []
@@ -157,10 +158,11 @@ def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | No
             params = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k_or_none,
-                seed=(base_seed + j) % _SEED_RANGE, max_tokens=limit, stop=body.stop_strings,
-                logprobs=logprobs, ignore_eos=body.ignore_eos, min_p=body.min_p or 0.0,
+                # No seed asked: the leader draws one per choice (and may then verify sampled drafts by p/q).
+                seed=None if body.seed is None else (body.seed + j) % _SEED_RANGE, max_tokens=limit,
+                stop=body.stop_strings, logprobs=logprobs, ignore_eos=body.ignore_eos, min_p=body.min_p or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias=logit_bias)
-            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params, grammar))
+            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params, grammar, body.speculative))
     return choices

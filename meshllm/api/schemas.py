@@ -132,6 +132,7 @@ class SamplingFields(_Body):
     min_p: float | None = None  # extension (vLLM): [0, 1]
     logit_bias: dict[str, float] | None = None  # token id (as text) -> [-100, 100]
     user: str | None = None
+    speculative: bool | None = None  # extension: false decodes this request without drafts (default: server's)
 
     @model_validator(mode="after")
     def _check_stop(self):

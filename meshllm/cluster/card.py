@@ -38,6 +38,16 @@ class LoadedShard:
 
 
 @dataclass(frozen=True, slots=True)
+class RoleOffer:
+    """A model this node serves in a role beyond stages: a proposer ("ngram" or a draft model)."""
+
+    role: Role
+    model_id: str
+    vocab: str = ""  # vocabulary fingerprint (spec/draft_model.py); "" for token-agnostic proposers
+    tokens_per_second: float = 0.0  # estimated drafting speed of one sequence
+
+
+@dataclass(frozen=True, slots=True)
 class Card:
     node_id: NodeId
     grpc_address: str  # host:port
@@ -54,6 +64,7 @@ class Card:
     api_address: str | None = None  # host:port of the OpenAI-compatible HTTP API, when served
     announced_at: float = field(default_factory=time.time)  # unix seconds; last writer wins
     ttl_seconds: float = 30.0
+    offers: tuple[RoleOffer, ...] = ()
 
     @property
     def expires_at(self) -> float:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role
+from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer
 from meshllm.cluster.profile import DeviceProfile
 from meshllm.transport.convert import CARD_MAX_BYTES, card_wire_size
 
@@ -45,6 +45,7 @@ class OwnCard:
         self._shards: Callable[[], tuple[LoadedShard, ...]] = tuple
         self._api_address: str | None = None
         self._collective_endpoint: str | None = None
+        self._offers: tuple[RoleOffer, ...] = ()
         self._warned_trim = False
 
     def set_shards_source(self, shards: Callable[[], tuple[LoadedShard, ...]]) -> None:
@@ -55,6 +56,11 @@ class OwnCard:
         with self._lock:
             self._api_address = address
 
+    def set_offers(self, offers: tuple[RoleOffer, ...]) -> None:
+        """What this node serves beyond stages (proposers); their roles join the card's roles."""
+        with self._lock:
+            self._offers = tuple(offers)
+
     def set_collective_endpoint(self, address: str | None) -> None:
         with self._lock:
             self._collective_endpoint = address
@@ -63,13 +69,15 @@ class OwnCard:
         total, free = self._memory()
         with self._lock:
             shards, api_address, collective = self._shards(), self._api_address, self._collective_endpoint
+            offers = self._offers
+        roles = tuple(dict.fromkeys((*self._identity.roles, *(o.role for o in offers))))
         card = Card(
             node_id=self._identity.node_id, grpc_address=self._identity.grpc_address,
             platform=self._identity.platform, device=self._profile.device,
             memory_total_bytes=total, memory_free_bytes=min(free, total),
             memory_bandwidth_gbps=round(self._profile.memory_bandwidth_gbps, 2),
             matmul_gflops=round(self._profile.matmul_gflops, 2),
-            models=self._models(), shards=tuple(shards), roles=self._identity.roles,
+            models=self._models(), shards=tuple(shards), roles=roles, offers=offers,
             collective_endpoint=collective, api_address=api_address,
             announced_at=self._clock(), ttl_seconds=self._identity.ttl_seconds)
         return self._fit_to_wire(card)

@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import shutil
-import signal
+import signal as signals
 import tempfile
 import threading
 import time
@@ -27,6 +27,7 @@ from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions
 from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 
 MODEL_ENV = "MESHLLM_MODEL"
 SAMPLE_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -47,12 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=2048, help="tokens per request (default 2048)")
     parser.add_argument("--once", action="store_true", help="exit after the sample completion")
     add_api_guard_arguments(parser)
+    parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
+                        help=SPECULATIVE_HELP + " (default: off)")
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:
     """How the demo serves: a GGUF keeps its own quantization (ggml holds the blocks)."""
     return ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
-                          dtype=args.dtype, quantization=args.quantize, scheduler=SchedulerConfig())
+                          dtype=args.dtype, quantization=args.quantize, scheduler=SchedulerConfig(),
+                          speculative=args.speculative)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,22 +67,25 @@ def run(args: argparse.Namespace) -> int:
                         max_body_bytes=int(args.max_body_mib * MIB))
     except ValueError as e:
         raise SystemExit(f"meshllm demo: {e}") from None
+    if args.speculative is not None:
+        SpeculativeChoice.parse(args.speculative)
     files = open_model(args.model or os.environ.get(MODEL_ENV) or None)
     print(f"meshllm demo: model {files.model_id} ({files.config.num_hidden_layers} layers) from {files.path}",
           flush=True)
     state_dir = Path(tempfile.mkdtemp(prefix="meshllm-demo-"))
     threads = max(1, (os.cpu_count() or 1) // args.nodes)
     cluster = LocalCluster(args.nodes, [files.path], state_dir, extra_args=("--gossip-interval", "0.5"),
-                           threads_per_node=threads)
+                           threads_per_node=threads, on_exit=_report_exit)
     print(f"meshllm demo: starting {args.nodes} nodes on loopback ...", flush=True)
     started = time.perf_counter()
     cluster.start()
     backend = server = None
     try:
         options = serving_options(args)
-        backend, plan, _ = local_cluster_backend(cluster, files, options, "demo-leader")
+        backend, owner, _ = local_cluster_backend(cluster, files, options, "demo-leader")
+        plan = owner.plan
         if plan is None:
-            raise backend.plan_error
+            raise SystemExit(f"meshllm demo: {backend.health.report().reason}")
         for i, s in enumerate(plan.stages):
             print(f"  stage {i}: {s.node_id} at {s.address} holds layers {s.first_layer}-{s.last_layer - 1}",
                   flush=True)
@@ -98,6 +105,12 @@ def run(args: argparse.Namespace) -> int:
         cluster.stop()
         shutil.rmtree(state_dir, ignore_errors=True)  # the demo's throwaway key and node state
     return 0
+
+
+def _report_exit(index: int, returncode: int) -> None:
+    how = (f"killed by {signals.Signals(-returncode).name}" if returncode < 0 else f"exit status {returncode}")
+    print(f"meshllm demo: node-{index} died ({how}); the leader fails over to the other nodes "
+          f"(see /health and /v1/cluster)", flush=True)
 
 
 def _ask(url: str, model_id: str, api_key: str | None) -> None:
@@ -132,8 +145,8 @@ def _print_next_steps(url: str, model_id: str, needs_key: bool) -> None:
 
 def _wait_for_ctrl_c() -> None:
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, frame: stop.set())
+    for sig in (signals.SIGINT, signals.SIGTERM):
+        signals.signal(sig, lambda signum, frame: stop.set())
     print("meshllm demo: serving; press Ctrl-C to stop", flush=True)
     while not stop.wait(0.5):
         pass

@@ -22,9 +22,10 @@ from meshllm.commands.transport_args import add_transport_arguments, tls_from_ar
 from meshllm.engine.generate import TextDelta, check_fits, stream_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.stage_weights import QUANTIZE_TYPES, load_stage_decoder
-from meshllm.errors import BadRequest, PeerUnreachable
+from meshllm.errors import BadRequest, PeerUnreachable, ShardUnavailable
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.events import GenerationEvent
+from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
@@ -74,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "GGUF files stay in their own quantization without it (default: none)")
     parser.add_argument("--int8", dest="quantize", action="store_const", const="int8",
                         help="same as --quantize int8 (kept for old scripts)")
+    parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
+                        help=SPECULATIVE_HELP + " (default: off)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's choice, one per core)")
 
@@ -91,8 +94,12 @@ def run(args: argparse.Namespace) -> int:
             raise BadRequest(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
+    if args.speculative is not None:
+        SpeculativeChoice.parse(args.speculative)  # a bad value fails before any weight loads
     if args.peer:
         deltas = _cluster_stream(files, prompt_ids, params, args)
+    elif args.speculative is not None:
+        deltas = _local_leader_stream(files, prompt_ids, params, args)
     else:
         deltas = _local_stream(files, prompt_ids, params, resolve_dtype(args.dtype), args.quantize)
     num_tokens, finish_reason, first_token_at = 0, None, None
@@ -122,30 +129,62 @@ def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPara
     return stream_many(decoder, files.tokenizer, [prompt_ids], [params])
 
 
+def _local_leader_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
+                         args: argparse.Namespace) -> Iterator[GenerationEvent]:
+    """The whole model in this process behind a leader, which drafts with the chosen proposer."""
+    from meshllm.pipeline.cluster import ServingOptions, local_leader
+
+    options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
+                             dtype=_option_dtype(args.dtype), quantization=args.quantize,
+                             speculative=args.speculative)
+    leader = local_leader(files, options)
+    try:
+        for event in leader.generate(prompt_ids, params):
+            if event.error is not None:
+                raise event.error
+            yield event
+    finally:
+        leader.close()
+
+
+def _option_dtype(name: str) -> str:
+    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[AUTO_DTYPE["cpu"] if name == "auto" else name]
+
+
 def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
                     args: argparse.Namespace) -> Iterator[GenerationEvent]:
     """Plan the model over the fleet the peers see, load the stages, and stream through them."""
     from meshllm.cluster.gossip import fetch_view
     from meshllm.commands.node import resolve_key
     from meshllm.node import default_state_dir
-    from meshllm.pipeline.cluster import ServingOptions, cluster_leader
+    from meshllm.pipeline.cluster import ServingOptions
+    from meshllm.pipeline.plan_owner import PlanOwner
 
     key = resolve_key(args.key_file, default_state_dir(), create=False)
     tls = tls_from_args(args)
-    fleet, failures = [], []
-    for peer in args.peer:
-        try:
-            fleet = fetch_view(peer, key, tls=tls, node_id=LEADER_ID)
-            break
-        except PeerUnreachable as e:
-            failures.append(str(e))
-    if not fleet:
+
+    def fleet_view() -> list:
+        # Asked again at each re-plan: the first peer that answers (one may be the node that failed).
+        failures = []
+        for peer in args.peer:
+            try:
+                return fetch_view(peer, key, tls=tls, node_id=LEADER_ID)
+            except PeerUnreachable as e:
+                failures.append(str(e))
         raise PeerUnreachable("no peer answered: " + "; ".join(failures))
-    dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[
-        AUTO_DTYPE["cpu"] if args.dtype == "auto" else args.dtype]
+
+    fleet_view()  # no peer answers: fail now, with that message
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
-                             num_stages=args.stages, dtype=dtype, quantization=args.quantize)
-    leader, plan = cluster_leader(files, fleet, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
+                             num_stages=args.stages, dtype=_option_dtype(args.dtype),
+                             quantization=args.quantize, speculative=args.speculative)
+    owner = PlanOwner(files, fleet_view, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
+    leader = owner.start()
+    plan = owner.plan
+    if plan is None:
+        leader.close()
+        report = owner.health.report()
+        raise ShardUnavailable(report.reason or "no plan fits the fleet", missing_bytes=report.missing_bytes,
+                               part=report.missing)
     print("[" + ", ".join(f"{s.node_id}: layers {s.first_layer}-{s.last_layer - 1}" for s in plan.stages) + "]",
           file=sys.stderr)
     try:

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from meshllm.pipeline.node_stage import attach_stage_service
+from meshllm.spec.node_proposer import attach_proposer_service
 from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.transport.auth import load_key, load_or_create_key
@@ -35,6 +36,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"folder for the cluster key and probe cache (default {default_state_dir()})")
     add_transport_arguments(parser)
     parser.add_argument("--device", default=d.device, help=f"compute device: cpu, cuda:0, mps (default {d.device})")
+    parser.add_argument("--draft-model", action="append", default=[], type=Path, metavar="PATH",
+                        help="serve this model as a draft-model proposer for other nodes' speculative decoding "
+                             "(repeatable; loaded at start, int8 weights). Every node also serves an n-gram proposer")
+    parser.add_argument("--max-memory", type=parse_size, default=None, metavar="SIZE",
+                        help="the most memory this node offers to plans, e.g. 6GiB or 512MiB (default: all that "
+                             "is free); leaves the rest to other programs")
+
+
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
+
+
+def parse_size(text: str) -> int:
+    """'6GiB', '512MiB', '4.5MB', '1000000' -> bytes."""
+    number = text.rstrip("KMGiBkmgib")
+    unit = text[len(number):].upper()
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 6GiB, 512MiB or 4.5MB") from None
 
 
 def resolve_key(key_file: Path | None, state_dir: Path, *, create: bool) -> bytes:
@@ -58,12 +78,13 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),
             model_paths=tuple(args.models), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
             ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=state_dir, tls=tls_from_args(args),
-            device=args.device)
+            device=args.device, max_memory_bytes=args.max_memory)
     except ValueError as e:
         raise SystemExit(f"meshllm node: {e}") from None
     key = resolve_key(args.key_file, state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
+    attach_proposer_service(node, list(args.draft_model))
     run_until_signalled(node, on_ready=lambda n: print(f"meshllm node {n.node_id} listening on {n.address}",
                                                        flush=True))
     return 0

@@ -23,7 +23,10 @@ from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.model.source import default_model_path, open_model
 from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
 from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions, wait_for_fleet
+from meshllm.pipeline.failover import FailoverConfig
 from meshllm.pipeline.node_stage import attach_stage_service
+from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
+from meshllm.spec.node_proposer import attach_proposer_service
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.server import join_host_port
 
@@ -54,8 +57,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, default=None,
                         help="plan the model across this many stage nodes of the fleet (default: in this "
                              "process alone, or the fewest nodes that fit when --peer is given)")
+    parser.add_argument("--step-timeout", type=float, default=_SERVING.step_timeout_s,
+                        help=f"seconds without any reply from the pipeline before it counts as stalled even "
+                             f"though every stage answers health checks (default {_SERVING.step_timeout_s:g}; a "
+                             f"stage that stops answering is detected in ~1-2 s from measured step times)")
+    parser.add_argument("--max-failovers", type=int, default=_SERVING.failover.max_failovers,
+                        help=f"failovers one request may go through before it ends with pipeline_stalled "
+                             f"(default {_SERVING.failover.max_failovers})")
+    parser.add_argument("--fallback-local", action="store_true",
+                        help="when no plan fits the fleet, run the model on this node alone if it fits here")
     parser.add_argument("--fleet-timeout", type=float, default=120.0,
                         help="seconds to wait for enough nodes to advertise the model (default 120)")
+    parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
+                        help=SPECULATIVE_HELP + "; a request may opt out with {\"speculative\": false} in its "
+                             "body (default: off)")
     parser.add_argument("--api-host", default=_API.host,
                         help=f"address the HTTP API listens on (default {_API.host}; 0.0.0.0 for the LAN)")
     parser.add_argument("--api-port", type=int, default=_API.port,
@@ -74,9 +89,17 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
     if args.max_context < 2 or args.max_batch < 1:
         raise ValueError(f"--max-context must be at least 2 and --max-batch at least 1, got {args.max_context} "
                          f"and {args.max_batch}")
+    if args.step_timeout <= 0 or args.max_failovers < 0:
+        raise ValueError(f"--step-timeout must be positive and --max-failovers at least 0, got "
+                         f"{args.step_timeout} and {args.max_failovers}")
     scheduler = SchedulerConfig(max_waiting=args.max_queue)
+    if args.speculative is not None:
+        SpeculativeChoice.parse(args.speculative)
     return ServingOptions(context_length=args.max_context, max_batch=args.max_batch, dtype=args.dtype,
-                          batch_invariant=args.batch_invariant, quantization=args.quantize, scheduler=scheduler)
+                          batch_invariant=args.batch_invariant, quantization=args.quantize,
+                          scheduler=scheduler, step_timeout_s=args.step_timeout,
+                          failover=FailoverConfig(max_failovers=args.max_failovers),
+                          fallback_local=args.fallback_local, speculative=args.speculative)
 
 
 def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
@@ -85,7 +108,7 @@ def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
         host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),
         model_paths=(*args.models, model_path), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
         ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=args.state_dir or default_state_dir(),
-        tls=node_command.tls_from_args(args), device=args.device)
+        tls=node_command.tls_from_args(args), device=args.device, max_memory_bytes=args.max_memory)
 
 
 def build_backend(args: argparse.Namespace, node: Node, key: bytes) -> Backend:
@@ -96,9 +119,13 @@ def build_backend(args: argparse.Namespace, node: Node, key: bytes) -> Backend:
     files = open_model(args.model)
     wait_for_fleet(node.registry.snapshot, files.source.fingerprint(), args.stages or 1, args.fleet_timeout)
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
-    backend, plan = build_cluster_backend(files, node.registry.snapshot, channels,
-                                          replace(options, num_stages=args.stages))
-    if plan is not None:
+    backend, owner = build_cluster_backend(files, node.registry.snapshot, channels,
+                                           replace(options, num_stages=args.stages))
+    plan = owner.plan
+    if plan is None:
+        print(f"meshllm serve: no plan fits yet ({backend.health.report().reason}); retrying as nodes join",
+              flush=True)
+    else:
         for i, s in enumerate(plan.stages):
             print(f"meshllm serve: stage {i} on {s.node_id} ({s.address}) holds layers "
                   f"{s.first_layer}-{s.last_layer - 1}", flush=True)
@@ -115,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     key = node_command.resolve_key(args.key_file, config.state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
+    attach_proposer_service(node, list(args.draft_model))
     running: dict = {}
 
     def on_ready(n: Node) -> None:
@@ -128,11 +156,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"meshllm serve: node {n.node_id} on {n.address}; serving {backend.model_id} at {server.url}/v1",
               flush=True)
 
-    try:
-        run_until_signalled(node, on_ready=on_ready)
-    finally:
+    def on_stopping() -> None:
         if "server" in running:
             running["server"].stop()
         if "backend" in running:
             running["backend"].close()
+
+    run_until_signalled(node, on_ready=on_ready, on_stopping=on_stopping)
     return 0

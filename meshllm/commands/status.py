@@ -1,4 +1,5 @@
-"""`meshllm status`: the fleet as one node sees it, as a table or JSON."""
+"""`meshllm status`: the fleet as one node sees it, as a table or JSON, with the health of
+every model a node serves over HTTP (its /health: ok, degraded or unavailable, and why)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import argparse
 import dataclasses
 import json
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from meshllm.cluster.card import Card
@@ -29,21 +33,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_transport_arguments(parser)
 
 
-def card_json(card: Card, now: float) -> dict:
+def card_json(card: Card, now: float, serving: dict | None = None) -> dict:
     data = dataclasses.asdict(card)
     data["roles"] = [r.value for r in card.roles]
     data["age_seconds"] = round(now - card.announced_at, 3)
+    data["serving"] = serving
     return data
 
 
-def format_table(cards: list[Card], now: float) -> str:
-    header = ("NODE", "ADDRESS", "DEVICE", "MEMORY USED/TOTAL", "MODELS", "SHARDS", "AGE")
+def serving_health(api_address: str | None, timeout_s: float = 2.0) -> dict | None:
+    """The /health body of a node's HTTP API (None when it serves none); an API that does not
+    answer is reported as unreachable rather than failing the whole status."""
+    if api_address is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://{api_address}/health", timeout=timeout_s) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as e:  # 503: not ok, and the body says why
+        try:
+            return json.load(e)
+        except ValueError:
+            return {"status": "unavailable", "reason": f"HTTP {e.code}"}
+    except (OSError, ValueError) as e:
+        return {"status": "unreachable", "reason": str(e)}
+
+
+def describe_serving(serving: dict | None) -> str:
+    if serving is None:
+        return "-"
+    reason = serving.get("reason")
+    return serving.get("status", "?") + (f": {reason}" if reason and serving.get("status") != "ok" else "")
+
+
+def format_table(cards: list[Card], now: float, serving: list[dict | None] | None = None) -> str:
+    header = ("NODE", "ADDRESS", "DEVICE", "MEMORY USED/TOTAL", "MODELS", "SHARDS", "AGE", "SERVING")
     rows = [header]
-    for c in cards:
+    for c, health in zip(cards, serving or [None] * len(cards)):
         used = (c.memory_total_bytes - c.memory_free_bytes) / GIB
         shards = ", ".join(f"{s.model_id}[{s.first_layer}:{s.last_layer}]" for s in c.shards) or "-"
         rows.append((c.node_id, c.grpc_address, c.device, f"{used:.1f}/{c.memory_total_bytes / GIB:.1f} GiB",
-                     ", ".join(m.model_id for m in c.models) or "-", shards, f"{now - c.announced_at:.1f}s"))
+                     ", ".join(m.model_id for m in c.models) or "-", shards, f"{now - c.announced_at:.1f}s",
+                     describe_serving(health)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
@@ -52,8 +82,11 @@ def run(args: argparse.Namespace) -> int:
     key = resolve_key(args.key_file, args.state_dir or default_state_dir(), create=False)
     cards = fetch_view(args.peer, key, args.timeout, tls=tls_from_args(args))
     now = time.time()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        serving = list(pool.map(lambda c: serving_health(c.api_address), cards))
     if args.json:
-        print(json.dumps({"queried": args.peer, "nodes": [card_json(c, now) for c in cards]}, indent=2))
+        print(json.dumps({"queried": args.peer, "nodes": [card_json(c, now, h) for c, h in zip(cards, serving)]},
+                         indent=2))
     else:
-        print(format_table(cards, now))
+        print(format_table(cards, now, serving))
     return 0

@@ -75,3 +75,14 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml {self.table.ggml_type.name}"
+
+
+def ggml_matrices(module: nn.Module) -> list[GGMLMatrix]:
+    """Every ggml-held matrix under `module`, each once (a tied LM head shares the embedding's)."""
+    matrices: dict[int, GGMLMatrix] = {}
+    for m in module.modules():
+        if isinstance(m, QuantizedLinear):
+            matrices.update((id(x), x) for x in m.matrices)
+        elif isinstance(m, QuantizedEmbedding):
+            matrices[id(m.table)] = m.table
+    return list(matrices.values())

@@ -113,6 +113,7 @@ class TokenLogprobs:
 class SampleOutput:
     token_ids: Tensor  # [n] int64
     logprobs: tuple[TokenLogprobs | None, ...]  # per row; None where the row did not ask
+    processed: Tensor  # the logits the choice was made from: penalties, bias and grammar masks applied
 
 
 def draw_seed(seed: int, position: int) -> int:
@@ -153,7 +154,7 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
         token_ids[i] = _draw(processed[i], params[i], generators[i])
     logprobs = tuple(None if p.logprobs is None else _logprobs(logits[i], int(token_ids[i]), p.logprobs)
                      for i, p in enumerate(params))
-    return SampleOutput(token_ids, logprobs)
+    return SampleOutput(token_ids, logprobs, processed)
 
 
 def _draw(row: Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
@@ -161,26 +162,43 @@ def _draw(row: Tensor, p: SamplingParams, generator: torch.Generator | None) -> 
     # so the generator's state depends only on how many tokens the sequence sampled.
     assert generator is not None, "a sampled row needs its sequence's generator"
     u = float(torch.rand((), generator=generator, dtype=torch.float64))
+    probs, ids = target_distribution(row, p)
+    index = inverse_cdf(probs, u)
+    return index if ids is None else int(ids[index])
+
+
+def target_distribution(row: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor | None]:
+    """What a sampled row draws from: probabilities over the whole vocabulary (ids None), or
+    over `ids` after top-k / top-p (zeros past the nucleus). Speculative sampling compares
+    draft distributions against exactly this."""
     scaled = row.float() / p.temperature
     if p.min_p > 0.0:
         # min_p: keep tokens at least min_p times as likely as the likeliest (same as a logit gap).
         scaled = scaled.masked_fill(scaled < scaled.max() + math.log(p.min_p), float("-inf"))
     if p.top_k is None and p.top_p >= 1.0:
-        probs = torch.softmax(scaled, dim=-1)
-        ids = None
-    else:
-        k = row.shape[-1] if p.top_k is None else min(p.top_k, row.shape[-1])
-        values, ids = torch.topk(scaled, k, sorted=True)
-        probs = torch.softmax(values, dim=-1)
-        if p.top_p < 1.0:
-            # Keep the smallest prefix whose mass reaches top_p (always the first token).
-            before = torch.cumsum(probs, dim=-1) - probs
-            probs = torch.where(before < p.top_p, probs, torch.zeros_like(probs))
+        return torch.softmax(scaled, dim=-1), None
+    k = row.shape[-1] if p.top_k is None else min(p.top_k, row.shape[-1])
+    values, ids = torch.topk(scaled, k, sorted=True)
+    probs = torch.softmax(values, dim=-1)
+    if p.top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        before = torch.cumsum(probs, dim=-1) - probs
+        probs = torch.where(before < p.top_p, probs, torch.zeros_like(probs))
+    return probs, ids
+
+
+def inverse_cdf(probs: Tensor, u: float) -> int:
+    """The index a uniform number u in [0, 1) picks from unnormalised probabilities `probs`."""
     cdf = torch.cumsum(probs.double(), dim=-1)
     index = int(torch.searchsorted(cdf, u * float(cdf[-1]), right=True).clamp_(max=cdf.numel() - 1))
     while float(probs[index]) == 0.0 and index > 0:  # rounding at the top end of the cdf
         index -= 1
-    return index if ids is None else int(ids[index])
+    return index
+
+
+def token_logprobs(row: Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    """`token_id`'s logprob and the `num_top` likeliest tokens', from the unmodified row."""
+    return _logprobs(row, token_id, num_top)
 
 
 def _logprobs(row: Tensor, token_id: int, num_top: int) -> TokenLogprobs:

@@ -52,6 +52,7 @@ class Work:
     num_scored: int  # 0: a chunk short of the last committed token; else 1 + len(draft)
     attach: tuple[int, ...] = ()  # prefix-cache blocks the stages copy in before computing
     draft: tuple[int, ...] = ()  # proposed tokens riding as the last rows, verified by the last stage
+    draft_dists: tuple | None = None  # q of each draft token (speculative sampling), else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,8 @@ class Scheduler:
         if not seq.is_prefilling:
             draft = self._draft_for(seq, budget)
             n = 1 + len(draft)
-            return Work(seq, start, n, num_scored=n, attach=attach, draft=draft)
+            dists = seq.draft_dists[:len(draft)] if draft and seq.draft_dists is not None else None
+            return Work(seq, start, n, num_scored=n, attach=attach, draft=draft, draft_dists=dists)
         # A chunk always ends at the next multiple of prefill_chunk (or the last committed
         # token), whatever else is in the batch: batch-invariant arithmetic needs the same chunks.
         chunk = self.config.prefill_chunk

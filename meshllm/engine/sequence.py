@@ -32,6 +32,7 @@ class Sequence:
     # draft[0] would be the token at draft_position. The scheduler sends it for verification.
     draft: tuple[int, ...] = ()
     draft_position: int = 0
+    draft_dists: tuple | None = None  # DraftDist per draft token when the proposer sampled them
 
     @property
     def num_prompt_tokens(self) -> int:

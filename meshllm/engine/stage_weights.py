@@ -25,7 +25,7 @@ from meshllm.cluster.stage_budget import WeightBytes
 from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, quantize
-from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
+from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.weight_forms import QUANTIZATIONS, prepare_for_cpu
 from meshllm.errors import BadRequest, ModelLoadError
 from meshllm.model.config import ModelConfig
@@ -117,16 +117,17 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
     return prepare_for_cpu(decoder, None, batch_invariant=False)
 
 
+def decoder_bytes(decoder: Decoder) -> int:
+    """Weight bytes a stage holds: torch parameters and buffers, plus the matrices ggml holds."""
+    tensors = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}
+    dense = sum(t.numel() * t.element_size() for t in tensors.values())
+    return dense + sum(m.num_bytes for m in ggml_matrices(decoder))
+
+
 def describe_weights(decoder: Decoder) -> str:
     """E.g. "ggml Q4_1 63.0 MiB, Q8_0 28.1 MiB; dense 0.1 MiB" (logs: what a stage holds, and how)."""
-    matrices = {}  # a tied LM head shares the embedding's matrix: count it once
-    for module in decoder.modules():
-        if isinstance(module, QuantizedLinear):
-            matrices.update((id(m), m) for m in module.matrices)
-        elif isinstance(module, QuantizedEmbedding):
-            matrices[id(module.table)] = module.table
     held: dict[str, int] = {}
-    for m in matrices.values():
+    for m in ggml_matrices(decoder):
         held[m.ggml_type.name] = held.get(m.ggml_type.name, 0) + m.num_bytes
     dense = sum(p.numel() * p.element_size() for p in decoder.parameters())
     quantized = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sorted(held.items()))
@@ -147,10 +148,10 @@ def _return_freed_memory() -> None:
 
 
 def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: int,
-                      quantization: str | None = None) -> WeightBytes | None:
+                      quantization: str | None = None, batch_invariant: bool = False) -> WeightBytes | None:
     """What the weights take in memory in the form load_stage_decoder gives them; None when that
-    is simply parameters × dtype bytes (no ggml, or nothing quantized)."""
-    if runtime() is None:
+    is simply parameters × dtype bytes (no ggml, batch-invariant mode, or nothing quantized)."""
+    if batch_invariant or runtime() is None:
         return None
     is_blocks = getattr(source, "is_block_quantized", lambda _: False)
     quantize_to = QUANTIZE_TYPES.get(quantization)

@@ -15,6 +15,24 @@ from meshllm.engine.logit_processors import PenaltyCounts, RowInputs
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 
 
+MAX_DRAFT_SUPPORT = 64  # entries of one sparse draft distribution
+
+
+@dataclass(frozen=True, slots=True)
+class DraftDist:
+    """A sparse draft distribution q: the draft token was drawn from exactly these ids with
+    these probabilities (summing to 1). The last stage then accepts it with min(1, p/q)."""
+
+    ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+    def prob(self, token_id: int) -> float:
+        for i, p in zip(self.ids, self.probs):
+            if i == token_id:
+                return p
+        return 0.0
+
+
 @dataclass(frozen=True, slots=True)
 class SeqWork:
     """One sequence's rows in a micro-batch: tokens at positions [start, start + num_tokens).
@@ -38,6 +56,9 @@ class SeqWork:
     draft: tuple[int, ...] = ()
     penalties: PenaltyCounts = PenaltyCounts()
     allowed: tuple[Tensor, ...] = ()  # int32 bitmask words per scored row; () without a grammar
+    # q of each draft token when the proposer sampled it (speculative sampling); None: point masses,
+    # verified by exact match against the verifier's own draw.
+    draft_dists: tuple[DraftDist, ...] | None = None
 
     def __post_init__(self):
         if self.start < 0 or self.num_tokens < 1:
@@ -46,6 +67,9 @@ class SeqWork:
                 or self.num_scored > self.num_tokens:
             raise ValueError(f"sequence {self.seq_id}: {self.num_scored} scored rows for {len(self.draft)} draft "
                              f"tokens in {self.num_tokens} rows; expected 0 or len(draft) + 1")
+        if self.draft_dists is not None and len(self.draft_dists) != len(self.draft):
+            raise ValueError(f"sequence {self.seq_id}: {len(self.draft_dists)} draft distributions for "
+                             f"{len(self.draft)} draft tokens")
         if self.num_scored and (self.sampling is None or self.sampling.seed is None):
             raise ValueError(f"sequence {self.seq_id} is scored but carries no seeded SamplingParams")
         if self.allowed and len(self.allowed) != self.num_scored:

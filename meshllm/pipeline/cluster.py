@@ -1,6 +1,6 @@
-"""Compose a Leader over the live fleet: plan the model, load the stages, open the stream.
-
-Used by `meshllm generate --peer`, `meshllm serve` and `meshllm demo`.
+"""How a served model runs: its options, the leader over a transport, the in-process
+pipeline, and the placement request for the fleet. plan_owner.py composes these into the
+leader every cluster path (`meshllm generate --peer`, `serve`, `demo`) uses.
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.stage_weights import held_weight_bytes, load_stage_decoder
 from meshllm.errors import PeerUnreachable, ShardUnavailable
 from meshllm.model.source import ModelFiles
-from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
+from meshllm.pipeline.failover import FailoverConfig, Replanner
 from meshllm.pipeline.leader import Leader
-from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
-from meshllm.transport.channels import ChannelPool
+from meshllm.pipeline.transport import LocalPipeline
+from meshllm.spec.drafter import SpecConfig
+from meshllm.spec.factory import SpeculativeChoice, build_proposer
+from meshllm.spec.proposer import Proposer
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +41,14 @@ class ServingOptions:
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8" / "int4": quantize a 16/32-bit model's linears at load
-    step_timeout_s: float = 120.0  # a micro-batch unanswered this long fails its sequences (stalled stage)
+    # No reply for this long is a stalled pipeline even if every stage answers health checks (the
+    # cap of the deadline measured from step times, deadline.py).
+    step_timeout_s: float = 30.0
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    fallback_local: bool = False  # when no plan fits the fleet, run on the leader alone if the model fits here
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding, when a proposer is given
+    speculative: str | None = None  # "ngram" | "draft:MODEL" | "remote[:NODE]" (spec/factory.py); None: off
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -58,41 +66,44 @@ def context_of(files: ModelFiles, options: ServingOptions) -> int:
     return min(files.config.max_position_embeddings, options.context_length)
 
 
-def new_leader(files: ModelFiles, transport, options: ServingOptions,
-               observer: LeaderObserver | None = None) -> Leader:
+def new_leader(files: ModelFiles, transport, options: ServingOptions, observer: LeaderObserver | None = None,
+               proposer: Proposer | None = None, replanner: Replanner | None = None) -> Leader:
+    """A leader over `transport` (None: none yet, `replanner` finds one); with `proposer`, it decodes
+    speculatively (spec/drafter.py)."""
     max_context = context_of(files, options)
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
     return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
                   max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
-                  step_timeout_s=options.step_timeout_s)
+                  step_timeout_s=options.step_timeout_s, proposer=proposer, spec_config=options.spec,
+                  vocab_size=files.config.vocab_size, replanner=replanner, failover=options.failover)
 
 
-def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None) -> Leader:
-    """The whole model in this process: the single-process reference and the no-peer mode."""
+def local_transport(files: ModelFiles, options: ServingOptions) -> LocalPipeline:
+    """The whole model as one in-process stage."""
     decoder = load_stage_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype],
                                  quantization=options.quantization, batch_invariant=options.batch_invariant)
-    return new_leader(files, LocalPipeline([StageRunner(decoder)]), options, observer)
+    return LocalPipeline([StageRunner(decoder)])
+
+
+def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None,
+                 proposer: Proposer | None = None) -> Leader:
+    """The whole model in this process: the single-process reference and the no-peer mode."""
+    if proposer is None and options.speculative is not None:
+        proposer = build_proposer(SpeculativeChoice.parse(options.speculative), files)
+    return new_leader(files, local_transport(files, options), options, observer, proposer)
+
+
+def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRequest:
+    return PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
+                            config=files.config, context_length=context_of(files, options),
+                            max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
+                            kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
+                            weight_bytes=held_weight_bytes(files.source, files.config, DTYPE_BYTES[options.dtype],
+                                                           options.quantization, options.batch_invariant))
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
-    request = PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
-                               config=files.config, context_length=context_of(files, options),
-                               max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
-                               kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
-                               weight_bytes=held_weight_bytes(files.source, files.config, DTYPE_BYTES[options.dtype],
-                                                              options.quantization))
-    return plan_placement(request, fleet)
-
-
-def cluster_leader(files: ModelFiles, fleet: list[Card], channels: ChannelPool, options: ServingOptions,
-                   observer: LeaderObserver | None = None) -> tuple[Leader, Plan]:
-    plan = plan_for(files, fleet, options)
-    log.info("plan for %s: %s", files.model_id,
-             ", ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages))
-    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization)
-    first = plan.stages[0]
-    transport = RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages))
-    return new_leader(files, transport, options, observer), plan
+    return plan_placement(placement_request(files, options), fleet)
 
 
 def wait_for_fleet(fetch: Callable[[], list[Card]], fingerprint: str, min_nodes: int,

@@ -7,16 +7,25 @@ two leaders that derive the same plan from the same view share the stages.
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from meshllm.cluster.placement import Plan
-from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, WeightsMismatch
+from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, ShardUnavailable, WeightsMismatch
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 LOAD_TIMEOUT_S = 600.0  # loading gigabytes from a slow disk takes minutes
+
+
+class StageUnreachable(PeerUnreachable):
+    """A node of the plan did not answer its Load: the planner should leave it out."""
+
+    def __init__(self, message: str, node_id: str):
+        super().__init__(message)
+        self.node_id = node_id
 
 
 def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None) -> str:
@@ -46,10 +55,14 @@ def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_inva
     def load(index: int) -> None:
         stage = plan.stages[index]
         stub = stage_pb2_grpc.StageStub(channels.get(stage.address, stage.node_id))
-        try:
-            stub.Load(requests[index], timeout=LOAD_TIMEOUT_S)
-        except grpc.RpcError as e:
-            raise _load_error(stage.node_id, stage.address, e) from None
+        for attempt in range(2):  # a connection the peer just closed (GOAWAY) reconnects on a retry
+            try:
+                stub.Load(requests[index], timeout=LOAD_TIMEOUT_S)
+                return
+            except grpc.RpcError as e:
+                if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise _load_error(stage.node_id, stage.address, e) from None
+                time.sleep(0.2)
 
     with ThreadPoolExecutor(max_workers=len(requests)) as pool:
         for future in [pool.submit(load, i) for i in range(len(requests))]:
@@ -63,6 +76,8 @@ def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:
         return WeightsMismatch(f"node {node_id} ({address}): {details}")
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return BadRequest(f"node {node_id} ({address}) refused the load: {details}")
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ShardUnavailable(f"node {node_id} ({address}): {details}")
     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return PeerUnreachable(f"node {node_id} at {address} is unreachable: {details}")
+        return StageUnreachable(f"node {node_id} at {address} is unreachable: {details}", node_id)
     return ModelLoadError(f"node {node_id} ({address}) could not load its layers: {details}")

@@ -4,6 +4,12 @@ Concurrency contract: `submit` and `cancel` may be called from any thread (HTTP
 handlers, the CLI); they post typed messages to the inbox. One loop thread owns the
 scheduler, the in-flight micro-batches, stop detection and event delivery, so none of
 that state needs a lock. `on_event` callbacks run on the loop thread and must not block.
+
+Failover (with a Replanner, failover.py): a step that fails because of a node, or a
+pipeline that stops answering (deadline.py), makes the loop drop every step in flight,
+mark every running sequence as having lost its KV (it re-prefills its committed tokens,
+prompt and output, and samples only the token after them), and re-plan on a worker
+thread; new requests wait meanwhile. The new transport is swapped in by a message.
 """
 
 from __future__ import annotations
@@ -26,13 +32,18 @@ from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Wor
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
-from meshllm.errors import ContextOverflow, MeshError, PipelineStalled
+from meshllm.errors import ContextOverflow, InvalidReply, MeshError, PipelineStalled
 from meshllm.pipeline.chores import StageChores
+from meshllm.pipeline.deadline import DEFAULT_FLOOR_S, DeadlineConfig, StallWatch
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
+from meshllm.pipeline.failover import (Deployment, FailoverConfig, Probed, Recovered, Recovery, RecoveryFailed,
+                                       RecoveryTiming, Replanner, StageFailure, blame, invalid_reply_failure)
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
 from meshllm.pipeline.replies import committed_tokens
 from meshllm.pipeline.seq_constraints import SeqConstraints
 from meshllm.pipeline.transport import StepTransport, next_step_id
+from meshllm.spec.drafter import Drafter, DraftsReady, SpecConfig
+from meshllm.spec.proposer import Proposer
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +59,16 @@ class _Request:
     submitted_at: float
     first_token_at: float | None = None
     last_token_at: float | None = None
+    num_failovers: int = 0
 
 
 # --- the loop's inbox: one small typed message per kind ------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _Submit:
     request: _Request
+    user_seeded: bool = False  # the caller chose the seed: output must be reproducible
+    speculative: bool | None = None  # None: the leader's default (draft when it has a proposer)
+    max_draft: int | None = None  # cap on draft tokens per step for this request
     done: threading.Event = field(default_factory=threading.Event)
     refused: list[MeshError] = field(default_factory=list)  # set by the loop when admission fails
 
@@ -81,36 +96,60 @@ class _InFlight:
 
 
 class Leader:
-    def __init__(self, transport: StepTransport, *, eos_token_ids: Collection[int],
+    """`transport` None: no plan yet (the replanner is asked for one when a request comes)."""
+
+    def __init__(self, transport: StepTransport | None, *, eos_token_ids: Collection[int],
                  new_detokenizer: Callable[[], Detokenizer], max_context: int,
                  config: SchedulerConfig | None = None, observer: LeaderObserver | None = None,
-                 step_timeout_s: float = 120.0):
+                 step_timeout_s: float = 120.0, proposer: Proposer | None = None,
+                 spec_config: SpecConfig | None = None, vocab_size: int | None = None,
+                 replanner: Replanner | None = None, deadline: DeadlineConfig | None = None,
+                 failover: FailoverConfig | None = None):
+        if transport is None and replanner is None:
+            raise ValueError("a leader without a transport needs a replanner to get one")
         self.transport = transport
         self.eos_token_ids = frozenset(eos_token_ids)
         self.new_detokenizer = new_detokenizer
         self.max_context = max_context
-        self.step_timeout_s = step_timeout_s  # a micro-batch out longer than this means a stalled stage
+        # No progress this long means a stalled pipeline (the cap of the measured deadline).
+        self.step_timeout_s = step_timeout_s
         config = config or SchedulerConfig()
         self.observer = observer or LeaderObserver()
         self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
         self._chores = StageChores()
         self.prefix = LeaderPrefixCache(config.prefix_block_size, config.prefix_cache_blocks, self._seq_prefix,
                                         self._chores, self.observer)
-        self.scheduler = Scheduler(replace(config, num_stages=transport.num_stages), on_admit=self.prefix.match)
+        num_stages = transport.num_stages if transport is not None else 1
+        self.scheduler = Scheduler(replace(config, num_stages=num_stages), on_admit=self.prefix.match)
+        # Without a replanner nothing can probe a suspect, so only the cap declares a stall.
+        floor = step_timeout_s if replanner is None else min(DEFAULT_FLOOR_S, step_timeout_s)
+        self._watch = StallWatch(deadline or DeadlineConfig(floor_s=floor, cap_s=step_timeout_s))
+        self._recovery = (Recovery(replanner, failover or FailoverConfig(), self._inbox_put)
+                          if replanner is not None else None)
+        self._last_failure: StageFailure | None = None  # until the first token after its failover
+        self._swapped: tuple[Deployment, float] | None = None  # the failover's deployment and swap time
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[SeqId, _Request] = {}
         self._in_flight: dict[int, _InFlight] = {}
         self._seq_counter = 0
         self._id_lock = threading.Lock()
         self._closed = threading.Event()
+        # Speculative decoding: drafts come back as DraftsReady messages in the inbox.
+        self.drafter = None if proposer is None else Drafter(proposer, vocab_size, self._inbox.put, spec_config)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="leader")
         self._thread.start()
 
+    def _inbox_put(self, message) -> None:
+        self._inbox.put(message)
+
     # --- any thread --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
-               on_event: Callable[[GenerationEvent], None], grammar: Matcher | None = None) -> SeqId:
+               on_event: Callable[[GenerationEvent], None], grammar: Matcher | None = None,
+               speculative: bool | None = None, max_draft: int | None = None) -> SeqId:
         """Queue a request; events (text deltas, then one with finish_reason) go to on_event.
-        `grammar`: a fresh matcher the output must follow (owned by the loop thread from here)."""
+
+        `grammar`: a fresh matcher the output must follow (owned by the loop thread from here).
+        `speculative` False decodes without drafts; `max_draft` caps draft tokens per step."""
         if not prompt_ids:
             raise ContextOverflow("the prompt is empty: at least one token is needed")
         total = len(prompt_ids) + params.max_tokens
@@ -118,6 +157,7 @@ class Leader:
             raise ContextOverflow(
                 f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} = {total} exceeds the "
                 f"model's context of {self.max_context} tokens; shorten the prompt or lower max_tokens")
+        user_seeded = params.seed is not None
         if params.seed is None:
             params = replace(params, seed=secrets.randbits(63))
         with self._id_lock:
@@ -126,7 +166,8 @@ class Leader:
         seq = Sequence(seq_id, list(prompt_ids), params)
         checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
         constraints = SeqConstraints(params, seq.prompt_ids, grammar)
-        message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()))
+        message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
+                          speculative, max_draft)
         self._inbox.put(message)
         message.done.wait()
         if message.refused:
@@ -136,10 +177,11 @@ class Leader:
     def cancel(self, seq_id: SeqId) -> None:
         self._inbox.put(_Cancel(seq_id))
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationEvent]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams,
+                 speculative: bool | None = None) -> Iterator[GenerationEvent]:
         """Blocking convenience: yields events until the sequence finishes."""
         events: queue.Queue = queue.Queue()
-        seq_id = self.submit(prompt_ids, params, events.put)
+        seq_id = self.submit(prompt_ids, params, events.put, speculative=speculative)
         try:
             while True:
                 event = events.get()
@@ -153,7 +195,17 @@ class Leader:
         self._closed.set()
         self._inbox.put(_Wake())
         self._thread.join(timeout=10)
-        self.transport.close()
+        if self.drafter is not None:
+            self.drafter.close()
+        if self.transport is not None:
+            self.transport.close()
+        while True:  # a re-plan that finished after the loop stopped
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(message, Recovered):
+                message.deployment.transport.close()
 
     # --- loop thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -162,9 +214,9 @@ class Leader:
             try:  # nothing more can be sent until a result or a request arrives
                 message = self._inbox.get(timeout=self._wait_s())
             except queue.Empty:
-                self._expire_stalled_steps()
+                self._check_progress()
                 continue
-            self._expire_stalled_steps()
+            self._check_progress()
             self._handle(message)
             while True:  # drain whatever else arrived before scheduling again
                 try:
@@ -178,9 +230,13 @@ class Leader:
                 try:
                     self.scheduler.add(request.seq)
                     self._requests[request.seq.seq_id] = request
+                    if self.drafter is not None and message.speculative is not False:
+                        self.drafter.admit(request.seq, request.seq.params, message.user_seeded, message.max_draft)
                 except MeshError as e:
                     message.refused.append(e)
                 message.done.set()
+                if self.transport is None and not message.refused:
+                    self._recovery.start(None)  # no plan now: this request asks for one
             case _Cancel(seq_id=seq_id):
                 request = self._requests.get(seq_id)
                 if request is not None:
@@ -188,33 +244,60 @@ class Leader:
             case _StepDone(step_id=step_id, result=result):
                 flight = self._in_flight.pop(step_id, None)
                 if flight is None:
-                    return  # the step was given up as stalled; its sequences already failed
-                self.observer.on_step(flight.batch, result, time.perf_counter() - flight.sent_at)
+                    return  # given up as stalled, or sent through a transport since replaced
+                seconds = time.perf_counter() - flight.sent_at
+                self._watch.done(flight.batch.num_tokens, seconds if result.ok else None)
+                self.observer.on_step(flight.batch, result, seconds)
+                if self.drafter is not None and result.ok:
+                    self.drafter.step_done(flight.batch, seconds)
                 self._apply(flight.batch, result)
+            case DraftsReady():
+                if self.drafter is not None:
+                    self.drafter.arrived(message)
+            case Recovered() | RecoveryFailed() | Probed():
+                self._on_recovery(message)
             case _Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
 
     def _wait_s(self) -> float:
-        if not self._in_flight:
-            return 1.0
-        oldest = min(f.sent_at for f in self._in_flight.values())
-        return max(0.01, min(1.0, oldest + self.step_timeout_s - time.perf_counter()))
-
-    def _expire_stalled_steps(self) -> None:
-        """Fail the sequences of micro-batches a stage has sat on past the step timeout, so a
-        stalled (not dead) stage gives clear errors instead of hanging every request."""
         now = time.perf_counter()
+        held = self.drafter.next_deadline() if self.drafter is not None else None
+        wait = 1.0 if held is None else max(0.0005, min(1.0, held - now))
+        left = self._watch.seconds_left()
+        if left is None:
+            return wait
+        return max(0.0005, min(wait, max(0.01, left)))
+
+    def _check_progress(self) -> None:
+        """No reply within the deadline: probe the stages (with a replanner), else give up on
+        the steps in flight so a stalled stage gives clear errors instead of hanging requests."""
+        if self.transport is None:
+            # No plan fits: try again now and then, so the service recovers on its own when a node joins.
+            if self._recovery is not None and not self._recovery.running and \
+                    time.monotonic() - self._recovery.last_attempt >= self._recovery.config.retry_interval_s:
+                self._recovery.start(None)
+            return
+        if not self._watch.due():
+            return
+        if self._recovery is not None:
+            self._watch.start_probe()
+            self._recovery.probe(self._watch.config.probe_timeout_s)
+            return
+        stalled_s = self._watch.stalled_for()
+        self._watch.reset()
         for step_id, flight in list(self._in_flight.items()):
-            if now - flight.sent_at < self.step_timeout_s:
-                continue
             del self._in_flight[step_id]
-            log.warning("step %d stalled for %.0fs; failing its %d sequences", step_id, now - flight.sent_at,
+            log.warning("step %d stalled for %.1fs; failing its %d sequences", step_id, stalled_s,
                         len(flight.batch.works))
             self._apply(flight.batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
-                                                 error_message=f"no answer within {self.step_timeout_s:g}s"))
+                                                 error_message=f"no answer within {stalled_s:.1f}s"))
 
     def _fill_pipeline(self) -> None:
+        if self.transport is None:
+            return  # waiting for a plan
+        if self.drafter is not None and self.drafter.holding(time.perf_counter()):
+            return  # a draft is about to arrive for a sequence that would go out without one
         while len(self._in_flight) < self.transport.num_stages:
             batch = self.scheduler.next_microbatch()
             if batch is None:
@@ -234,12 +317,15 @@ class Leader:
                 draft, penalties, masks = request.constraints.inputs(w.draft)
                 if len(draft) < len(w.draft):  # the grammar rejects the rest of the draft
                     cut = len(w.draft) - len(draft)
-                    w = replace(w, num_tokens=w.num_tokens - cut, num_scored=w.num_scored - cut, draft=draft)
+                    dists = None if w.draft_dists is None else w.draft_dists[:len(draft)]
+                    w = replace(w, num_tokens=w.num_tokens - cut, num_scored=w.num_scored - cut, draft=draft,
+                                draft_dists=dists)
             committed_end = w.start + w.num_tokens - len(w.draft)
             ids.extend(w.seq.token_ids(w.start, committed_end))
             ids.extend(w.draft)
             works.append(SeqWork(w.seq.seq_id, w.start, w.num_tokens, w.num_scored,
-                                 w.seq.params if w.num_scored else None, w.attach, w.draft, penalties, masks))
+                                 w.seq.params if w.num_scored else None, w.attach, w.draft, penalties, masks,
+                                 w.draft_dists))
             sent.append(w)
             self.prefix.sent(w)
         batch = MicroBatch(tuple(sent))
@@ -247,12 +333,16 @@ class Leader:
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
                     self.prefix.block_size)
         self._in_flight[step_id] = _InFlight(batch, time.perf_counter())
+        self._watch.sent(batch.num_tokens)
         future = self.transport.submit(step)
         future.add_done_callback(lambda f, sid=step_id: self._inbox.put(_StepDone(sid, f.result())))
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
         if not result.ok:
-            # TODO(failover issue): re-plan without the failed stage and re-prefill.
+            failure = blame(result, self.transport.num_stages) if self._recovery is not None else None
+            if failure is not None:
+                self._fail_over(failure, batch)
+                return
             where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
             self._fail(batch.works, PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}"))
             log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
@@ -261,12 +351,20 @@ class Leader:
             committed = committed_tokens(batch.works, result.tokens)
         except MeshError as e:  # the last stage answered something other than what was asked
             log.warning("step %d: %s", result.step_id, e)
-            self._fail(batch.works, e)
+            if isinstance(e, InvalidReply) and self._recovery is not None:
+                self._fail_over(invalid_reply_failure(e, self.transport.num_stages), batch)
+            else:
+                self._fail(batch.works, e)
             return
         now = time.perf_counter()
         for w in batch.works:
             tokens = committed.get(w.seq.seq_id, ())
-            self.scheduler.on_computed(w, num_accepted=max(0, len(tokens) - 1) if w.draft else 0)
+            num_accepted = max(0, len(tokens) - 1) if w.draft else 0
+            self.scheduler.on_computed(w, num_accepted=num_accepted)
+            if w.num_scored:
+                self.observer.on_verified(len(w.draft), num_accepted)
+                if self.drafter is not None:
+                    self.drafter.verified(w, num_accepted, batch.num_tokens)
             request = self._requests.get(w.seq.seq_id)
             if request is None or w.seq.status is SeqStatus.FINISHED:
                 continue
@@ -284,6 +382,74 @@ class Leader:
                     self._finish(request, "error", MeshError(f"internal error while streaming: {e}"))
                 if w.seq.status is SeqStatus.FINISHED:
                     break  # a stop inside accepted draft tokens: the rest are not part of the output
+            if self.drafter is not None and w.seq.status is not SeqStatus.FINISHED:
+                self.drafter.committed(w.seq)
+
+    # --- failover (loop thread) ---------------------------------------------------------------------
+    def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
+        """Stop using the transport, mark every running sequence for a rebuild of its KV, and
+        re-plan off the loop. Sequences past their failover limit end with pipeline_stalled."""
+        log.warning("failing over: stage %s [%s] %s", failure.stage_index, failure.code, failure.message)
+        self.observer.on_failure(failure)
+        self._last_failure = self._last_failure or failure  # a second failure is part of the same recovery
+        in_flight = set()
+        batches = [f.batch for f in self._in_flight.values()] + ([failed] if failed is not None else [])
+        for batch in batches:
+            for w in batch.works:
+                w.seq.in_flight = False
+                in_flight.add(w.seq.seq_id)
+        self._in_flight.clear()
+        self._watch.reset()
+        self.transport.close()
+        self.transport = None
+        self._chores.take()  # the new plan's stages hold none of those sequences or blocks
+        limit = self._recovery.config.max_failovers
+        for seq in list(self.scheduler.running):
+            if not seq.num_computed and seq.seq_id not in in_flight:
+                continue  # admitted but never sent: nothing to rebuild
+            request = self._requests[seq.seq_id]
+            request.num_failovers += 1
+            if request.num_failovers > limit:
+                self._finish(request, "error", PipelineStalled(
+                    f"gave up after {limit} failovers; the last: stage {failure.stage_index} "
+                    f"[{failure.code}] {failure.message}"))
+                continue
+            self.prefix.forget(seq)
+            seq.num_computed = 0  # re-prefill prompt and output; sample only the token after them
+        self._recovery.start(failure)
+
+    def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
+        if message.epoch != self._recovery.epoch:
+            return  # about a transport that has been replaced since
+        match message:
+            case Probed(unresponsive=unresponsive):
+                if self.transport is None:
+                    return
+                stalled_s = self._watch.stalled_for()
+                if unresponsive:
+                    self.observer.on_stall()
+                    i = unresponsive[0]
+                    self._fail_over(StageFailure(i, "pipeline_stalled", f"stage {i} stopped answering: no reply "
+                                                 f"for {stalled_s:.1f}s and no answer to a health check",
+                                                 detect_s=stalled_s))
+                elif self._watch.probed():
+                    self.observer.on_stall()
+                    self._fail_over(StageFailure(None, "pipeline_stalled", f"no reply for {stalled_s:.1f}s "
+                                                 f"although every stage answers health checks",
+                                                 detect_s=stalled_s))
+            case Recovered(deployment=deployment):
+                self._recovery.finished()
+                self.transport = deployment.transport
+                self.scheduler.config = replace(self.scheduler.config, num_stages=deployment.transport.num_stages)
+                self.prefix.reset()
+                self._swapped = (deployment, time.perf_counter()) if self._last_failure else None
+                log.info("serving through %s", deployment.description or "a new plan")
+            case RecoveryFailed(error=error):
+                self._recovery.finished()
+                self._last_failure = None
+                log.warning("no plan: [%s] %s", error.code, error)
+                for request in list(self._requests.values()):
+                    self._finish(request, "error", error)
 
     def _fail(self, works: tuple[Work, ...], error: MeshError) -> None:
         for w in works:
@@ -297,6 +463,12 @@ class Leader:
         text = request.checker.feed(token.token_id)
         first = request.first_token_at is None
         self.observer.on_token(first, now - (request.submitted_at if first else request.last_token_at))
+        if self._swapped is not None:  # the first token after a failover: KV rebuilt
+            deployment, swapped_at = self._swapped
+            failure = self._last_failure
+            self.observer.on_recovered(RecoveryTiming(failure.code, failure.stage_index, failure.detect_s,
+                                                      deployment.plan_s, deployment.load_s, now - swapped_at))
+            self._swapped = self._last_failure = None
         if first:
             request.first_token_at = now
         request.last_token_at = now
@@ -311,6 +483,8 @@ class Leader:
                 notify: bool = True) -> None:
         seq = request.seq
         self.prefix.forget(seq)
+        if self.drafter is not None:
+            self.drafter.finish(seq.seq_id)
         was_started = seq.status is SeqStatus.RUNNING
         self.scheduler.finish(seq)
         del self._requests[seq.seq_id]

@@ -59,6 +59,10 @@ class LeaderPrefixCache:
         for h in new:
             self._chores.publish.append(Publish(seq.seq_id, position[h], (h,)))
 
+    def reset(self) -> None:
+        """A new plan: its stages hold no cached blocks yet."""
+        self.index = PrefixIndex(self.index.block_size, self.index.capacity_blocks)
+
     def forget(self, seq: Sequence) -> None:
         """The sequence ends: unpin blocks it was admitted with but never sent."""
         if seq.attach:

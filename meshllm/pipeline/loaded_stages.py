@@ -1,9 +1,14 @@
-"""The layer ranges a node holds, by plan id: shared by the stage's control and data planes.
+"""The layer ranges a node holds: weights shared across plans, runner state per plan.
+
+A re-plan after a failure gives the survivors a new plan id for layers they already
+hold. Weights are keyed by what makes them identical (model fingerprint, layer range,
+dtype, quantization, batch invariance), so the new plan reuses them and only gets its
+own runner (KV cache, prefix blocks, next stage); Unload of the last plan using a
+range drops its weights.
 
 Thread-safe: gRPC runs every call on its own pool thread, and the gossip thread reads
-the list for the node's card. Each stage has its own compute lock, so micro-batches of
-all streams run one at a time on it (one compute stream per node keeps the CPU threads
-from fighting); the registry's lock only guards the dict.
+the list for the node's card. Each plan's stage has its own compute lock, so its
+micro-batches run one at a time; the registry's lock only guards the dicts.
 """
 
 from __future__ import annotations
@@ -12,13 +17,37 @@ import threading
 from dataclasses import dataclass, field
 
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.model.decoder import Decoder
 from meshllm.transport.protos import stage_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class WeightKey:
+    fingerprint: str
+    first_layer: int
+    last_layer: int
+    dtype: str
+    quantization: str
+    batch_invariant: bool
+
+    @classmethod
+    def of(cls, request: stage_pb2.LoadRequest) -> WeightKey:
+        return cls(request.fingerprint, request.first_layer, request.last_layer, request.dtype,
+                   request.quantization, request.batch_invariant)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedWeights:
+    key: WeightKey
+    decoder: Decoder
+    num_bytes: int
 
 
 @dataclass
 class LoadedStage:
     request: stage_pb2.LoadRequest
     runner: StageRunner
+    weights: SharedWeights
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -30,18 +59,44 @@ class LoadedStages:
     def __init__(self):
         self._lock = threading.Lock()
         self._stages: dict[str, LoadedStage] = {}
+        self._weights: dict[WeightKey, SharedWeights] = {}
 
     def get(self, plan_id: str) -> LoadedStage | None:
         with self._lock:
             return self._stages.get(plan_id)
 
-    def put(self, plan_id: str, stage: LoadedStage) -> None:
+    def weights(self, key: WeightKey) -> SharedWeights | None:
         with self._lock:
-            self._stages[plan_id] = stage
+            return self._weights.get(key)
 
-    def pop(self, plan_id: str) -> LoadedStage | None:
+    def put(self, plan_id: str, request: stage_pb2.LoadRequest, weights: SharedWeights) -> LoadedStage:
+        """Give `plan_id` its own runner over `weights` (replacing what the plan had)."""
+        stage = LoadedStage(request, StageRunner(weights.decoder), weights)
         with self._lock:
-            return self._stages.pop(plan_id, None)
+            self._weights.setdefault(weights.key, weights)
+            previous = self._stages.get(plan_id)
+            self._stages[plan_id] = stage
+            if previous is not None:
+                self._drop_unused(previous.weights.key)
+        return stage
+
+    def pop(self, plan_id: str) -> tuple[LoadedStage | None, int]:
+        """Remove a plan; returns its stage and the weight bytes freed (0 while shared)."""
+        with self._lock:
+            stage = self._stages.pop(plan_id, None)
+            freed = self._drop_unused(stage.weights.key) if stage is not None else 0
+        return stage, freed
+
+    def _drop_unused(self, key: WeightKey) -> int:
+        if any(s.weights.key == key for s in self._stages.values()):
+            return 0
+        weights = self._weights.pop(key, None)
+        return weights.num_bytes if weights is not None else 0
+
+    def weight_bytes(self) -> int:
+        """Weights held in memory, each shared range counted once."""
+        with self._lock:
+            return sum(w.num_bytes for w in self._weights.values())
 
     def items(self) -> list[tuple[str, LoadedStage]]:
         """A snapshot, sorted by plan id."""

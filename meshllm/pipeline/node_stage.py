@@ -26,7 +26,9 @@ def attach_stage_service(node, key: bytes) -> StageService:
     service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()))
 
     def shards() -> tuple[LoadedShard, ...]:
-        return tuple(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer) for r in service.loaded())
+        # One entry per range held, however many plans share its weights.
+        return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer)
+                                   for r in service.loaded()))
 
     node.card.set_shards_source(shards)
     node.server.add(stage_pb2_grpc.add_StageServicer_to_server, service)

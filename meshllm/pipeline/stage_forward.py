@@ -19,6 +19,7 @@ import grpc
 
 from meshllm.engine.step import StageTiming
 from meshllm.errors import MeshError
+from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_relay import Downstream
 from meshllm.transport import codec, stage_convert
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 
 
 class ForwardStreams:
-    def __init__(self, stages: LoadedStages, channels: ChannelPool):
+    def __init__(self, stages: LoadedStages, channels: ChannelPool, faults: FaultInjector | None = None):
         self._stages = stages
         self._channels = channels
+        self._faults = faults or FaultInjector(None)  # tests only: see fault_injection.py
 
     def serve(self, request_iterator) -> Iterator[stage_pb2.StepReply]:
         """Runs on a gRPC thread for the stream's life."""
@@ -61,6 +63,8 @@ class ForwardStreams:
                     with stage.lock:
                         out = stage.runner.run(step)
                     compute_s = time.perf_counter() - started
+                    if step.seqs:
+                        out = self._faults.after_compute(out)
                 except MeshError as e:
                     log.warning("stage %d step %d failed: %s", stage.index, request.step_id, e.code)
                     replies.put(stage_convert.error_reply(request.step_id, e.code, str(e), stage.index))

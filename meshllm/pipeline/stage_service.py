@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import grpc
 
-from meshllm.errors import BadRequest, MeshError, WeightsMismatch
+from meshllm.errors import BadRequest, MeshError, ShardUnavailable, WeightsMismatch
+from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_control import ModelResolver, StageControl
 from meshllm.pipeline.stage_forward import ForwardStreams
@@ -23,15 +24,20 @@ class StageService(stage_pb2_grpc.StageServicer):
                  on_change: Callable[[], None] = lambda: None):
         self.stages = LoadedStages()
         self.control = StageControl(self.stages, resolve_model, on_change)
-        self.forward = ForwardStreams(self.stages, channels)
+        self.forward = ForwardStreams(self.stages, channels, FaultInjector.from_env())
 
     def Load(self, request, context):
         try:
             return self.control.load(request)
         except MeshError as e:
             status = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, WeightsMismatch) else
-                      grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, BadRequest) else grpc.StatusCode.NOT_FOUND)
+                      grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, BadRequest) else
+                      grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ShardUnavailable) else
+                      grpc.StatusCode.NOT_FOUND)
             context.abort(status, f"[{e.code}] {e}")
+
+    def Unload(self, request, context):
+        return self.control.unload(request)
 
     def Release(self, request, context):
         return self.control.release(request)

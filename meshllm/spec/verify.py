@@ -2,16 +2,29 @@
 
 A scored work without draft tokens commits one token at its `first_new_position`. A work
 carrying draft tokens d_1..d_k scored k + 1 rows: row i holds the model's distribution for
-position p0 + i given the committed tokens and d_1..d_i. The verifier draws its own token x_i
-for each row exactly as plain decoding would at that position (argmax when greedy, else the
-draw seeded by (seed, position)), accepts drafts while d_{i+1} == x_i, and commits x_0..x_a
-where a is the number accepted: the accepted drafts, then its own next token. Every x_i is
-what plain decoding would produce after the same prefix, so the output is identical with or
-without drafts, whatever the drafts were: a wrong, late or missing draft costs only speed.
+position p0 + i given the committed tokens and d_1..d_i.
+
+Point-mass drafts (n-gram, greedy drafting, or any draft sent without q): the verifier
+draws its own token x_i for each row exactly as plain decoding would at that position
+(argmax when greedy, else the draw seeded by (seed, position)), accepts drafts while
+d_{i+1} == x_i, and commits x_0..x_a where a is the number accepted: the accepted drafts,
+then its own next token. Every x_i is what plain decoding would produce after the same
+prefix, so the output is identical with or without drafts, whatever the drafts were: a
+wrong, late or missing draft costs only speed. For a point mass this exact-match rule
+accepts d with probability p(d), the same as min(1, p/q) with q(d) = 1.
+
+Drafts with q (a sampling draft model) at temperature > 0: each row accepts with
+min(1, p/q) and resamples the residual on rejection (speculative_sampling.py); the bonus
+row after a fully accepted draft is the plain draw. Output is distributed exactly as
+plain sampling, and depends on the draft (so the leader sends q only for requests that
+did not ask for a seed: seeded ones stay bit-reproducible with exact match).
 
 Logit processing composes: row i's penalty counts include d_1..d_i, and a grammar-constrained
 sequence carries row i's allowed tokens (the leader cut the draft at the first token its
 grammar rejects, so a rejected draft token is simply never proposed).
+
+Structure: the rows' logits are processed first (the plain choice x_i of every row, and
+logprobs), then each work's acceptance walks its rows.
 """
 
 from __future__ import annotations
@@ -20,8 +33,9 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from meshllm.engine.sampler import position_generator, sample
+from meshllm.engine.sampler import position_generator, sample, token_logprobs
 from meshllm.engine.step import SampledToken, SeqWork
+from meshllm.spec.speculative_sampling import accept_or_resample
 
 
 def choose_tokens(logits: Tensor, works: Sequence[SeqWork]) -> list[SampledToken]:
@@ -44,12 +58,35 @@ def choose_tokens(logits: Tensor, works: Sequence[SeqWork]) -> list[SampledToken
     out: list[SampledToken] = []
     row = 0
     for w in works:
-        mine = ids[row:row + w.num_scored]
-        accepted = 0
-        while accepted < len(w.draft) and mine[accepted] == w.draft[accepted]:
-            accepted += 1
-        for i in range(accepted + 1):
-            out.append(SampledToken(w.seq_id, w.first_new_position + i, mine[i], choice.logprobs[row + i]))
+        if w.draft_dists is not None and not w.sampling.greedy:
+            # p is what plain sampling draws from: the processed rows (penalties, bias, grammar mask),
+            # so a residual draw can never pick a token the grammar forbids.
+            out.extend(_accept_by_ratio(choice.processed[row:row + w.num_scored], logits[row:row + w.num_scored],
+                                        w, ids[row + w.num_scored - 1], choice.logprobs[row + w.num_scored - 1]))
+        else:
+            mine = ids[row:row + w.num_scored]
+            accepted = 0
+            while accepted < len(w.draft) and mine[accepted] == w.draft[accepted]:
+                accepted += 1
+            for i in range(accepted + 1):
+                out.append(SampledToken(w.seq_id, w.first_new_position + i, mine[i], choice.logprobs[row + i]))
         row += w.num_scored
     return out
 
+
+def _accept_by_ratio(rows: Tensor, raw_rows: Tensor, w: SeqWork, bonus: int, bonus_logprobs) -> list[SampledToken]:
+    """min(1, p/q) acceptance along one work's processed rows; the bonus token (plain draw of the
+    last row, already made) is committed when every draft token is accepted. Logprobs report the
+    model's own distribution (`raw_rows`), as plain sampling does."""
+    out = []
+    for i, (draft_token, q) in enumerate(zip(w.draft, w.draft_dists)):
+        position = w.first_new_position + i
+        # A fresh generator for the position: the plain draw above used its own copy.
+        token, accepted = accept_or_resample(rows[i], w.sampling, position_generator(w.sampling.seed, position),
+                                             draft_token, q)
+        logprobs = None if w.sampling.logprobs is None else token_logprobs(raw_rows[i], token, w.sampling.logprobs)
+        out.append(SampledToken(w.seq_id, position, token, logprobs))
+        if not accepted:
+            return out
+    out.append(SampledToken(w.seq_id, w.first_new_position + len(w.draft), bonus, bonus_logprobs))
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role
+from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer
 from meshllm.errors import InvalidCard, MalformedMessage
 from meshllm.transport.protos import cluster_pb2
 
@@ -48,6 +48,11 @@ def shard_to_pb(s: LoadedShard) -> cluster_pb2.LoadedShard:
                                    last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams)
 
 
+def offer_to_pb(o: RoleOffer) -> cluster_pb2.RoleOffer:
+    return cluster_pb2.RoleOffer(role=_ROLE_TO_PB[o.role], model_id=o.model_id, vocab=o.vocab,
+                                 tokens_per_second=o.tokens_per_second)
+
+
 def card_to_pb(card: Card) -> cluster_pb2.Card:
     msg = cluster_pb2.Card(
         node_id=card.node_id, grpc_address=card.grpc_address, platform=card.platform, device=card.device,
@@ -55,7 +60,8 @@ def card_to_pb(card: Card) -> cluster_pb2.Card:
         memory_bandwidth_gbps=card.memory_bandwidth_gbps, matmul_gflops=card.matmul_gflops,
         models=[model_to_pb(m) for m in card.models], shards=[shard_to_pb(s) for s in card.shards],
         roles=[_ROLE_TO_PB[r] for r in card.roles],
-        announced_at=card.announced_at, ttl_seconds=card.ttl_seconds)
+        announced_at=card.announced_at, ttl_seconds=card.ttl_seconds,
+        offers=[offer_to_pb(o) for o in card.offers])
     if card.collective_endpoint is not None:
         msg.collective_endpoint = card.collective_endpoint
     if card.api_address is not None:
@@ -109,6 +115,14 @@ def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
         max_streams=int(_bounded(s.max_streams, "max_streams", 1, 1 << 20)))
 
 
+def offer_from_pb(o: cluster_pb2.RoleOffer) -> RoleOffer:
+    if o.role not in _PB_TO_ROLE:
+        raise InvalidCard(f"offer has unknown role {o.role}")
+    return RoleOffer(role=_PB_TO_ROLE[o.role], model_id=_text(o.model_id, "offer model_id"),
+                     vocab=_text(o.vocab, "offer vocab", MAX_ID_CHARS, required=False),
+                     tokens_per_second=_bounded(o.tokens_per_second, "offer tokens_per_second", 0.0, MAX_GFLOPS))
+
+
 def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
     """Validate and convert one wire card; `now` bounds how far ahead it may be stamped."""
     if msg.ByteSize() > CARD_MAX_BYTES:
@@ -118,8 +132,8 @@ def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
         raise InvalidCard(f"node_id {node_id!r} contains whitespace")
     total = int(_bounded(msg.memory_total_bytes, "memory_total_bytes", 0, MAX_MEMORY_BYTES))
     free = int(_bounded(msg.memory_free_bytes, "memory_free_bytes", 0, total))
-    if len(msg.models) > MAX_ENTRIES or len(msg.shards) > MAX_ENTRIES:
-        raise InvalidCard(f"card lists more than {MAX_ENTRIES} models or shards")
+    if len(msg.models) > MAX_ENTRIES or len(msg.shards) > MAX_ENTRIES or len(msg.offers) > MAX_ENTRIES:
+        raise InvalidCard(f"card lists more than {MAX_ENTRIES} models, shards or offers")
     unknown_roles = [r for r in msg.roles if r not in _PB_TO_ROLE]
     if unknown_roles or len(set(msg.roles)) != len(msg.roles):
         raise InvalidCard(f"card has unknown or repeated roles {list(msg.roles)}")
@@ -143,7 +157,8 @@ def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
                              if msg.HasField("collective_endpoint") else None),
         api_address=_address(msg.api_address, "api_address") if msg.HasField("api_address") else None,
         announced_at=announced_at,
-        ttl_seconds=_bounded(msg.ttl_seconds, "ttl_seconds", 0.001, MAX_TTL_S))
+        ttl_seconds=_bounded(msg.ttl_seconds, "ttl_seconds", 0.001, MAX_TTL_S),
+        offers=tuple(offer_from_pb(o) for o in msg.offers))
 
 
 def cards_from_pb(messages, now: float) -> tuple[list[Card], list[InvalidCard]]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.logit_processors import PenaltyCounts
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
-from meshllm.engine.step import Publish, SampledToken, SeqWork, StageTiming, Step, StepResult
+from meshllm.engine.step import (MAX_DRAFT_SUPPORT, DraftDist, Publish, SampledToken, SeqWork, StageTiming, Step,
+                                 StepResult)
 from meshllm.errors import BadRequest, MalformedMessage
 from meshllm.transport import codec
 from meshllm.transport.protos import stage_pb2
@@ -71,7 +72,9 @@ def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
         seqs=[stage_pb2.SeqEntry(seq_id=w.seq_id, start=w.start, num_tokens=w.num_tokens, num_scored=w.num_scored,
                                  sampling=sampling_to_pb(w.sampling) if w.sampling else None, attach=w.attach,
                                  draft=w.draft, penalty_ids=w.penalties.ids, penalty_counts=w.penalties.counts,
-                                 allowed=[mask_to_bytes(m.numpy()) for m in w.allowed])
+                                 allowed=[mask_to_bytes(m.numpy()) for m in w.allowed],
+                                 draft_dists=[stage_pb2.DraftDist(ids=d.ids, probs=d.probs)
+                                              for d in w.draft_dists or ()])
               for w in step.seqs],
         input=codec.to_pb(step.input), release=step.release,
         timings=[timing_to_pb(t) for t in step.timings],
@@ -103,7 +106,8 @@ def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
             raise MalformedMessage(f"sequence {e.seq_id}: {len(e.allowed)} allowed-token masks for {e.num_scored} "
                                    f"scored rows")
         seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.num_scored, sampling, tuple(e.attach),
-                            tuple(e.draft), _penalties_from_pb(e), tuple(mask_from_bytes(m) for m in e.allowed)))
+                            tuple(e.draft), _penalties_from_pb(e), tuple(mask_from_bytes(m) for m in e.allowed),
+                            _dists_from_pb(e)))
     if total > MAX_TOKENS_PER_STEP:
         raise MalformedMessage(f"step carries {total} tokens; the limit is {MAX_TOKENS_PER_STEP}")
     x = codec.from_pb(msg.input) if msg.HasField("input") else None
@@ -117,6 +121,24 @@ def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
         raise MalformedMessage("publish entries need a block_size and non-negative first_block")
     return Step(msg.step_id, tuple(seqs), x, tuple(SeqId(s) for s in msg.release),
                 tuple(timing_from_pb(t) for t in msg.timings), publish, tuple(msg.evict), msg.block_size)
+
+
+def _dists_from_pb(e: stage_pb2.SeqEntry) -> tuple[DraftDist, ...] | None:
+    if not e.draft_dists:
+        return None
+    if len(e.draft_dists) != len(e.draft):
+        raise MalformedMessage(f"sequence {e.seq_id}: {len(e.draft_dists)} draft distributions for "
+                               f"{len(e.draft)} draft tokens")
+    dists = []
+    for token, d in zip(e.draft, e.draft_dists):
+        if not 0 < len(d.ids) == len(d.probs) <= MAX_DRAFT_SUPPORT or len(set(d.ids)) != len(d.ids):
+            raise MalformedMessage(f"sequence {e.seq_id}: a draft distribution needs 1 to {MAX_DRAFT_SUPPORT} "
+                                   f"distinct ids, each with a probability")
+        if any(not 0.0 <= p <= 1.0 for p in d.probs) or abs(sum(d.probs) - 1.0) > 1e-6 or token not in d.ids:
+            raise MalformedMessage(f"sequence {e.seq_id}: a draft distribution must sum to 1 and contain "
+                                   f"its draft token")
+        dists.append(DraftDist(tuple(d.ids), tuple(d.probs)))
+    return tuple(dists)
 
 
 def timing_to_pb(t: StageTiming) -> stage_pb2.StageTiming:

@@ -143,9 +143,9 @@ def two_node_cluster(aidreams_path, long_model_path, tmp_path_factory) -> Iterat
 @pytest.fixture(scope="package")
 def cluster_server(two_node_cluster, aidreams_files) -> Iterator[LiveServer]:
     """The API backed by a 2-stage pipeline of node processes (aidreams layers 0-1 | 2-3)."""
-    b, plan, channels = local_cluster_backend(two_node_cluster, aidreams_files, replace(OPTIONS, num_stages=2),
-                                              "api-test-leader")
-    assert plan is not None and len(plan.stages) == 2, b.plan_error
+    b, owner, channels = local_cluster_backend(two_node_cluster, aidreams_files, replace(OPTIONS, num_stages=2),
+                                               "api-test-leader")
+    assert owner.plan is not None and len(owner.plan.stages) == 2, b.health.report()
     stages = tuple(zip(two_node_cluster.addresses, two_node_cluster.node_ids))
     with serve(b, stage_addresses=stages, channels=channels) as live:
         yield live
@@ -156,10 +156,10 @@ def cluster_server(two_node_cluster, aidreams_files) -> Iterator[LiveServer]:
 def long_cluster_server(two_node_cluster, long_model_path) -> Iterator[LiveServer]:
     """The long-context model across the same two stage nodes (layer 0 | layer 1)."""
     files = open_model(long_model_path)
-    b, plan, channels = local_cluster_backend(two_node_cluster, files,
-                                              replace(OPTIONS, context_length=2048, num_stages=2),
-                                              "api-test-long-leader")
-    assert plan is not None and len(plan.stages) == 2, b.plan_error
+    b, owner, channels = local_cluster_backend(two_node_cluster, files,
+                                               replace(OPTIONS, context_length=2048, num_stages=2),
+                                               "api-test-long-leader")
+    assert owner.plan is not None and len(owner.plan.stages) == 2, b.health.report()
     stages = tuple(zip(two_node_cluster.addresses, two_node_cluster.node_ids))
     with serve(b, stage_addresses=stages, channels=channels) as live:
         yield live

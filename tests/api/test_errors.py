@@ -12,6 +12,7 @@ import pytest
 from meshllm.api.backend import Backend
 from meshllm.api.config import APIConfig
 from meshllm.errors import ShardUnavailable
+from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth
 
 from .conftest import MODEL, serve
 
@@ -152,8 +153,11 @@ def test_full_queue_answers_429_and_recovers(slow_backend):
 
         holders = [threading.Thread(target=hold_stream) for _ in range(2)]
         try:
-            for t in holders:
-                t.start()
+            # One after the other: two submits reaching the leader before it admits the first would
+            # both count as waiting, and the second would be refused instead of held.
+            holders[0].start()
+            live.wait_for(lambda: live.metric("meshllm_running_sequences") == 1, what="the first to run")
+            holders[1].start()
             live.wait_for(lambda: live.metric("meshllm_running_sequences") == 1
                           and live.metric("meshllm_queue_depth") == 1, what="one running and one waiting")
             error = assert_error(post(live.url, COMPLETIONS, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
@@ -174,14 +178,17 @@ def test_full_queue_answers_429_and_recovers(slow_backend):
 def test_no_plan_answers_503(aidreams_files):
     error = ShardUnavailable("aidreams-260k layers 0-3 need 0.1 GiB; the largest free node has 0.0 GiB. "
                              "Add a node or lower --max-context.")
-    backend = Backend(MODEL, aidreams_files.tokenizer, 128, leader=None, plan_error=error)
+    health = ServingHealth(HealthReport(HealthStatus.UNAVAILABLE, str(error)))
+    backend = Backend(MODEL, aidreams_files.tokenizer, 128, leader=None, health=health)
     with serve(backend) as live:
         body = assert_error(post(live.url, CHAT, {"model": MODEL, "messages": MESSAGES}), 503, "shard_unavailable")
         assert "Add a node" in body["message"]
         with pytest.raises(openai.InternalServerError):
             live.client().completions.create(model=MODEL, prompt="Hi")
-        assert httpx.get(f"{live.url}/health", timeout=10).status_code == 503
+        reply = httpx.get(f"{live.url}/health", timeout=10)
+        assert reply.status_code == 503 and reply.json()["status"] == "unavailable"
+        assert "Add a node" in reply.json()["reason"]
         view = httpx.get(f"{live.url}/v1/cluster", timeout=10).json()
-        assert view["served"]["ready"] is False and "shard_unavailable" in view["served"]["plan_error"]
+        assert view["served"]["ready"] is False and "Add a node" in view["served"]["plan_error"]
         # The model is still listed: it exists, it just cannot run right now.
         assert [m.id for m in live.client().models.list()] == [MODEL]

@@ -67,7 +67,8 @@ def test_serve_answers_openai_requests_and_stops_on_sigterm(aidreams_path, tmp_p
         assert node["api_address"] == url.removeprefix("http://") and node["models"] == ["aidreams-260k"]
 
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
+        code = process.wait(timeout=30)
+        assert code == 0, process.stdout.read()[-4000:]  # the rest of its output says why it did not stop cleanly
     finally:
         if process.poll() is None:
             process.kill()

@@ -185,3 +185,32 @@ def test_a_stalled_stage_fails_its_requests_clearly_and_the_pipeline_recovers(cl
         assert len(tokens(leader, ids, params)) == 8
     finally:
         leader.close()
+
+
+def test_plans_on_the_same_node_share_weights_and_unload_frees_them_last(cluster, model_files):
+    """A re-plan gives a surviving node a new plan id for the layers it holds: it must reuse them."""
+    from meshllm.cluster.placement import Plan, StageAssignment
+    from meshllm.pipeline.deploy import load_requests
+    from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
+
+    files = model_files["llama-gqa"]
+    stub = stage_pb2_grpc.StageStub(cluster.channels.get(cluster.local.addresses[2], "node-2"))
+
+    def plan(next_node: str) -> Plan:  # the same range on node 2, followed by different nodes
+        stages = (StageAssignment("node-2", cluster.local.addresses[2], 0, 3, 0, 0, 0),
+                  StageAssignment(next_node, cluster.local.addresses[int(next_node[-1])], 3, 5, 0, 0, 0))
+        return Plan(files.model_id, files.source.fingerprint(), 5, 128, 1, 4, 4, stages, 0.0, False)
+
+    first, second = (load_requests(plan(n), "float32", True)[0] for n in ("node-0", "node-1"))
+    assert first.plan_id != second.plan_id
+    assert not stub.Load(first, timeout=60).reused_weights
+    reply = stub.Load(second, timeout=60)
+    assert reply.reused_weights and reply.num_bytes_read == 0
+    mine = [s for s in stub.Info(stage_pb2.StageInfoRequest()).shards if s.plan_id in (first.plan_id, second.plan_id)]
+    assert len(mine) == 2 and mine[0].weight_bytes == mine[1].weight_bytes > 0
+    assert stub.Unload(stage_pb2.UnloadRequest(plan_id=first.plan_id)).weight_bytes_freed == 0  # still shared
+    unloaded = stub.Unload(stage_pb2.UnloadRequest(plan_id=second.plan_id))
+    assert unloaded.was_loaded and unloaded.weight_bytes_freed == mine[0].weight_bytes
+    assert not stub.Unload(stage_pb2.UnloadRequest(plan_id=second.plan_id)).was_loaded
+    assert {s.plan_id for s in stub.Info(stage_pb2.StageInfoRequest()).shards}.isdisjoint(
+        {first.plan_id, second.plan_id})

@@ -54,6 +54,11 @@ class StageStub:
                 request_serializer=stage__pb2.StageInfoRequest.SerializeToString,
                 response_deserializer=stage__pb2.StageInfoReply.FromString,
                 _registered_method=True)
+        self.Unload = channel.unary_unary(
+                '/meshllm.Stage/Unload',
+                request_serializer=stage__pb2.UnloadRequest.SerializeToString,
+                response_deserializer=stage__pb2.UnloadReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -84,6 +89,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Unload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +117,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=stage__pb2.StageInfoRequest.FromString,
                     response_serializer=stage__pb2.StageInfoReply.SerializeToString,
+            ),
+            'Unload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Unload,
+                    request_deserializer=stage__pb2.UnloadRequest.FromString,
+                    response_serializer=stage__pb2.UnloadReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +232,33 @@ class Stage:
             '/meshllm.Stage/Info',
             stage__pb2.StageInfoRequest.SerializeToString,
             stage__pb2.StageInfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Unload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshllm.Stage/Unload',
+            stage__pb2.UnloadRequest.SerializeToString,
+            stage__pb2.UnloadReply.FromString,
             options,
             channel_credentials,
             insecure,

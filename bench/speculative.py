@@ -1,0 +1,190 @@
+"""Speculative decoding benchmark: tok/s and acceptance with and without drafts, at batch 1 and 8
+concurrent sequences, on a 1-stage plan (the whole model in this process) and a 2-stage plan (two
+`meshllm node` processes on loopback), for repetitive text (editing code, rewriting a JSON
+document, answering with quotes from the prompt) and free story text. Prints one JSON object.
+
+    flock -x /work/cpu.lock python bench/speculative.py [--model PATH] [--proposer ngram|draft:PATH]
+        [--stages 1 2] [--batch 1 8] [--max-tokens 96] [--dtype bfloat16] [--threads 1]
+
+Greedy decoding, so with and without drafts the text is the same (in batch-invariant mode exactly;
+the JSON says whether it was here). The default model is the SmolLM2-135M-Instruct Q4_1 GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from meshllm.cluster.gossip import fetch_view
+from meshllm.cluster.placement import Plan, StageAssignment
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.model.source import default_model_path, open_model
+from meshllm.pipeline.cluster import ServingOptions, local_leader, new_leader, wait_for_fleet
+from meshllm.pipeline.deploy import deploy
+from meshllm.pipeline.events import LeaderObserver
+from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.pipeline.transport import RemotePipeline
+from meshllm.spec.factory import SpeculativeChoice, build_proposer
+from meshllm.transport.auth import load_key
+from meshllm.transport.channels import ChannelConfig, ChannelPool
+
+CODE = '''def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+
+
+def average_price(items):
+    if not items:
+        return 0
+    return sum(item.price for item in items) / len(items)
+'''
+DOC = '{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], ' \
+      '"notes": "wrote the first published algorithm for a machine", "city": "London"}'
+QUOTE = ("The committee wrote: 'The bridge will close on Monday for repairs to the north span. Traffic "
+         "will be diverted through the east tunnel. Cyclists may use the temporary ferry, which runs every "
+         "twenty minutes from the old pier.'")
+PROMPTS = {
+    "repetitive": [
+        f"Rename the variable `items` to `products` in this code and print the whole code:\n\n{CODE}",
+        f"Rewrite this JSON document with the key \"city\" changed to \"town\"; print the whole document:\n{DOC}",
+        f"{QUOTE}\n\nQuote exactly what the committee wrote about traffic and cyclists.",
+    ],
+    "free": [
+        "Write a short story about a lighthouse keeper who finds a strange bottle on the beach.",
+        "Tell a story about a child who learns to fly a kite with her grandfather.",
+        "Write a story about a robot that wants to become a gardener.",
+    ],
+}
+
+
+class Counts(LeaderObserver):
+    def __init__(self):
+        self.drafted = self.accepted = self.passes = 0
+
+    def on_verified(self, num_drafted, num_accepted):
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.passes += 1
+
+
+def chat_ids(files, text: str) -> list[int]:
+    tok = files.tokenizer
+    if tok.chat_template is None:
+        return tok.encode(text)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def run(leader, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
+    """All prompts at once; returns (generated tokens / second from first submit to last token, ids)."""
+    events = [queue.Queue() for _ in prompts]
+    started = time.perf_counter()
+    for i, p in enumerate(prompts):
+        leader.submit(p, params, events[i].put)
+    out = []
+    for q in events:
+        tokens = []
+        while True:
+            e = q.get(timeout=600)
+            if e.error is not None:
+                raise e.error
+            if e.token_id is not None:
+                tokens.append(e.token_id)
+            if e.finish_reason is not None:
+                break
+        out.append(tokens)
+    return sum(len(t) for t in out) / (time.perf_counter() - started), out
+
+
+def measure(make_leader, files, args) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    results = {}
+    for kind, texts in PROMPTS.items():
+        ids = [chat_ids(files, t) for t in texts]
+        for batch in args.batch:
+            prompts = [ids[i % len(ids)] for i in range(batch)]
+            row = {}
+            for spec in (False, True):
+                counts = Counts()
+                leader = make_leader(spec, counts)
+                try:
+                    run(leader, prompts[:1], replace(params, max_tokens=8))  # warm-up
+                    counts.__init__()
+                    rates, outputs = [], None
+                    for _ in range(args.repeats):
+                        rate, outputs = run(leader, prompts, params)
+                        rates.append(rate)
+                finally:
+                    leader.close()
+                row["speculative" if spec else "plain"] = {
+                    "tok_s": round(statistics.median(rates), 2), "tok_s_runs": [round(r, 2) for r in rates],
+                    "acceptance": round(counts.accepted / counts.drafted, 3) if counts.drafted else None,
+                    "tokens_per_pass": round((counts.passes + counts.accepted) / counts.passes, 3)
+                    if counts.passes else None}
+                row["outputs_" + ("speculative" if spec else "plain")] = outputs
+            row["identical"] = row.pop("outputs_plain") == row.pop("outputs_speculative")
+            row["speedup"] = round(row["speculative"]["tok_s"] / row["plain"]["tok_s"], 3)
+            results[f"{kind}/batch{batch}"] = row
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--proposer", default="ngram")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch-invariant", action="store_true")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = args.model or default_model_path()
+    files = open_model(path)
+    options = ServingOptions(context_length=1024, max_batch=8, dtype=args.dtype, batch_invariant=args.batch_invariant,
+                             scheduler=SchedulerConfig(max_batched_tokens=512, prefill_chunk=256))
+    choice = SpeculativeChoice.parse(args.proposer)
+    report = {"model": files.model_id, "proposer": args.proposer, "dtype": args.dtype,
+              "batch_invariant": args.batch_invariant, "threads": args.threads, "max_tokens": args.max_tokens,
+              "repeats": args.repeats, "results": {}}
+    if 1 in args.stages:
+        def local(spec, counts):
+            return local_leader(files, options, counts, build_proposer(choice, files) if spec else None)
+        report["results"]["1-stage"] = measure(local, files, args)
+    if 2 in args.stages:
+        with tempfile.TemporaryDirectory() as state, \
+                LocalCluster(2, [files.path], Path(state), extra_args=("--gossip-interval", "0.3"),
+                             threads_per_node=args.threads) as cluster:
+            key = load_key(cluster.key_file)
+            wait_for_fleet(lambda: fetch_view(cluster.addresses[0], key), files.source.fingerprint(), 2)
+            channels = ChannelPool(ChannelConfig("bench-leader", key))
+            n = files.config.num_hidden_layers
+            stages = (StageAssignment("node-0", cluster.addresses[0], 0, n // 2, 0, 0, 0),
+                      StageAssignment("node-1", cluster.addresses[1], n // 2, n, 0, 0, 0))
+            plan = Plan(files.model_id, files.source.fingerprint(), n, options.context_length, options.max_batch,
+                        2, 2, stages, 0.0, False)
+            plan_id = deploy(plan, channels, options.dtype, options.batch_invariant)
+
+            def remote(spec, counts):
+                transport = RemotePipeline(channels.get(stages[0].address, stages[0].node_id), plan_id, 2)
+                return new_leader(files, transport, options, counts, build_proposer(choice, files) if spec else None)
+            report["results"]["2-stage"] = measure(remote, files, args)
+            channels.close()
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

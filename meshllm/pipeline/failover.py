@@ -1,0 +1,169 @@
+"""Failover at the leader: whom a failed step blames, and re-planning off the loop thread.
+
+Blame the node at fault, not the one that noticed:
+- a broken or refused stream (`stage_unreachable`, stage i): the node of stage i;
+- `shard_corrupt` raised by stage i (NaN/Inf, wrong shape or dtype in what it received):
+  stage i-1, the sender (stage 0 receives token ids from the leader: nobody to exclude);
+- a reply the leader refuses (`invalid_reply`): the last stage, which produced it;
+- a stage that stopped answering (deadline, then Health.Check): that stage;
+- `shard_not_loaded` / `kv_missing`: the node restarted or lost state; re-deploy, exclude nobody.
+Errors that belong to the request itself (a bad parameter) are not failures of any node.
+
+The Leader calls `Recovery.start` on its loop thread; the re-plan (planner, loads, unloads:
+seconds) runs on a worker thread and its outcome comes back as a message in the leader's
+inbox, so the loop keeps answering submits and cancels meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshllm.engine.step import StepResult
+from meshllm.errors import MeshError
+from meshllm.pipeline.transport import StepTransport
+
+log = logging.getLogger(__name__)
+
+_NODE_FAULTS = {"stage_unreachable", "internal", "pipeline_stalled"}
+_REDEPLOY = {"shard_not_loaded", "kv_missing"}
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverConfig:
+    max_failovers: int = 3  # per request; past it the request ends with pipeline_stalled
+    retry_interval_s: float = 2.0  # while no plan fits: how often to try again on the current fleet
+
+    def __post_init__(self):
+        if self.max_failovers < 0 or self.retry_interval_s <= 0:
+            raise ValueError(f"failover settings must be non-negative / positive: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class StageFailure:
+    stage_index: int | None  # the stage whose node is at fault; None: no node to blame (re-deploy)
+    code: str  # stage_unreachable | shard_corrupt | invalid_reply | pipeline_stalled | ...
+    message: str
+    detect_s: float = 0.0  # from the last progress of the pipeline to the failure being declared
+
+
+def blame(result: StepResult, num_stages: int) -> StageFailure | None:
+    """The failure a failed step reports, or None when it is the request's own error."""
+    code, where = result.error_code, result.failed_stage
+    known = where is not None and 0 <= where < num_stages
+    if code == "shard_corrupt":
+        return StageFailure(where - 1 if known and where > 0 else None, code, result.error_message)
+    if code in _NODE_FAULTS:
+        return StageFailure(where if known else None, code, result.error_message)
+    if code in _REDEPLOY:
+        return StageFailure(None, code, result.error_message)
+    return None
+
+
+def invalid_reply_failure(error: MeshError, num_stages: int) -> StageFailure:
+    """The leader refused the last stage's reply: that stage produced it."""
+    return StageFailure(num_stages - 1, error.code, str(error))
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryTiming:
+    """One failover, from the failure to the first token after it."""
+
+    code: str
+    stage_index: int | None
+    detect_s: float  # last progress -> failure declared (a broken stream: ~0; a hung stage: the deadline + probe)
+    plan_s: float  # choosing the new plan
+    load_s: float  # loading the missing range (0 when every stage already held its range)
+    reprefill_s: float  # new plan swapped in -> first token: rebuilding the KV of every running sequence
+
+    @property
+    def total_s(self) -> float:
+        return self.detect_s + self.plan_s + self.load_s + self.reprefill_s
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """A plan in service: what the leader sends steps through."""
+
+    transport: StepTransport
+    plan_s: float = 0.0  # choosing the plan
+    load_s: float = 0.0  # stages loading weights (0 when every range was already held)
+    description: str = ""  # "node-0[0,2) node-3[2,4)", for logs
+
+
+class Replanner(Protocol):
+    """What the leader needs from whoever owns the plan (plan_owner.py). Both calls block and
+    run on worker threads, never on the leader's loop."""
+
+    def recover(self, failure: StageFailure | None) -> Deployment:
+        """A working deployment without the failed node (None: the first plan, or another try
+        after nothing fit). Raises MeshError (ShardUnavailable naming what is missing)."""
+        ...
+
+    def probe(self, timeout_s: float) -> list[int]:
+        """Indexes of the current plan's stages that do not answer Health.Check in time."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    epoch: int
+    deployment: Deployment
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryFailed:
+    epoch: int
+    error: MeshError
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    epoch: int
+    unresponsive: tuple[int, ...]
+
+
+class Recovery:
+    """Runs the replanner's blocking calls on worker threads; results go to `post` (the
+    leader's inbox) tagged with the epoch they were started in, so a stale answer (a probe
+    from before a swap) is recognisable."""
+
+    def __init__(self, replanner: Replanner, config: FailoverConfig, post: Callable[[object], None]):
+        self.replanner = replanner
+        self.config = config
+        self._post = post
+        self.epoch = 0  # bumped at each swap of the transport
+        self.running = False  # a re-plan is under way
+        self.last_attempt = float("-inf")
+
+    def start(self, failure: StageFailure | None) -> None:
+        """Loop thread: begin a re-plan (no-op while one runs)."""
+        if self.running:
+            return
+        self.running = True
+        self.last_attempt = time.monotonic()
+        epoch = self.epoch
+        threading.Thread(target=self._recover, args=(epoch, failure), daemon=True, name="leader-replan").start()
+
+    def _recover(self, epoch: int, failure: StageFailure | None) -> None:
+        try:
+            self._post(Recovered(epoch, self.replanner.recover(failure)))
+        except MeshError as e:
+            self._post(RecoveryFailed(epoch, e))
+        except Exception as e:  # noqa: BLE001 - a bug must end in a clear error, never a request that hangs
+            log.exception("re-planning failed")
+            self._post(RecoveryFailed(epoch, MeshError(f"re-planning failed: {e}")))
+
+    def probe(self, timeout_s: float) -> None:
+        epoch = self.epoch
+        threading.Thread(target=lambda: self._post(Probed(epoch, tuple(self.replanner.probe(timeout_s)))),
+                         daemon=True, name="leader-probe").start()
+
+    def finished(self) -> None:
+        """Loop thread: the re-plan's outcome was handled."""
+        self.running = False
+        self.epoch += 1

@@ -1,0 +1,265 @@
+"""The one owner of a served model's plan: plan, deploy, transport, health, and re-plan
+after a failure. Every leader path (the HTTP API, `meshllm generate --peer`, the demo)
+builds its Leader here.
+
+Re-planning (`recover`, called by the leader on a worker thread):
+1. exclude the failed node: until it answers a health check again (dead or hung), or for
+   `quarantine_s` (it sent corrupt activations: it answers health checks fine);
+2. move the failed stage to a spare that can hold it, so the survivors keep their ranges
+   and reuse the weights they hold (cluster/repair.py); else plan again on the survivors,
+   with the same number of stages, else the fewest that fit; else, with --fallback-local,
+   run the whole model in this process when it fits here;
+3. load the new plan (a stage that holds the range already shares the weights: instant),
+   swap the transport, and unload the plans no longer used (in the background: a dead
+   node's unload is retried when it answers again).
+Health (health.py) follows: degraded from the failure until a plan works again, unavailable
+with the missing memory when nothing fits, ok once a plan is deployed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import grpc
+import psutil
+
+from meshllm.cluster.card import Card, ModelOnDisk, NodeId
+from meshllm.cluster.placement import Plan
+from meshllm.cluster.repair import replace_failed_stage
+from meshllm.errors import MeshError, ShardUnavailable
+from meshllm.model.source import ModelFiles
+from meshllm.pipeline.cluster import ServingOptions, local_transport, new_leader, placement_request, plan_for
+from meshllm.pipeline.deploy import StageUnreachable, deploy
+from meshllm.pipeline.events import LeaderObserver
+from meshllm.pipeline.failover import Deployment, StageFailure
+from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth, StageSummary
+from meshllm.pipeline.leader import Leader
+from meshllm.pipeline.transport import RemotePipeline
+from meshllm.spec.factory import SpeculativeChoice, build_proposer
+from meshllm.spec.proposer import Proposer
+from meshllm.transport.channels import ChannelPool
+from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc, stage_pb2, stage_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_S = 60.0  # a node that sent corrupt activations is left out this long
+READMIT_PROBE_S = 0.5  # an excluded node answering Health.Check this fast may be planned again
+UNLOAD_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Exclusion:
+    reason: str
+    until: float | None  # monotonic; None: until the node answers a health check
+
+
+@dataclass(frozen=True, slots=True)
+class _Current:
+    plan: Plan | None  # None: the whole model in this process (fallback)
+    plan_id: str | None
+
+
+class PlanOwner:
+    """Thread-safe: `recover` and `probe` run on the leader's worker threads, `health` is read by
+    the HTTP API; one lock serialises re-plans."""
+
+    def __init__(self, files: ModelFiles, fleet_view: Callable[[], list[Card]], channels: ChannelPool,
+                 options: ServingOptions, observer: LeaderObserver | None = None,
+                 health: ServingHealth | None = None):
+        self.files = files
+        self.fleet_view = fleet_view
+        self.channels = channels
+        self.options = options
+        self.observer = observer or LeaderObserver()
+        self.health = health or ServingHealth(HealthReport(HealthStatus.UNAVAILABLE, "not planned yet"))
+        self._lock = threading.Lock()
+        self._current: _Current | None = None
+        self._excluded: dict[NodeId, _Exclusion] = {}
+        self._stale: set[tuple[str, str, str]] = set()  # (address, node id, plan id) to unload once reachable
+        self._num_failovers = 0
+
+    @property
+    def plan(self) -> Plan | None:
+        current = self._current
+        return current.plan if current is not None else None
+
+    def start(self) -> Leader:
+        """Plan and deploy now (the leader still starts when nothing fits: it retries on its own
+        and whenever a request comes, and /health says why meanwhile)."""
+        try:
+            transport = self.recover(None).transport
+        except MeshError as e:
+            log.warning("no plan for %s yet: [%s] %s", self.files.model_id, e.code, e)
+            transport = None
+        return new_leader(self.files, transport, self.options, self.observer, self._proposer(), replanner=self)
+
+    def _proposer(self) -> Proposer | None:
+        """With --speculative: a remote proposer is placed off the plan's nodes where possible (it
+        re-places itself when its node dies); ProposerUnavailable when the fleet has none: the
+        caller decides."""
+        if self.options.speculative is None:
+            return None
+        plan = self.plan
+        verifiers = frozenset(s.node_id for s in plan.stages) if plan is not None else frozenset()
+        return build_proposer(SpeculativeChoice.parse(self.options.speculative), self.files,
+                              fleet_view=self.fleet_view, channels=self.channels, verifier_nodes=verifiers)
+
+    # --- Replanner (worker threads) ----------------------------------------------------------------
+    def recover(self, failure: StageFailure | None) -> Deployment:
+        with self._lock:
+            started = time.perf_counter()
+            self._readmit()  # before excluding the node that just failed: no point probing it now
+            failed = self._exclude_failed(failure)
+            if failure is not None:
+                self._num_failovers += 1
+                what = f"stage {failure.stage_index} on {failed}" if failed else "the pipeline"
+                self._set_health(HealthStatus.DEGRADED, f"{what} failed ([{failure.code}] {failure.message}); "
+                                 f"re-planning", failed_node=failed)
+            try:
+                deployment = self._deploy_new_plan(failed, started)
+            except ShardUnavailable as e:
+                fallback = self._fallback_local(e, started)
+                if fallback is not None:
+                    return fallback
+                self._set_health(HealthStatus.UNAVAILABLE, str(e), failed_node=failed, missing=e.part,
+                                 missing_bytes=e.missing_bytes)
+                raise
+            except MeshError as e:
+                self._set_health(HealthStatus.UNAVAILABLE, f"[{e.code}] {e}", failed_node=failed)
+                raise
+            return deployment
+
+    def probe(self, timeout_s: float) -> list[int]:
+        current = self._current
+        if current is None or current.plan is None:
+            return []
+        stages = current.plan.stages
+        with ThreadPoolExecutor(max_workers=len(stages)) as pool:
+            alive = list(pool.map(lambda s: self._answers(s.address, timeout_s), stages))
+        return [i for i, ok in enumerate(alive) if not ok]
+
+    # --- under the lock ----------------------------------------------------------------------------
+    def _exclude_failed(self, failure: StageFailure | None) -> NodeId | None:
+        current = self._current
+        if failure is None or failure.stage_index is None or current is None or current.plan is None:
+            return None
+        node = current.plan.stages[failure.stage_index].node_id
+        corrupt = failure.code in ("shard_corrupt", "invalid_reply")
+        self._excluded[node] = _Exclusion(f"[{failure.code}] {failure.message}",
+                                          time.monotonic() + QUARANTINE_S if corrupt else None)
+        return node
+
+    def _readmit(self) -> None:
+        """Forgive excluded nodes that answer again (a SIGCONTed or restarted node); corrupt ones
+        wait out their quarantine."""
+        now = time.monotonic()
+        addresses = {c.node_id: c.grpc_address for c in self.fleet_view()}
+        for node, exclusion in list(self._excluded.items()):
+            if exclusion.until is not None and now >= exclusion.until:
+                del self._excluded[node]
+        waiting = [n for n, e in self._excluded.items() if e.until is None and n in addresses]
+        if not waiting:
+            return
+        with ThreadPoolExecutor(max_workers=len(waiting)) as pool:
+            answers = list(pool.map(lambda n: self._answers(addresses[n], READMIT_PROBE_S), waiting))
+        for node, answered in zip(waiting, answers):
+            if answered:
+                log.info("node %s answers again; it may be planned again", node)
+                del self._excluded[node]
+
+    def _deploy_new_plan(self, failed: NodeId | None, started: float) -> Deployment:
+        previous = self._current
+        while True:  # a node that cannot be reached while loading is excluded, and we plan again
+            plan = self._choose_plan(previous.plan if previous else None, failed)
+            plan_s = time.perf_counter() - started
+            try:
+                plan_id = deploy(plan, self.channels, self.options.dtype, self.options.batch_invariant,
+                                 self.options.quantization)
+                break
+            except StageUnreachable as e:
+                log.warning("%s; planning without it", e)
+                self._excluded[e.node_id] = _Exclusion(str(e), None)
+        load_s = time.perf_counter() - started - plan_s
+        self._current = _Current(plan, plan_id)
+        if previous is not None and previous.plan is not None and previous.plan_id != plan_id:
+            self._stale.update((s.address, s.node_id, previous.plan_id) for s in previous.plan.stages)
+        self._stale -= {(s.address, s.node_id, plan_id) for s in plan.stages}
+        threading.Thread(target=self._unload_stale, daemon=True, name="unload-stale").start()
+        description = " ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages)
+        self._set_health(HealthStatus.OK, None, stages=tuple(
+            StageSummary(s.node_id, s.address, s.first_layer, s.last_layer) for s in plan.stages))
+        log.info("plan %s for %s: %s (planned in %.2fs, loaded in %.2fs)", plan_id, self.files.model_id,
+                 description, plan_s, load_s)
+        first = plan.stages[0]
+        transport = RemotePipeline(self.channels.get(first.address, first.node_id), plan_id, len(plan.stages))
+        return Deployment(transport, plan_s, load_s, description)
+
+    def _choose_plan(self, previous: Plan | None, failed: NodeId | None) -> Plan:
+        fleet = [c for c in self.fleet_view() if c.node_id not in self._excluded]
+        exclude = frozenset(self._excluded)
+        if previous is not None and failed is not None:
+            request = replace(placement_request(self.files, self.options), exclude=exclude)
+            repaired = replace_failed_stage(previous, failed, request, fleet)
+            if repaired is not None:
+                return repaired
+        try:
+            return plan_for(self.files, fleet, self.options)
+        except ShardUnavailable:
+            if self.options.num_stages is None:
+                raise
+            # Fewer nodes than --stages survive: the fewest stages that fit on them.
+            return plan_for(self.files, fleet, replace(self.options, num_stages=None))
+
+    def _fallback_local(self, error: ShardUnavailable, started: float) -> Deployment | None:
+        if not self.options.fallback_local or not self._fits_here():
+            return None
+        if self._current is not None and self._current.plan is None:
+            return None  # already running here: nothing more to fall back to
+        transport = local_transport(self.files, self.options)
+        self._current = _Current(None, None)
+        self.observer.on_fallback_local()
+        self._set_health(HealthStatus.OK, f"serving on the leader alone (--fallback-local): {error}")
+        log.warning("falling back to the leader alone: %s", error)
+        return Deployment(transport, load_s=time.perf_counter() - started, description="the leader alone")
+
+    def _fits_here(self) -> bool:
+        vm = psutil.virtual_memory()
+        me = Card(node_id=NodeId("this-leader"), grpc_address="", platform="", device="cpu",
+                  memory_total_bytes=vm.total, memory_free_bytes=vm.available, memory_bandwidth_gbps=0.0,
+                  matmul_gflops=0.0, models=(ModelOnDisk(self.files.model_id, self.files.source.fingerprint(),
+                                                         self.files.config.num_hidden_layers),))
+        try:
+            plan_for(self.files, [me], replace(self.options, num_stages=1))
+        except ShardUnavailable:
+            return False
+        return True
+
+    def _set_health(self, status: HealthStatus, reason: str | None, **fields) -> None:
+        self.health.set(HealthReport(status, reason, num_failovers=self._num_failovers, **fields))
+
+    # --- helpers (any thread) ----------------------------------------------------------------------
+    def _answers(self, address: str, timeout_s: float) -> bool:
+        try:
+            cluster_pb2_grpc.HealthStub(self.channels.get(address)).Check(cluster_pb2.HealthRequest(),
+                                                                          timeout=timeout_s)
+            return True
+        except grpc.RpcError:
+            return False
+
+    def _unload_stale(self) -> None:
+        with self._lock:
+            stale = sorted(self._stale)
+        for address, node_id, plan_id in stale:
+            try:
+                stage_pb2_grpc.StageStub(self.channels.get(address, node_id)).Unload(
+                    stage_pb2.UnloadRequest(plan_id=plan_id), timeout=UNLOAD_TIMEOUT_S)
+            except grpc.RpcError as e:
+                log.info("unload of plan %s on %s deferred: %s", plan_id, address, e.code().name)
+                continue
+            with self._lock:
+                self._stale.discard((address, node_id, plan_id))

@@ -1,0 +1,279 @@
+"""The leader's side of speculative decoding: keeps each sequence's drafts ahead of its verifier.
+
+Concurrency contract: every method except the worker runs on the leader's loop thread.
+Proposer calls run on the drafter's own thread; their answers come back to the loop as
+DraftsReady messages in its inbox, so the loop never waits on a proposer.
+
+Per sequence the drafter keeps a *mirror* of the tokens its proposer holds: committed
+tokens, then the proposer's drafts, assumed accepted. Drafting runs ahead of verification:
+while a block verifies, the proposer is already extending the mirror past it (assuming the
+whole block and the verifier's bonus token match its own continuation), so a remote
+proposer's round trip and compute overlap the verifier's pass. When the verifier commits,
+the committed tokens are compared with the mirror: where they agree, the mirror's next
+tokens are the next draft, ready at once; where they differ, the mirror is cut there, the
+proposer is told to roll back (the next request's position), and a fresh draft is asked for.
+A fast proposer (its answers take under `hold_fraction` of a step) is waited for briefly
+(the leader defers forming the next micro-batch); a slow one is not: the sequence decodes
+plainly and the proposer's continuation resumes the chain if the plain token matches it.
+Requests of many sequences travel as one batch; a draft that misses its block's deadline is
+dropped by the proposer client, and failures only cost speed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams, draw_seed
+from meshllm.engine.scheduler import MicroBatch, Work
+from meshllm.engine.sequence import Sequence
+from meshllm.engine.step import DraftDist
+from meshllm.errors import MeshError
+from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, StepCosts
+from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest, checked_draft
+
+log = logging.getLogger(__name__)
+
+DRAFT_SEED_POSITION = 1 << 40  # drafts draw from (seed, this + position): never the verifier's (seed, position)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    lengths: DraftLengthConfig = field(default_factory=DraftLengthConfig)
+    hold_fraction: float = 0.5  # wait for a fresh draft when the proposer answers within this share of a step
+    sample_drafts: bool = True  # ask sampling proposers for q (min(1, p/q)) for unseeded sampled requests
+    draft_support: int = 16  # entries of each sparse q
+    retry_after_s: float = 0.2  # after a failed proposer call, plain decoding for this long
+    # Hold every decode step until its draft arrives (at most max_wait_s): for tests and acceptance
+    # measurements, where drafts must be verified even from a proposer as slow as the verifier.
+    wait_for_drafts: bool = False
+    max_wait_s: float = 5.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.hold_fraction <= 1.0 or self.retry_after_s < 0:
+            raise ValueError(f"hold_fraction must be in [0, 1] and retry_after_s >= 0: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class DraftsReady:
+    """A proposer's answer to one batch of requests (the leader's inbox message)."""
+
+    requests: tuple[ProposeRequest, ...]
+    generations: tuple[int, ...]
+    drafts: tuple[Draft, ...] = ()
+    seconds: float = 0.0
+    error: MeshError | None = None
+
+
+class _State:
+    def __init__(self, seq: Sequence, sampling: DraftSampling | None, length: DraftLength, k_cap: int):
+        self.seq = seq
+        self.sampling = sampling
+        self.length = length
+        self.k_cap = k_cap
+        self.mirror: list[int] = []  # what the proposer holds: committed tokens, then its drafts
+        self.dists: dict[int, DraftDist] = {}  # q of drafted positions (sampling proposers)
+        self.confirmed = 0  # mirror[:confirmed] equals the committed tokens
+        self.generation = 0  # bumped whenever the mirror is cut: answers to older requests are stale
+        self.outstanding = False
+        self.exhausted = False  # the proposer had nothing more for this context: wait for a commit
+        self.hold_until: float | None = None
+
+    @property
+    def k(self) -> int:
+        return min(self.length.k, self.k_cap)
+
+
+class Drafter:
+    def __init__(self, proposer: Proposer, vocab_size: int, post: Callable[[object], None],
+                 config: SpecConfig | None = None, observer=None):
+        self.proposer = proposer
+        self.vocab_size = vocab_size
+        self.config = config or SpecConfig()
+        self.observer = observer
+        self._post = post
+        self._states: dict[SeqId, _State] = {}
+        self._costs = StepCosts()
+        self._latency_s: float | None = None  # decaying average of one proposer call
+        self._paused_until = 0.0
+        self._work: queue.Queue = queue.Queue()
+        self._released: list[SeqId] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="drafter")
+        self._thread.start()
+
+    # --- leader loop thread ------------------------------------------------------------------------
+    def admit(self, seq: Sequence, params: SamplingParams, user_seeded: bool, max_draft: int | None = None) -> None:
+        """Start drafting for `seq`. Sampled drafts with q only where exactness allows (see verify.py):
+        temperature > 0 and no seed from the user, so seeded requests stay bit-reproducible."""
+        sampling = None
+        if self.config.sample_drafts and not params.greedy and not user_seeded:
+            sampling = DraftSampling(params.temperature, draw_seed(params.seed, DRAFT_SEED_POSITION),
+                                     self.config.draft_support)
+        cap = self.config.lengths.k_max if max_draft is None else max(0, min(max_draft, self.config.lengths.k_max))
+        st = self._states[seq.seq_id] = _State(seq, sampling, DraftLength(self.config.lengths), cap)
+        self._request(st)
+
+    def finish(self, seq_id: SeqId) -> None:
+        if self._states.pop(seq_id, None) is not None:
+            self._released.append(seq_id)
+
+    def verified(self, work: Work, num_accepted: int, rows: int) -> None:
+        st = self._states.get(work.seq.seq_id)
+        if st is not None:
+            st.length.update(len(work.draft), num_accepted, self._costs, rows)
+
+    def step_done(self, batch: MicroBatch, seconds: float) -> None:
+        if batch.works and all(w.num_scored == w.num_tokens for w in batch.works):  # decode rows only
+            self._costs.observe(batch.num_tokens, seconds)
+
+    def committed(self, seq: Sequence) -> None:
+        """`seq` appended the tokens of a step: check them against the mirror, offer the next draft."""
+        st = self._states.get(seq.seq_id)
+        if st is None:
+            return
+        n = seq.num_tokens
+        upto = min(n, len(st.mirror))
+        same = st.confirmed
+        if same < upto:
+            tokens = seq.token_ids(same, upto)
+            while same < upto and tokens[same - st.confirmed] == st.mirror[same]:
+                same += 1
+        if same < len(st.mirror) and same < n:  # the mirror went another way: cut it there
+            self._cut(st, same)
+        st.confirmed = same
+        st.exhausted = False
+        self._offer(st)
+        self._request(st)
+
+    def arrived(self, message: DraftsReady) -> None:
+        now = time.perf_counter()
+        if message.error is not None:
+            log.info("proposer %s failed: %s; plain decoding for %.1fs", self.proposer.name, message.error,
+                     self.config.retry_after_s)
+            self._paused_until = now + self.config.retry_after_s
+        else:
+            self._latency_s = message.seconds if self._latency_s is None else \
+                0.8 * self._latency_s + 0.2 * message.seconds
+        for i, (request, generation) in enumerate(zip(message.requests, message.generations)):
+            st = self._states.get(request.seq_id)
+            if st is None:
+                continue
+            st.outstanding = False
+            st.hold_until = None
+            if generation != st.generation:
+                continue  # the mirror was cut after this request: its tokens assumed the wrong context
+            if message.error is not None:
+                self._cut(st, request.position)  # the proposer may not hold what the request carried
+                continue
+            draft = checked_draft(message.drafts[i], request, self.vocab_size)
+            if draft.resync_from is not None:
+                self._cut(st, min(draft.resync_from, len(st.mirror)))
+            else:
+                for j, token in enumerate(draft.tokens):
+                    if draft.dists is not None:
+                        st.dists[len(st.mirror)] = draft.dists[j]
+                    st.mirror.append(token)
+                st.exhausted = len(draft.tokens) < request.k
+            self._offer(st)
+            self._request(st)
+
+    def holding(self, now: float) -> bool:
+        """Whether the leader should wait a moment before forming a micro-batch: a fast proposer
+        is about to answer for a sequence that would otherwise go out without a draft."""
+        return any(st.hold_until is not None and now < st.hold_until and not st.seq.in_flight
+                   and not st.seq.is_prefilling and len(st.mirror) <= st.seq.num_tokens
+                   for st in self._states.values())
+
+    def next_deadline(self) -> float | None:
+        holds = [st.hold_until for st in self._states.values() if st.hold_until is not None]
+        return min(holds) if holds else None
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(timeout=5)
+
+    # --- internals (loop thread) -------------------------------------------------------------------
+    def _cut(self, st: _State, length: int) -> None:
+        del st.mirror[length:]
+        for position in [p for p in st.dists if p >= length]:
+            del st.dists[position]
+        st.confirmed = min(st.confirmed, length)
+        st.generation += 1
+
+    def _offer(self, st: _State) -> None:
+        seq = st.seq
+        if seq.in_flight:
+            return  # offered again when its step commits
+        n = seq.num_tokens
+        k = st.k
+        if k and st.confirmed == n and len(st.mirror) > n:
+            seq.draft = tuple(st.mirror[n:n + k])
+            seq.draft_position = n
+            dists = tuple(st.dists.get(p) for p in range(n, n + len(seq.draft)))
+            # A draft without q for every token is verified by exact match, which is exact for any draft.
+            seq.draft_dists = dists if st.sampling is not None and None not in dists else None
+        else:
+            seq.draft, seq.draft_dists = (), None
+
+    def _request(self, st: _State) -> None:
+        if st.outstanding or st.exhausted or st.k == 0 or time.perf_counter() < self._paused_until:
+            return
+        n = st.seq.num_tokens
+        # Two blocks ahead: the one verifying now (plus the verifier's bonus token), and the next.
+        want = n + 2 * (st.k + 1) - len(st.mirror)
+        if want <= 0 or (len(st.mirror) > n and st.confirmed < n):
+            return
+        position = len(st.mirror)
+        tokens = tuple(st.seq.token_ids(position, n)) if position < n else ()
+        request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, st.k + 1), st.sampling)
+        st.mirror.extend(tokens)
+        st.confirmed = max(st.confirmed, min(len(st.mirror), n))
+        st.outstanding = True
+        # The next step has no draft without this answer (prefill chunks do not wait for drafts).
+        fresh = len(st.mirror) <= n and not st.seq.in_flight and not st.seq.is_prefilling
+        typical = self._costs.typical_step_s
+        if self.config.wait_for_drafts:
+            st.hold_until = time.perf_counter() + self.config.max_wait_s
+        elif fresh and self._latency_s is not None and typical is not None \
+                and self._latency_s < self.config.hold_fraction * typical:
+            st.hold_until = time.perf_counter() + self.config.hold_fraction * typical
+        released, self._released = self._released, []
+        self._work.put((request, st.generation, tuple(released)))
+
+    # --- drafter thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                return
+            batch = [item]
+            while True:  # everything asked for meanwhile goes in the same call
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    return
+                batch.append(item)
+            released = [s for _, _, r in batch for s in r]
+            requests = tuple(r for r, _, _ in batch)
+            generations = tuple(g for _, g, _ in batch)
+            started = time.perf_counter()
+            try:
+                if released:
+                    self.proposer.release(released)
+                drafts = self.proposer.propose(requests)
+                if len(drafts) != len(requests):
+                    raise MeshError(f"proposer {self.proposer.name} answered {len(drafts)} of {len(requests)} requests")
+                message = DraftsReady(requests, generations, tuple(drafts), time.perf_counter() - started)
+            except MeshError as e:
+                message = DraftsReady(requests, generations, error=e)
+            except Exception as e:  # noqa: BLE001 - a broken proposer must cost speed only, never the leader
+                log.exception("proposer %s raised", self.proposer.name)
+                message = DraftsReady(requests, generations, error=MeshError(f"proposer raised {e!r}"))
+            self._post(message)

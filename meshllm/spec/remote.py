@@ -1,0 +1,119 @@
+"""A proposer on another node, as a drop-in for a local one; and re-planning when it goes away.
+
+RemoteProposer sends a batch of requests in one Propose call with a deadline in
+milliseconds (per block, not the channel's 10 s default): a draft that misses it is
+dropped (ProposerError), the leader decodes without it. Release requests ride along
+with the next call. Called from the leader's drafting thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from meshllm.cluster.card import Card, NodeId
+from meshllm.engine.kv_cache import SeqId
+from meshllm.errors import MalformedMessage
+from meshllm.spec.placement import ProposerPlacement, ProposerUnavailable, ProposerWant, place_proposer
+from meshllm.spec.proposer import Draft, Proposer, ProposeRequest, ProposerError
+from meshllm.transport import spec_convert
+from meshllm.transport.channels import ChannelPool
+from meshllm.transport.protos import proposer_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEADLINE_S = 0.5  # per call; a draft later than this is worth nothing to the step it was for
+
+
+class RemoteProposer:
+    def __init__(self, channel: grpc.Channel, model_id: str, node_id: str, deadline_s: float = DEFAULT_DEADLINE_S):
+        self.name = f"remote:{node_id}/{model_id}"
+        self.model_id = model_id
+        self.node_id = node_id
+        self.deadline_s = deadline_s
+        self._stub = proposer_pb2_grpc.ProposerStub(channel)
+        self._released: list[SeqId] = []
+
+    def release(self, seq_ids: Sequence[SeqId]) -> None:
+        self._released.extend(seq_ids)
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
+        release, self._released = self._released, []
+        message = spec_convert.request_to_pb(self.model_id, requests, release)
+        try:
+            reply = self._stub.Propose(message, timeout=self.deadline_s)
+        except grpc.RpcError as e:
+            self._released = release + self._released  # not delivered: send again next time
+            error = ProposerError(f"proposer {self.model_id} on {self.node_id}: {e.code().name}: {e.details()}")
+            error.unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
+            raise error from None
+        try:
+            return spec_convert.drafts_from_pb(reply, requests)
+        except MalformedMessage as e:
+            raise ProposerError(f"proposer {self.model_id} on {self.node_id} answered malformed drafts: {e}") \
+                from None
+
+
+class ReplanningProposer:
+    """The placed remote proposer; when it is unreachable (or fails `max_failures` calls in a row),
+    the node is left out and a proposer is placed again on the current fleet view at once. With no
+    candidate left, calls fail (plain decoding) and placement is retried on each call."""
+
+    def __init__(self, want: ProposerWant, fleet_view: Callable[[], list[Card]], channels: ChannelPool,
+                 deadline_s: float = DEFAULT_DEADLINE_S, max_failures: int = 2,
+                 on_placed: Callable[[ProposerPlacement], None] = lambda placement: None):
+        self.want = want
+        self.fleet_view = fleet_view
+        self.channels = channels
+        self.deadline_s = deadline_s
+        self.max_failures = max_failures
+        self.on_placed = on_placed
+        self.excluded: set[NodeId] = set()
+        self._lock = threading.Lock()
+        self._current: RemoteProposer | None = None
+        self._failures = 0
+        self.placement = self._place()  # raises ProposerUnavailable when none fits: the caller decides
+        self.name = "remote"
+
+    def _place(self) -> ProposerPlacement:
+        placement = place_proposer(self.want, self.fleet_view(), frozenset(self.excluded))
+        self._current = RemoteProposer(self.channels.get(placement.address, placement.node_id), placement.model_id,
+                                       placement.node_id, self.deadline_s)
+        self._failures = 0
+        log.info("proposer placed: %s on %s (%s)", placement.model_id, placement.node_id, placement.address)
+        self.on_placed(placement)
+        return placement
+
+    def release(self, seq_ids: Sequence[SeqId]) -> None:
+        if self._current is not None:
+            self._current.release(seq_ids)
+
+    def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
+        with self._lock:
+            if self._current is None:
+                try:
+                    self.placement = self._place()
+                except ProposerUnavailable as e:
+                    raise ProposerError(f"no proposer available: {e}") from None
+            current = self._current
+        try:
+            drafts = current.propose(requests)
+        except ProposerError as e:
+            with self._lock:
+                self._failures += 1
+                gone = getattr(e, "unreachable", False)
+                if (gone or self._failures >= self.max_failures) and self._current is current:
+                    log.warning("proposer on %s failed (%s); placing another", current.node_id, e)
+                    self.excluded.add(NodeId(current.node_id))
+                    self._current = None
+                    try:
+                        self.placement = self._place()
+                    except ProposerUnavailable as unavailable:
+                        log.warning("no other proposer: %s", unavailable)
+            raise
+        self._failures = 0
+        return drafts
+

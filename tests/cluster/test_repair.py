@@ -1,0 +1,36 @@
+"""Repairing a plan that lost a stage: pure, like the planner."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from meshllm.cluster.card import NodeId
+from meshllm.cluster.placement import plan_placement
+from meshllm.cluster.repair import replace_failed_stage
+from tests.cluster.test_placement import GIB, SIXTEEN, card, request
+
+
+def test_the_failed_stage_moves_to_the_roomiest_spare_and_the_others_keep_their_ranges():
+    req = request(SIXTEEN, context_length=1024, max_batch=1, num_stages=3)
+    fleet = [card(n, 4 * GIB, num_layers=16) for n in ("a", "b", "c")]
+    plan = plan_placement(req, fleet)
+    spares = [card("d", 2 * GIB, num_layers=16), card("e", 3 * GIB, num_layers=16)]
+    failed = plan.stages[1].node_id
+    repaired = replace_failed_stage(plan, failed, replace(req, exclude=frozenset({failed})), fleet + spares)
+    assert [s.node_id for s in repaired.stages] == [plan.stages[0].node_id, "e", plan.stages[2].node_id]
+    assert [(s.first_layer, s.last_layer) for s in repaired.stages] == \
+        [(s.first_layer, s.last_layer) for s in plan.stages]
+    assert repaired.stages[1].address == "e.lan:7070" and not repaired.reused_shards
+
+
+def test_no_repair_without_a_spare_that_can_hold_the_range_or_has_the_weights():
+    req = request(SIXTEEN, context_length=1024, max_batch=1, num_stages=2)
+    fleet = [card(n, 4 * GIB, num_layers=16) for n in ("a", "b")]
+    plan = plan_placement(req, fleet)
+    failed = plan.stages[0].node_id
+    tiny = card("c", 1024, num_layers=16)  # far too little memory
+    other_weights = card("d", 8 * GIB, num_layers=16, fingerprint="other")
+    assert replace_failed_stage(plan, failed, req, fleet + [tiny, other_weights]) is None
+    assert replace_failed_stage(plan, NodeId("not-in-plan"), req, fleet + [card("e", 8 * GIB, num_layers=16)]) is None
+    excluded = replace(req, exclude=frozenset({"e"}))
+    assert replace_failed_stage(plan, failed, excluded, fleet + [card("e", 8 * GIB, num_layers=16)]) is None
