@@ -96,7 +96,9 @@ class GGMLStage:
     def __init__(self, rt: Runtime, decoder: Decoder):
         assert supports(decoder) is None, supports(decoder)
         self.rt, self.g = rt, rt.lib
-        self.decoder = decoder
+        # Not the decoder itself: it holds this object (decoder.fast_path), and a reference cycle
+        # would keep the ggml buffers alive past Unload until the cycle collector happens to run.
+        self.has_head, self.dtype = decoder.has_head, decoder.dtype
         c = self.config = decoder.config
         self.q_size, self.kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         self._ctx = _WeightContext(rt, max_tensors=16 * len(decoder.layers) + 8)
@@ -232,7 +234,7 @@ class GGMLStage:
             step.close()
         # Where a step's time goes (bench/decode.py reports it): Python building the graph, ggml running it.
         self.last_build_s, self.last_compute_s = built - started, time.perf_counter() - built
-        return out if self.decoder.has_head else out.to(self.decoder.dtype)
+        return out if self.has_head else out.to(self.dtype)
 
     @staticmethod
     def _decode_key(x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
@@ -270,7 +272,7 @@ class GGMLStage:
                                                    slices, masks, n))
             h = g.ggml_add(ctx, h, self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n))
         step.out_shape = (n, c.hidden_size)
-        if self.decoder.has_head:
+        if self.has_head:
             if logit_rows is not None:
                 step.rows = torch.zeros(logit_rows.numel(), dtype=torch.int32)
                 h = g.ggml_get_rows(ctx, h, s.wrap(step.rows))

@@ -97,3 +97,31 @@ def test_sixteen_sequences_fit_one_graph(decoder):
     fast, slow = _run(decoder, prompts, 2, True), _run(decoder, prompts, 2, False)
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+
+
+def test_dropping_a_ggml_stage_frees_its_matrices_at_once(smollm2_gguf_path, tmp_path):
+    """Unload (failover's shared weights) drops the last reference to a decoder: its ggml buffers must
+    go then, not whenever the cycle collector runs, and decoder_bytes must have counted them."""
+    import gc
+    import weakref
+
+    from meshllm.engine.quantized import ggml_matrices
+    from meshllm.engine.stage_weights import decoder_bytes
+
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    path = write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "tiny.gguf", GGML.Q8_0)
+    files = open_model(path)
+    d = load_stage_decoder(files.source, files.config)
+    matrices = ggml_matrices(d)
+    held = sum(m.num_bytes for m in matrices)
+    assert matrices and decoder_bytes(d) >= held > 0.8 * path.stat().st_size  # the rest: tokenizer metadata
+    refs = [weakref.ref(m) for m in matrices]
+    del matrices
+    gc.disable()  # freed by reference counting alone
+    try:
+        del d
+        assert all(r() is None for r in refs), "a reference cycle keeps ggml matrices alive after the stage is dropped"
+    finally:
+        gc.enable()
