@@ -7,6 +7,8 @@ tok/s at batch 1 and 8 (64 new tokens after a 32-token prompt), prefill tok/s (5
 chunk), steady and peak RSS, and the decode step split into graph building (Python) and ggml
 compute; llama.cpp's llama-bench (tg64, pp512) and llama-batched-bench (8 sequences) on the same
 file with the same thread count, and its peak RSS. Each of our rows runs in a fresh process.
+Rows "smollm2:dense-float32|float16|bfloat16" load the shipped GGUF dequantized to that dtype (the form
+a safetensors model takes): what the default --dtype is chosen by (engine/dtypes.py).
 Prints one JSON object. llama.cpp is built on first use (bench/llama_cpp.py, ~15 min).
 
     flock -x /work/cpu.lock python bench/decode.py [--threads 2] [--rows smollm2:Q4_1,tiny:Q4_0]
@@ -37,6 +39,8 @@ def model_path(row: str) -> Path:
     from meshllm.model.source import default_model_path
 
     name, kind = row.split(":")
+    if kind.startswith("dense-"):
+        return default_model_path() if name == "smollm2" else model_path(f"{name}:BF16")
     if name == "smollm2":
         shipped = default_model_path()
         return shipped if kind == "Q4_1" else llama_cpp.make_variant(shipped, kind)
@@ -101,8 +105,8 @@ def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
     out.with_suffix(".tmp").rename(out)
 
 
-def ours(path: Path, threads: int) -> dict:
-    """Our figures for one GGUF, in this (fresh) process."""
+def ours(path: Path, threads: int, dense: str | None = None) -> dict:
+    """Our figures for one GGUF, in this (fresh) process; `dense`: dequantized to that dtype."""
     import psutil
     import torch
 
@@ -115,7 +119,10 @@ def ours(path: Path, threads: int) -> dict:
     files = open_model(path)
     dtype = torch.bfloat16 if ".BF16." in path.name else torch.float32
     t = time.perf_counter()
-    decoder = load_stage_decoder(files.source, files.config, dtype=dtype)
+    if dense:
+        decoder = load_dense(files, getattr(torch, dense))
+    else:
+        decoder = load_stage_decoder(files.source, files.config, dtype=dtype)
     load_s = time.perf_counter() - t
     del files
     vocab = decoder.config.vocab_size
@@ -161,15 +168,29 @@ def ours(path: Path, threads: int) -> dict:
     return figures
 
 
+def load_dense(files, dtype):
+    """The GGUF dequantized to `dtype` at load, then given the forms load_stage_decoder gives a
+    safetensors model of that dtype (ggml's whole-layer graph over the dense weights)."""
+    from meshllm.engine import ggml_stage
+    from meshllm.engine.ggml_lib import runtime
+    from meshllm.model.loader import load_decoder
+
+    decoder = load_decoder(files.source, files.config, dtype=dtype)
+    if runtime() is not None and ggml_stage.supports(decoder) is None:
+        decoder.fast_path = ggml_stage.GGMLStage(runtime(), decoder)
+    return decoder
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="threads for us and llama.cpp (default 2)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated (default: {','.join(ROWS)})")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="only our figures")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # internal: our figures for one file
+    parser.add_argument("--dense", help=argparse.SUPPRESS)  # internal: with --one, dequantized to this dtype
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(ours(args.one, args.threads)))
+        print(json.dumps(ours(args.one, args.threads, args.dense)))
         return
     import llama_cpp
 
@@ -178,10 +199,12 @@ def main() -> None:
     for row in args.rows.split(","):
         path = model_path(row)
         result: dict = {"file": str(path), "file_mib": round(path.stat().st_size / 2**20, 1)}
-        done = subprocess.run([sys.executable, __file__, "--one", str(path), "--threads", str(args.threads)],
+        kind = row.split(":")[1]
+        dense = ["--dense", kind.removeprefix("dense-")] if kind.startswith("dense-") else []
+        done = subprocess.run([sys.executable, __file__, "--one", str(path), "--threads", str(args.threads), *dense],
                               check=True, capture_output=True, text=True)
         result["ours"] = json.loads(done.stdout.strip().splitlines()[-1])
-        if not args.skip_llama_cpp:
+        if not args.skip_llama_cpp and not dense:
             theirs = result["llama_cpp"] = llama_cpp.bench(path, args.threads, PREFILL, NEW)
             mine = result["ours"]
             result["ratio"] = {k: round(mine[k] / theirs[k], 2) for k in

@@ -18,12 +18,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.api.app import create_app
 from meshllm.api.cluster_backend import local_cluster_backend
 from meshllm.api.config import API_KEY_ENV, MIB, APIConfig, add_api_guard_arguments, api_key_from
 from meshllm.api.server import APIServer
+from meshllm.engine.dtypes import add_dtype_argument
 from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions
 from meshllm.pipeline.local_cluster import LocalCluster
@@ -39,9 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"HF model folder, .gguf file or hub id (default: ${MODEL_ENV}, else the "
                              f"SmolLM2-135M-Instruct GGUF installed with meshllm)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP API port on 127.0.0.1 (default 8000)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
-                        help="weights and activations on every stage (default bfloat16: on a CPU with "
-                             "AVX-512 BF16 it decodes through meshllm's own matrix-vector kernel)")
+    add_dtype_argument(parser)
     parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
                         help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
                              "GGUF files stay in their own quantization without it (default: none)")

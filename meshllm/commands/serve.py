@@ -19,10 +19,11 @@ from meshllm.api.server import APIServer
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
 from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.dtypes import add_dtype_argument
 from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.model.source import default_model_path, open_model
 from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
-from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions, wait_for_fleet
+from meshllm.pipeline.cluster import ServingOptions, wait_for_fleet
 from meshllm.pipeline.failover import FailoverConfig
 from meshllm.pipeline.node_stage import attach_stage_service
 from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
@@ -39,8 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     node_command.add_arguments(parser)
     parser.add_argument("--model", type=Path, default=None,
                         help="model folder or .gguf file to serve (default: the SmolLM2-135M-Instruct demo GGUF)")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_SERVING.dtype,
-                        help=f"weights and activations dtype (default {_SERVING.dtype})")
+    add_dtype_argument(parser)
     parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
                         help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
                              "GGUF files stay in their own quantization without it (default: none)")

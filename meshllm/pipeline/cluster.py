@@ -10,14 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 
 from meshllm.cluster.card import Card
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
+from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPE_BYTES, DTYPES, dtype_name
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.stage_weights import held_weight_bytes, load_stage_decoder
-from meshllm.errors import PeerUnreachable, ShardUnavailable
+from meshllm.errors import BadRequest, PeerUnreachable, ShardUnavailable
 from meshllm.model.source import ModelFiles
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import FailoverConfig, Replanner
@@ -29,8 +29,7 @@ from meshllm.spec.proposer import Proposer
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = DTYPES  # the names tests and older callers import from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +37,7 @@ class ServingOptions:
     context_length: int = 4096  # tokens per sequence the plan reserves KV for
     max_batch: int = 16  # sequences decoding at once
     num_stages: int | None = None  # None: the fewest stages that fit
-    dtype: str = "float32"  # weights and activations on every stage
+    dtype: str = DEFAULT_DTYPE  # dense weights, KV and activations on every stage (engine/dtypes.py)
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8" / "int4": quantize a 16/32-bit model's linears at load
     # No reply for this long is a stalled pipeline even if every stage answers health checks (the
@@ -51,8 +50,10 @@ class ServingOptions:
     speculative: str | None = None  # "ngram" | "draft:MODEL" | "remote[:NODE]" (spec/factory.py); None: off
 
     def __post_init__(self):
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        try:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))  # aliases (bf16, fp32, ...) accepted
+        except BadRequest as error:
+            raise ValueError(str(error)) from None
 
     def scheduler_config(self, max_context: int) -> SchedulerConfig:
         s = self.scheduler

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-import torch
 
+from meshllm.engine.dtypes import DTYPES
 from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
 from meshllm.errors import ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.source import ModelFiles, open_model
@@ -26,7 +26,6 @@ from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> local path
 
 
