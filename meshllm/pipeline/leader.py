@@ -278,6 +278,10 @@ class Leader:
                     time.monotonic() - self._recovery.last_attempt >= self._recovery.config.retry_interval_s:
                 self._recovery.start(None)
             return
+        if not self._in_flight:
+            if self._recovery is not None and self._recovery.idle_probe_due():
+                self._recovery.probe(self._recovery.config.idle_probe_timeout_s, idle=True)
+            return
         if not self._watch.due():
             return
         if self._recovery is not None:
@@ -419,9 +423,16 @@ class Leader:
         self._recovery.start(failure)
 
     def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
+        if isinstance(message, Probed):
+            self._recovery.probing = False
         if message.epoch != self._recovery.epoch:
             return  # about a transport that has been replaced since
         match message:
+            case Probed(unresponsive=unresponsive, idle=True):
+                if unresponsive and self.transport is not None:
+                    i = unresponsive[0]
+                    self._fail_over(StageFailure(i, "stage_unreachable", f"stage {i} stopped answering health "
+                                                 "checks between requests"))
             case Probed(unresponsive=unresponsive):
                 if self.transport is None:
                     return
