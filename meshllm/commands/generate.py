@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[],
                         help="stop before this text; repeat for several (default: none)")
     add_dtype_argument(parser)
+    parser.add_argument("--device", default="cpu",
+                        help="without --peer: where weights, KV cache and compute go: cpu, cuda, cuda:N or mps "
+                             "(default cpu; on a GPU the weights are dense in --dtype)")
     parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                         help="run through the cluster this node belongs to (repeatable; the first that "
                              "answers gives the fleet view); default: the whole model in this process")
@@ -114,7 +117,7 @@ def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPara
 
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
                              dtype=args.dtype, quantization=args.quantize,
-                             speculative=args.speculative)
+                             speculative=args.speculative, device=args.device)
     leader = local_leader(files, options)
     try:
         for event in leader.generate(prompt_ids, params):

@@ -26,6 +26,7 @@ from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, quantize
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
+from meshllm.engine.batch_invariant import make_batch_invariant
 from meshllm.engine.weight_forms import QUANTIZATIONS, prepare_for_cpu
 from meshllm.errors import BadRequest, ModelLoadError
 from meshllm.model.config import ModelConfig
@@ -91,8 +92,11 @@ class GGMLWeightForm:
 def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0,
                        last_layer: int | None = None, dtype: torch.dtype = torch.float32,
                        quantization: str | None = None, batch_invariant: bool = False,
-                       progress=None) -> Decoder:
+                       progress=None, device: str = "cpu") -> Decoder:
     """Layers [first_layer, last_layer) of `source` in their fastest form (see the module docstring)."""
+    if device != "cpu":
+        return _load_on_device(source, config, first_layer, last_layer, dtype, quantization, batch_invariant,
+                               progress, device)
     if quantization is not None and quantization not in QUANTIZE_TYPES:
         raise BadRequest(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZE_TYPES)}")
     if batch_invariant and quantization is not None:
@@ -115,6 +119,29 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
         return decoder
     log.debug("whole-layer ggml path unused for %s: %s", source.path, why_not)
     return prepare_for_cpu(decoder, None, batch_invariant=False)
+
+
+def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int, last_layer: int | None,
+                    dtype: torch.dtype, quantization: str | None, batch_invariant: bool, progress,
+                    device: str) -> Decoder:
+    """Weights, KV and compute on a GPU (`--device cuda[:N]|mps`), dense in `dtype`.
+
+    ggml's kernels here are its CPU backend's, so on a GPU GGUF blocks are dequantized to `dtype`
+    (not compact) and --quantize is refused rather than silently run on the CPU.
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BadRequest(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(dev.type)
+    if available is None:
+        raise BadRequest(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps")
+    if not available():
+        raise BadRequest(f"--device {device}: this machine's torch has no {dev.type.upper()} device; use cpu")
+    if quantization is not None:
+        raise BadRequest(f"--quantize runs on the CPU (ggml); on {device} weights are held in --dtype")
+    decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress).to(dev)
+    return make_batch_invariant(decoder) if batch_invariant else decoder
 
 
 def decoder_bytes(decoder: Decoder) -> int:

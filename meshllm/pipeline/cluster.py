@@ -47,6 +47,7 @@ class ServingOptions:
     fallback_local: bool = False  # when no plan fits the fleet, run on the leader alone if the model fits here
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding, when a proposer is given
+    device: str = "cpu"  # where the leader's own in-process stage runs (cpu, cuda[:N], mps)
     speculative: str | None = None  # "ngram" | "draft:MODEL" | "remote[:NODE]" (spec/factory.py); None: off
 
     def __post_init__(self):
@@ -82,7 +83,8 @@ def new_leader(files: ModelFiles, transport, options: ServingOptions, observer: 
 def local_transport(files: ModelFiles, options: ServingOptions) -> LocalPipeline:
     """The whole model as one in-process stage."""
     decoder = load_stage_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype],
-                                 quantization=options.quantization, batch_invariant=options.batch_invariant)
+                                 quantization=options.quantization, batch_invariant=options.batch_invariant,
+                                 device=options.device)
     return LocalPipeline([StageRunner(decoder)])
 
 

@@ -23,7 +23,8 @@ def attach_stage_service(node, key: bytes) -> StageService:
 
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     # A loaded shard shows in the node's card at once, not at the next gossip round.
-    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()))
+    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
+                           device=node.config.device)
 
     def shards() -> tuple[LoadedShard, ...]:
         # One entry per range held, however many plans share its weights.

@@ -31,8 +31,9 @@ ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> 
 
 class StageControl:
     def __init__(self, stages: LoadedStages, resolve_model: ModelResolver,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, device: str = "cpu"):
         self._stages = stages
+        self._device = device  # the node's --device: where loaded weights, KV and compute go
         self._resolve_model = resolve_model
         self._on_change = on_change  # the node refreshes its card's shard list
         self._load_lock = threading.Lock()  # one load at a time: loads are memory-heavy
@@ -75,7 +76,7 @@ class StageControl:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
         _check_memory(files, request, dtype.itemsize)
         decoder = load_stage_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype,
-                                     request.quantization or None, request.batch_invariant)
+                                     request.quantization or None, request.batch_invariant, device=self._device)
         return SharedWeights(key, decoder, decoder_bytes(decoder)), files.source.num_bytes_read()
 
     def unload(self, request: stage_pb2.UnloadRequest) -> stage_pb2.UnloadReply:

@@ -21,9 +21,9 @@ from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, device: str = "cpu"):
         self.stages = LoadedStages()
-        self.control = StageControl(self.stages, resolve_model, on_change)
+        self.control = StageControl(self.stages, resolve_model, on_change, device)
         self.forward = ForwardStreams(self.stages, channels, FaultInjector.from_env())
 
     def Load(self, request, context):
