@@ -140,3 +140,17 @@ class InvalidReply(MeshError):
     extra or misplaced tokens, drafts it claims to accept but that were not proposed)."""
 
     code = "invalid_reply"
+
+
+class PlanLimitExceeded(MeshError):
+    """A step asks more of a stage than the plan it was loaded for allows (more sequences, rows or
+    positions than the plan's batch, step and context), or a node has no room for another stream."""
+
+    code = "plan_limit_exceeded"
+
+
+class LeaderDown(MeshError):
+    """The leader's loop stopped after repeated internal errors; nothing more can be served until the
+    server is restarted."""
+
+    code = "leader_down"

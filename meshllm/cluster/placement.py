@@ -44,11 +44,14 @@ class PlacementRequest:
     # Real bytes of the weights as stages hold them (quantized GGUF blocks, --quantize); None:
     # every parameter takes weight_dtype_bytes.
     weight_bytes: WeightBytes | None = None
+    prefix_cache_tokens: int = 0  # prompt KV each stage keeps for reuse (the leader's prefix cache), budgeted too
 
     def __post_init__(self):
         for name in ("context_length", "max_batch", "weight_dtype_bytes", "kv_dtype_bytes", "prefill_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise BadRequest(f"placement {name} must be at least 1, got {getattr(self, name)}")
+        if self.prefix_cache_tokens < 0:
+            raise BadRequest(f"placement prefix_cache_tokens must be non-negative, got {self.prefix_cache_tokens}")
         if self.num_stages is not None and self.num_stages < 1:
             raise BadRequest(f"--stages must be at least 1 (or left out for the fewest that fit), got {self.num_stages}")
         if not 0.0 <= self.safety_margin_fraction < 1.0:
@@ -66,7 +69,7 @@ class StageAssignment:
     first_layer: int  # inclusive
     last_layer: int  # exclusive
     weight_bytes: int  # its layers, + embedding on the first stage, + final norm and LM head on the last
-    kv_bytes: int  # KV cache of its layers for context_length × max_batch
+    kv_bytes: int  # KV cache of its layers for context_length × max_batch, and the prefix cache
     activation_bytes: int  # working memory of one step (prefill chunk or decode batch)
 
     @property

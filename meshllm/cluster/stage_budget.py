@@ -45,7 +45,7 @@ class Footprint:
     """Bytes of each part of the model a stage may hold, for one placement request."""
 
     layer_weight: int  # one decoder layer (all layers are the same size)
-    layer_kv: int  # one layer's KV cache for context_length × max_batch
+    layer_kv: int  # one layer's KV cache for context_length × max_batch, plus its prefix-cache blocks
     embedding: int
     final_norm: int
     lm_head: int  # vocab × hidden; with tied embeddings a separate copy unless one stage holds both
@@ -71,7 +71,8 @@ class Footprint:
                                                    lm_head=c.vocab_size * c.hidden_size * wb)
         return cls(
             layer_weight=held.layer,
-            layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1) * request.context_length * request.max_batch,
+            layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1)
+            * (request.context_length * request.max_batch + request.prefix_cache_tokens),
             embedding=held.embedding,
             final_norm=held.final_norm,
             lm_head=held.lm_head,

@@ -17,15 +17,18 @@ from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPE_BYTES, DTYPES, dtype_name
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.stage_weights import held_weight_bytes, load_stage_decoder
+from meshllm.engine.step_limits import StepLimits
 from meshllm.errors import BadRequest, PeerUnreachable, ShardUnavailable
 from meshllm.model.source import ModelFiles
+from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import FailoverConfig, Replanner
 from meshllm.pipeline.leader import Leader
-from meshllm.pipeline.transport import LocalPipeline
+from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
 from meshllm.spec.drafter import SpecConfig
 from meshllm.spec.factory import SpeculativeChoice, build_proposer
 from meshllm.spec.proposer import Proposer
+from meshllm.transport.channels import ChannelPool
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,12 @@ class ServingOptions:
         except BadRequest as error:
             raise ValueError(str(error)) from None
 
+    def step_limits(self, max_context: int) -> StepLimits:
+        """What the stages accept per step from a leader with these options (sent when loading)."""
+        s = self.scheduler
+        return StepLimits(max_context=max_context, max_seqs=self.max_batch, max_step_tokens=s.max_batched_tokens,
+                          prefix_block_size=s.prefix_block_size, max_prefix_blocks=s.prefix_cache_blocks)
+
     def scheduler_config(self, max_context: int) -> SchedulerConfig:
         s = self.scheduler
         return SchedulerConfig(max_num_seqs=self.max_batch, max_batched_tokens=s.max_batched_tokens,
@@ -85,7 +94,7 @@ def local_transport(files: ModelFiles, options: ServingOptions) -> LocalPipeline
     decoder = load_stage_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype],
                                  quantization=options.quantization, batch_invariant=options.batch_invariant,
                                  device=options.device)
-    return LocalPipeline([StageRunner(decoder)])
+    return LocalPipeline([StageRunner(decoder, prefix_capacity_blocks=options.scheduler.prefix_cache_blocks)])
 
 
 def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None,
@@ -102,11 +111,33 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
                             max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
                             kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
                             weight_bytes=held_weight_bytes(files.source, files.config, DTYPE_BYTES[options.dtype],
-                                                           options.quantization, options.batch_invariant))
+                                                           options.quantization, options.batch_invariant),
+                            prefix_cache_tokens=options.scheduler.prefix_cache_blocks
+                            * options.scheduler.prefix_block_size)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
     return plan_placement(placement_request(files, options), fleet)
+
+
+def deploy_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions) -> RemotePipeline:
+    """Load `plan`'s stages, limited to what a leader with `options` sends, and open the stream to them."""
+    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization,
+                     options.step_limits(context_of(files, options)))
+    first = plan.stages[0]
+    return RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages),
+                          stage_names_of(plan))
+
+
+def leader_for_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions,
+                    observer: LeaderObserver | None = None) -> Leader:
+    """A leader on exactly `plan` (no re-planning): tests and benches that place stages by hand."""
+    return new_leader(files, deploy_plan(files, plan, channels, options), options, observer)
+
+
+def stage_names_of(plan: Plan) -> tuple[str, ...]:
+    """How errors name each stage of `plan`: its node and address."""
+    return tuple(f"{s.node_id} ({s.address})" for s in plan.stages)
 
 
 def wait_for_fleet(fetch: Callable[[], list[Card]], fingerprint: str, min_nodes: int,

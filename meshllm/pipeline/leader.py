@@ -10,6 +10,13 @@ pipeline that stops answering (deadline.py), makes the loop drop every step in f
 mark every running sequence as having lost its KV (it re-prefills its committed tokens,
 prompt and output, and samples only the token after them), and re-plan on a worker
 thread; new requests wait meanwhile. The new transport is swapped in by a message.
+Without a replanner, a stream that ended (the stages freed all it held: its epoch moved)
+makes the running sequences re-prefill on the next stream.
+
+Supervision (supervision.py): every turn of the loop runs under a LoopSupervisor, so an
+unexpected exception fails the requests that turn touched and the loop keeps serving;
+when it cannot, `failure` says why (/health reports it) and `submit` raises it. Every
+reply is checked (replies.py) before anything is committed, naming the node at fault.
 """
 
 from __future__ import annotations
@@ -32,15 +39,16 @@ from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Wor
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
-from meshllm.errors import ContextOverflow, InvalidReply, MeshError, PipelineStalled
+from meshllm.errors import ContextOverflow, InvalidReply, LeaderDown, MeshError, PipelineStalled
 from meshllm.pipeline.chores import StageChores
 from meshllm.pipeline.deadline import DEFAULT_FLOOR_S, DeadlineConfig, StallWatch
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
 from meshllm.pipeline.failover import (Deployment, FailoverConfig, Probed, Recovered, Recovery, RecoveryFailed,
                                        RecoveryTiming, Replanner, StageFailure, blame, invalid_reply_failure)
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
-from meshllm.pipeline.replies import committed_tokens
+from meshllm.pipeline.replies import ReplyCheck
 from meshllm.pipeline.seq_constraints import SeqConstraints
+from meshllm.pipeline.supervision import LoopSupervisor, Turn
 from meshllm.pipeline.transport import StepTransport, next_step_id
 from meshllm.spec.drafter import Drafter, DraftsReady, SpecConfig
 from meshllm.spec.proposer import Proposer
@@ -72,6 +80,11 @@ class _Submit:
     done: threading.Event = field(default_factory=threading.Event)
     refused: list[MeshError] = field(default_factory=list)  # set by the loop when admission fails
 
+    def refuse(self, error: MeshError) -> None:
+        if not self.done.is_set():
+            self.refused.append(error)
+            self.done.set()
+
 
 @dataclass(frozen=True, slots=True)
 class _Cancel:
@@ -93,6 +106,7 @@ class _Wake:
 class _InFlight:
     batch: MicroBatch
     sent_at: float
+    epoch: int  # of the transport when sent: a later one means the stages lost what this step computed
 
 
 class Leader:
@@ -116,11 +130,14 @@ class Leader:
         config = config or SchedulerConfig()
         self.observer = observer or LeaderObserver()
         self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
-        self._chores = StageChores()
-        self.prefix = LeaderPrefixCache(config.prefix_block_size, config.prefix_cache_blocks, self._seq_prefix,
-                                        self._chores, self.observer)
         num_stages = transport.num_stages if transport is not None else 1
-        self.scheduler = Scheduler(replace(config, num_stages=num_stages), on_admit=self.prefix.match)
+        self._config = replace(config, num_stages=num_stages)
+        self._vocab_size = vocab_size
+        self._replies = ReplyCheck(vocab_size, transport.stage_names if transport is not None else ())
+        self._epoch = transport.epoch if transport is not None else 0
+        self._supervisor = LoopSupervisor()
+        self._turn = Turn()
+        self._new_state()
         # Without a replanner nothing can probe a suspect, so only the cap declares a stall.
         floor = step_timeout_s if replanner is None else min(DEFAULT_FLOOR_S, step_timeout_s)
         self._watch = StallWatch(deadline or DeadlineConfig(floor_s=floor, cap_s=step_timeout_s))
@@ -168,11 +185,20 @@ class Leader:
         constraints = SeqConstraints(params, seq.prompt_ids, grammar)
         message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
                           speculative, max_draft)
+        if self.failure is not None:
+            raise self.failure
         self._inbox.put(message)
-        message.done.wait()
+        while not message.done.wait(0.5):  # the loop answers at once, unless it has stopped
+            if self.failure is not None:
+                raise self.failure
         if message.refused:
             raise message.refused[0]
         return seq_id
+
+    @property
+    def failure(self) -> LeaderDown | None:
+        """Why this leader no longer serves (its loop gave up, or it was closed); None while it serves."""
+        return self._supervisor.failure or (LeaderDown("the leader is closed") if self._closed.is_set() else None)
 
     def cancel(self, seq_id: SeqId) -> None:
         self._inbox.put(_Cancel(seq_id))
@@ -192,6 +218,8 @@ class Leader:
             self.cancel(seq_id)  # no-op when finished; frees KV when the caller stops early
 
     def close(self) -> None:
+        """Cancel what is running, free it on every stage (a last step carries the releases), and
+        close the stream: a stage frees whatever a closed stream still held."""
         self._closed.set()
         self._inbox.put(_Wake())
         self._thread.join(timeout=10)
@@ -209,35 +237,52 @@ class Leader:
 
     # --- loop thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._closed.is_set():
-            self._fill_pipeline()
-            try:  # nothing more can be sent until a result or a request arrives
-                message = self._inbox.get(timeout=self._wait_s())
-            except queue.Empty:
-                self._check_progress()
-                continue
-            self._check_progress()
-            self._handle(message)
-            while True:  # drain whatever else arrived before scheduling again
+        try:
+            while not self._closed.is_set():
                 try:
-                    self._handle(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+                    self._serve_turn()
+                except Exception as e:  # noqa: BLE001 - supervised: fail what the turn touched, keep serving
+                    if not self._supervisor.survive(e, self._recover):
+                        break
+        finally:
+            if self._closed.is_set():
+                self._release_all(MeshError("the server is shutting down"))
+            else:
+                self._abandon_all(self._supervisor.give_up("its loop thread ended"))
+
+    def _serve_turn(self) -> None:
+        self._turn = Turn()  # scheduling and failover: any running sequence may be affected
+        self._fill_pipeline()
+        try:  # nothing more can be sent until a result or a request arrives
+            message = self._inbox.get(timeout=self._wait_s())
+        except queue.Empty:
+            self._check_progress()
+            return
+        self._check_progress()
+        self._handle(message)
+        while True:  # drain whatever else arrived before scheduling again
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                break
 
     def _handle(self, message) -> None:
+        self._turn = Turn(())
         match message:
             case _Submit(request=request):
+                self._turn = Turn((request.seq.seq_id,), message.refuse)
                 try:
                     self.scheduler.add(request.seq)
                     self._requests[request.seq.seq_id] = request
                     if self.drafter is not None and message.speculative is not False:
                         self.drafter.admit(request.seq, request.seq.params, message.user_seeded, message.max_draft)
                 except MeshError as e:
-                    message.refused.append(e)
+                    message.refuse(e)
                 message.done.set()
                 if self.transport is None and not message.refused:
                     self._recovery.start(None)  # no plan now: this request asks for one
             case _Cancel(seq_id=seq_id):
+                self._turn = Turn((seq_id,))
                 request = self._requests.get(seq_id)
                 if request is not None:
                     self._finish(request, "cancelled")
@@ -245,20 +290,91 @@ class Leader:
                 flight = self._in_flight.pop(step_id, None)
                 if flight is None:
                     return  # given up as stalled, or sent through a transport since replaced
+                self._turn = Turn(tuple(w.seq.seq_id for w in flight.batch.works))
                 seconds = time.perf_counter() - flight.sent_at
                 self._watch.done(flight.batch.num_tokens, seconds if result.ok else None)
                 self.observer.on_step(flight.batch, result, seconds)
                 if self.drafter is not None and result.ok:
                     self.drafter.step_done(flight.batch, seconds)
                 self._apply(flight.batch, result)
+                if flight.epoch != self._epoch:  # its stream ended since: the stages no longer hold its KV
+                    self.scheduler.recompute(w.seq for w in flight.batch.works)
             case DraftsReady():
+                self._turn = Turn(tuple(r.seq_id for r in message.requests))
                 if self.drafter is not None:
                     self.drafter.arrived(message)
             case Recovered() | RecoveryFailed() | Probed():
+                self._turn = Turn()  # a failover touches every running sequence
                 self._on_recovery(message)
             case _Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
+
+    # --- supervision (loop thread) -------------------------------------------------------------------
+    def _new_state(self) -> None:
+        self._chores = StageChores()
+        c = self._config
+        self.prefix = LeaderPrefixCache(c.prefix_block_size, c.prefix_cache_blocks, self._seq_prefix,
+                                        self._chores, self.observer)
+        self.scheduler = Scheduler(c, on_admit=self.prefix.match)
+
+    def _recover(self, error: MeshError) -> None:
+        """After an unexpected exception: fail the requests the turn touched; when that is not
+        known (scheduling, failover), fail them all and start from a fresh scheduler and prefix cache."""
+        turn, self._turn = self._turn, Turn(())
+        if turn.refuse is not None:
+            turn.refuse(error)
+        if turn.seq_ids is not None:
+            for seq_id in turn.seq_ids:
+                request = self._requests.get(seq_id)
+                if request is not None:
+                    request.seq.in_flight = False
+                    self._finish(request, "error", error)
+            return
+        started = {s.seq_id for s in self.scheduler.running} | {
+            r.seq.seq_id for r in self._requests.values() if r.seq.status is SeqStatus.RUNNING}
+        cached = self.prefix.index.hashes()
+        requests = list(self._requests.values())
+        self._requests.clear()
+        self._in_flight.clear()  # their replies are dropped when they come
+        self._watch.reset()
+        self._new_state()
+        if self.transport is not None:  # else no stage holds anything of theirs
+            self._chores.release.extend(sorted(started))
+            self._chores.drop(cached)
+        for request in requests:
+            if self.drafter is not None:
+                self.drafter.finish(request.seq.seq_id)
+            _notify_failed(request, error)
+
+    def _release_all(self, error: MeshError) -> None:
+        """On close: cancel every request and send their releases down the stream, in order after
+        the steps already sent (an out-of-band Release could overtake them)."""
+        try:
+            for request in list(self._requests.values()):
+                self._finish(request, "error", error)
+            if self._chores and self.transport is not None:
+                self._send(MicroBatch(()))
+        except Exception:  # noqa: BLE001 - closing anyway: the stages free what the closed stream held
+            log.exception("leader: could not release the running sequences on close")
+
+    def _abandon_all(self, error: MeshError) -> None:
+        """The loop stopped: end every request and refuse the submits still queued; closing the
+        transport ends the stream, so the stages free every sequence of this leader."""
+        for request in list(self._requests.values()):
+            _notify_failed(request, error)
+        self._requests.clear()
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(message, _Submit):
+                message.refuse(error)
+            elif isinstance(message, Recovered):
+                message.deployment.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     def _wait_s(self) -> float:
         now = time.perf_counter()
@@ -300,6 +416,10 @@ class Leader:
     def _fill_pipeline(self) -> None:
         if self.transport is None:
             return  # waiting for a plan
+        if self.transport.epoch != self._epoch:  # a stream ended: the stages freed all it held
+            self._epoch = self.transport.epoch
+            self.prefix.reset()
+            self.scheduler.recompute([s for s in self.scheduler.running if not s.in_flight])
         if self.drafter is not None and self.drafter.holding(time.perf_counter()):
             return  # a draft is about to arrive for a sequence that would go out without one
         while len(self._in_flight) < self.transport.num_stages:
@@ -336,7 +456,7 @@ class Leader:
         release, publish, evict = self._chores.take()
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
                     self.prefix.block_size)
-        self._in_flight[step_id] = _InFlight(batch, time.perf_counter())
+        self._in_flight[step_id] = _InFlight(batch, time.perf_counter(), self._epoch)
         self._watch.sent(batch.num_tokens)
         future = self.transport.submit(step)
         future.add_done_callback(lambda f, sid=step_id: self._inbox.put(_StepDone(sid, f.result())))
@@ -347,13 +467,15 @@ class Leader:
             if failure is not None:
                 self._fail_over(failure, batch)
                 return
-            where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
-            self._fail(batch.works, PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}"))
-            log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
+            error = self._replies.failure(result)  # names the stage's node
+            if result.error_code == "kv_missing":
+                self.prefix.drop_attached(batch.works)  # a stage no longer holds them: stop attaching them
+            self._fail(batch.works, error)
+            log.warning("step %d failed: %s", result.step_id, error)
             return
         try:
-            committed = committed_tokens(batch.works, result.tokens)
-        except MeshError as e:  # the last stage answered something other than what was asked
+            committed = self._replies.committed(batch.works, result)
+        except MeshError as e:  # a stage answered something other than what was asked
             log.warning("step %d: %s", result.step_id, e)
             if isinstance(e, InvalidReply) and self._recovery is not None:
                 self._fail_over(invalid_reply_failure(e, self.transport.num_stages), batch)
@@ -451,7 +573,10 @@ class Leader:
             case Recovered(deployment=deployment):
                 self._recovery.finished()
                 self.transport = deployment.transport
+                self._config = replace(self._config, num_stages=deployment.transport.num_stages)
                 self.scheduler.config = replace(self.scheduler.config, num_stages=deployment.transport.num_stages)
+                self._replies = ReplyCheck(self._vocab_size, deployment.transport.stage_names)
+                self._epoch = deployment.transport.epoch
                 self.prefix.reset()
                 self._swapped = (deployment, time.perf_counter()) if self._last_failure else None
                 log.info("serving through %s", deployment.description or "a new plan")
@@ -506,3 +631,13 @@ class Leader:
             request.on_event(GenerationEvent(seq.seq_id, "", finish_reason=reason, error=error,
                                              num_prompt_tokens=seq.num_prompt_tokens,
                                              num_cached_tokens=seq.num_cached))
+
+
+def _notify_failed(request: _Request, error: MeshError) -> None:
+    """Tell a request's caller it ended with `error`, bypassing state that may be broken."""
+    seq = request.seq
+    try:
+        request.on_event(GenerationEvent(seq.seq_id, "", finish_reason="error", error=error,
+                                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached))
+    except Exception:  # noqa: BLE001 - one broken callback must not stop the others from hearing
+        log.exception("request %d: its event callback failed", seq.seq_id)

@@ -54,10 +54,21 @@ class LeaderPrefixCache:
         if not seq.block_hashes or not work.start < seq.num_prompt_tokens <= work.start + work.num_tokens:
             return
         new, evicted = self.index.insert(seq.block_hashes)
-        self._chores.evict.extend(evicted)
+        self._chores.drop(evicted)
         position = {h: i for i, h in enumerate(seq.block_hashes)}
         for h in new:
-            self._chores.publish.append(Publish(seq.seq_id, position[h], (h,)))
+            self._chores.keep(Publish(seq.seq_id, position[h], (h,)))
+
+    def drop_attached(self, works) -> None:
+        """A stage answered kv_missing: it lost blocks these works attached (dropped by its LRU when
+        leaders share it, or a stream that ended). Stop offering them, so the next request re-prefills."""
+        self.index.remove([h for w in works for h in w.attach])
+
+    def reset(self) -> None:
+        """The stages dropped every block (the stream that published them ended): start empty."""
+        self.index = PrefixIndex(self.index.block_size, self.index.capacity_blocks)
+        self._chores.publish.clear()
+        self._chores.evict.clear()
 
     def reset(self) -> None:
         """A new plan: its stages hold no cached blocks yet."""

@@ -17,7 +17,9 @@ import threading
 from dataclasses import dataclass, field
 
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.step_limits import StepLimits
 from meshllm.model.decoder import Decoder
+from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
 
@@ -45,10 +47,18 @@ class SharedWeights:
 
 @dataclass
 class LoadedStage:
+    """A layer range loaded for one plan. Its limits come with the plan (LoadRequest): every
+    step is checked against them, and the prefix store keeps at most the plan's blocks."""
+
     request: stage_pb2.LoadRequest
     runner: StageRunner
     weights: SharedWeights
     lock: threading.Lock = field(default_factory=threading.Lock)
+    limits: StepLimits = field(init=False)
+
+    def __post_init__(self):
+        self.limits = stage_convert.limits_from_pb(self.request)
+        self.runner.prefix.set_capacity(self.limits.max_prefix_blocks)
 
     @property
     def index(self) -> int:

@@ -24,11 +24,14 @@ def attach_stage_service(node, key: bytes) -> StageService:
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     # A loaded shard shows in the node's card at once, not at the next gossip round.
     service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
-                           device=node.config.device)
+                           device=node.config.device, max_streams=node.server.config.max_streams)
 
     def shards() -> tuple[LoadedShard, ...]:
-        # One entry per range held, however many plans share its weights.
-        return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer)
+        # One entry per range held, however many plans share its weights. Streams are a node-wide
+        # budget: every shard shows the node's open streams and its maximum.
+        streams = service.forward
+        return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
+                                               queue_depth=streams.num_open, max_streams=streams.max_streams)
                                    for r in service.loaded()))
 
     node.card.set_shards_source(shards)

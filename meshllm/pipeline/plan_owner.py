@@ -33,7 +33,8 @@ from meshllm.cluster.placement import Plan
 from meshllm.cluster.repair import replace_failed_stage
 from meshllm.errors import MeshError, ShardUnavailable
 from meshllm.model.source import ModelFiles
-from meshllm.pipeline.cluster import ServingOptions, local_transport, new_leader, placement_request, plan_for
+from meshllm.pipeline.cluster import (ServingOptions, context_of, local_transport, new_leader, placement_request,
+                                      plan_for, stage_names_of)
 from meshllm.pipeline.deploy import StageUnreachable, deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import Deployment, StageFailure
@@ -179,7 +180,8 @@ class PlanOwner:
             plan_s = time.perf_counter() - started
             try:
                 plan_id = deploy(plan, self.channels, self.options.dtype, self.options.batch_invariant,
-                                 self.options.quantization)
+                                 self.options.quantization, self.options.step_limits(context_of(self.files,
+                                                                                                self.options)))
                 break
             except StageUnreachable as e:
                 log.warning("%s; planning without it", e)
@@ -196,7 +198,8 @@ class PlanOwner:
         log.info("plan %s for %s: %s (planned in %.2fs, loaded in %.2fs)", plan_id, self.files.model_id,
                  description, plan_s, load_s)
         first = plan.stages[0]
-        transport = RemotePipeline(self.channels.get(first.address, first.node_id), plan_id, len(plan.stages))
+        transport = RemotePipeline(self.channels.get(first.address, first.node_id), plan_id, len(plan.stages),
+                                   stage_names_of(plan))
         return Deployment(transport, plan_s, load_s, description)
 
     def _choose_plan(self, previous: Plan | None, failed: NodeId | None) -> Plan:

@@ -19,9 +19,10 @@ import psutil
 
 from meshllm.engine.dtypes import DTYPES
 from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
-from meshllm.errors import ModelLoadError, ShardUnavailable, WeightsMismatch
+from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.loaded_stages import LoadedStages, SharedWeights, WeightKey
+from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class StageControl:
         self._load_lock = threading.Lock()  # one load at a time: loads are memory-heavy
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
+        stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._load_lock:
             existing = self._stages.get(request.plan_id)
             if existing is not None and existing.request == request:
@@ -71,6 +73,9 @@ class StageControl:
         if files.config.num_hidden_layers != request.num_layers:
             raise WeightsMismatch(f"{path} has {files.config.num_hidden_layers} layers, the plan "
                                   f"expects {request.num_layers}")
+        if not 0 <= request.first_layer < request.last_layer <= request.num_layers:
+            raise BadRequest(f"layer range [{request.first_layer}, {request.last_layer}) is not inside the model's "
+                             f"{request.num_layers} layers")
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
@@ -87,6 +92,7 @@ class StageControl:
             return stage_pb2.UnloadReply(was_loaded=False)
         with stage.lock:  # a step of that plan still running finishes first
             stage.runner.release(stage.runner.held_sequences())
+            stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
         log.info("plan %s unloaded (%d weight bytes freed)", request.plan_id, freed)
         self._on_change()
         return stage_pb2.UnloadReply(was_loaded=True, weight_bytes_freed=freed)
@@ -108,7 +114,7 @@ class StageControl:
                     plan_id=plan_id, model_id=s.request.model_id, first_layer=s.request.first_layer,
                     last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
                     kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix),
-                    weight_bytes=s.weights.num_bytes))
+                    weight_bytes=s.weights.num_bytes, prefix_bytes=s.runner.prefix.num_bytes))
         return stage_pb2.StageInfoReply(shards=shards)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:

@@ -15,19 +15,23 @@ from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_control import ModelResolver, StageControl
 from meshllm.pipeline.stage_forward import ForwardStreams
+from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
+from meshllm.transport.server import DEFAULT_MAX_STREAMS
 
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
-                 on_change: Callable[[], None] = lambda: None, device: str = "cpu"):
+                 on_change: Callable[[], None] = lambda: None, max_streams: int = DEFAULT_MAX_STREAMS,
+                 device: str = "cpu"):
         self.stages = LoadedStages()
         self.control = StageControl(self.stages, resolve_model, on_change, device)
-        self.forward = ForwardStreams(self.stages, channels, FaultInjector.from_env())
+        self.forward = ForwardStreams(self.stages, channels, max_streams, FaultInjector.from_env())
 
     def Load(self, request, context):
         try:
+            stage_convert.limits_from_pb(request)  # refuse bad limits before reading any weights
             return self.control.load(request)
         except MeshError as e:
             status = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, WeightsMismatch) else
@@ -43,10 +47,12 @@ class StageService(stage_pb2_grpc.StageServicer):
         return self.control.release(request)
 
     def Info(self, request, context):
-        return self.control.info()
+        reply = self.control.info()
+        reply.num_streams, reply.max_streams = self.forward.num_open, self.forward.max_streams
+        return reply
 
     def Forward(self, request_iterator, context):
-        return self.forward.serve(request_iterator)
+        return self.forward.serve(request_iterator, context)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return self.control.loaded()

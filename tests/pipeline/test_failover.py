@@ -40,9 +40,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot who learns to paint."}]
 MAX_TOKENS = 40
 KILL_AFTER = 8  # streamed tokens before the fault: mid-stream, every time
-# Per-node memory offered to plans in the no-fit test: two such nodes hold aidreams (caps of 2
-# layers each with OPTIONS' KV), one cannot (it needs 4 layers plus embedding and head).
-SMALL_NODE = "4.5MB"
+# Per-node memory offered to plans in the no-fit test: two such nodes hold aidreams (2 layers
+# each with OPTIONS' KV and prefix-cache blocks, both budgeted), one cannot (it needs 4 layers
+# plus embedding and head): two fit from 14 MB, one from 26 MB.
+SMALL_NODE = "18MB"
 FAULT_ENV = "MESHLLM_FAULT_INJECTION"
 
 
