@@ -154,3 +154,15 @@ class LeaderDown(MeshError):
     server is restarted."""
 
     code = "leader_down"
+
+
+class TensorParallelUnsplittable(BadRequest):
+    """A model's head, KV-head, MLP or block counts cannot be divided over a tensor-parallel group."""
+
+    code = "tp_unsplittable"
+
+
+class TensorParallelFailed(MeshError):
+    """A rank of a tensor-parallel group died, hung or left; the whole group (one stage) has failed."""
+
+    code = "tp_group_failed"

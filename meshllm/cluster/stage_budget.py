@@ -7,10 +7,11 @@ every node computes the same numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshllm.cluster.card import Card
+from meshllm.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from meshllm.cluster.placement import PlacementRequest
@@ -52,6 +53,7 @@ class Footprint:
     tied: bool
     step_activation: int  # working memory of one step on any stage
     logits: int  # extra on the last stage: a row of logits per sequence
+    dense: WeightBytes  # the weights in --dtype: what a tensor-parallel rank holds (tp/load.py)
 
     @classmethod
     def of(cls, request: PlacementRequest) -> Footprint:
@@ -65,10 +67,9 @@ class Footprint:
         # One layer's attention scores if the kernel materialises them (no flash attention on
         # every backend); layers run one at a time, so only one layer's worth is live.
         scores = step_tokens * request.context_length * c.num_attention_heads
-        held = request.weight_bytes or WeightBytes(layer=c.layer_parameters() * wb,
-                                                   embedding=c.vocab_size * c.hidden_size * wb,
-                                                   final_norm=c.hidden_size * wb,
-                                                   lm_head=c.vocab_size * c.hidden_size * wb)
+        dense = WeightBytes(layer=c.layer_parameters() * wb, embedding=c.vocab_size * c.hidden_size * wb,
+                            final_norm=c.hidden_size * wb, lm_head=c.vocab_size * c.hidden_size * wb)
+        held = request.weight_bytes or dense
         return cls(
             layer_weight=held.layer,
             layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1)
@@ -79,7 +80,23 @@ class Footprint:
             tied=c.tie_word_embeddings,
             step_activation=(step_tokens * per_token + scores) * ACTIVATION_DTYPE_BYTES,
             logits=request.max_batch * c.vocab_size * ACTIVATION_DTYPE_BYTES,
+            dense=dense,
         )
+
+    def per_rank(self, config: ModelConfig, size: int) -> Footprint:
+        """What one rank of a `size`-way tensor-parallel group holds (tp/shard.py): 1/size of each
+        layer's weights, its KV heads (one each when there are fewer KV heads than ranks), its rows
+        of the vocabulary; activations and logits whole (rank 0 gathers the logits). Ranks hold
+        their slices dense (tp/load.py), so this divides the dense bytes, not the quantized ones."""
+        if size == 1:
+            return self
+        kv_heads = config.num_key_value_heads
+        vocab_rows = -(-config.vocab_size // size)
+        return replace(self, layer_weight=-(-self.dense.layer // size),
+                       layer_kv=self.layer_kv * max(kv_heads // size, 1) // kv_heads,
+                       embedding=self.dense.embedding * vocab_rows // config.vocab_size,
+                       final_norm=self.dense.final_norm,
+                       lm_head=self.dense.lm_head * vocab_rows // config.vocab_size)
 
     @property
     def per_layer(self) -> int:

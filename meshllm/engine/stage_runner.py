@@ -28,8 +28,10 @@ class KVMissing(MeshError):
 
 class StageRunner:
     def __init__(self, decoder: Decoder, kv_dtype: torch.dtype | None = None,
-                 prefix_capacity_blocks: int = DEFAULT_PREFIX_BLOCKS):
+                 prefix_capacity_blocks: int = DEFAULT_PREFIX_BLOCKS, samples: bool = True):
         self.decoder = decoder
+        # False on the non-zero ranks of a tensor-parallel group: they compute, rank 0 samples.
+        self.samples = samples
         self.cache = KVCache(decoder.kv_layout(kv_dtype))
         self.prefix = PrefixStore(prefix_capacity_blocks)  # the leader's index holds no more than this
 
@@ -99,7 +101,7 @@ class StageRunner:
         out = self.decoder(x, torch.cat(positions), slices, logit_rows).cpu()  # no-op on cpu; from --device
         if not self.is_last:
             return out
-        return choose_tokens(out, scored)
+        return choose_tokens(out, scored) if self.samples else []
 
     def _checked_input(self, step: Step) -> Tensor:
         # Everything here came from a peer: check before use (DESIGN.md "Wire protocol").

@@ -40,6 +40,7 @@ class ServingOptions:
     context_length: int = 4096  # tokens per sequence the plan reserves KV for
     max_batch: int = 16  # sequences decoding at once
     num_stages: int | None = None  # None: the fewest stages that fit
+    tensor_parallel: int | None = None  # nodes per stage: None decides by link speed, 1 never groups (--tp)
     dtype: str = DEFAULT_DTYPE  # dense weights, KV and activations on every stage (engine/dtypes.py)
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8" / "int4": quantize a 16/32-bit model's linears at load
@@ -113,7 +114,7 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
                             weight_bytes=held_weight_bytes(files.source, files.config, DTYPE_BYTES[options.dtype],
                                                            options.quantization, options.batch_invariant),
                             prefix_cache_tokens=options.scheduler.prefix_cache_blocks
-                            * options.scheduler.prefix_block_size)
+                            * options.scheduler.prefix_block_size, tensor_parallel=options.tensor_parallel)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:

@@ -6,6 +6,8 @@ Blame the node at fault, not the one that noticed:
   stage i-1, the sender (stage 0 receives token ids from the leader: nobody to exclude);
 - a reply the leader refuses (`invalid_reply`): the last stage, which produced it;
 - a stage that stopped answering (deadline, then Health.Check): that stage;
+- a tensor-parallel stage whose group failed (`tp_group_failed`, a rank died or hung): that
+  stage; the plan owner leaves out the group's nodes that do not answer;
 - `shard_not_loaded` / `kv_missing`: the node restarted or lost state; re-deploy, exclude nobody.
 Errors that belong to the request itself (a bad parameter) are not failures of any node.
 
@@ -29,7 +31,9 @@ from meshllm.pipeline.transport import StepTransport
 
 log = logging.getLogger(__name__)
 
-_NODE_FAULTS = {"stage_unreachable", "internal", "pipeline_stalled"}
+# tp_group_failed: a rank of a tensor-parallel stage died or hung, so the whole group (one stage)
+# failed; the plan owner works out which of its nodes to leave out.
+_NODE_FAULTS = {"stage_unreachable", "internal", "pipeline_stalled", "tp_group_failed"}
 _REDEPLOY = {"shard_not_loaded", "kv_missing"}
 
 

@@ -1,6 +1,10 @@
 """The stage's control plane: load a layer range for a plan, unload a plan, release
 sequences, report state.
 
+A Load carrying a `tp` part makes this node one rank of a tensor-parallel stage (tp/stage.py);
+its slices are bound to its group, so they are never shared with another plan, and the stage
+goes when its group ends (a rank failed, an Unload, a node shutdown).
+
 Called by the gRPC servicer (stage_service.py) on pool threads; raises MeshErrors that
 the servicer maps to status codes. A plan whose layers this node already holds for
 another plan shares their weights (loaded_stages.py): a re-plan after a failure costs the
@@ -21,7 +25,10 @@ from meshllm.engine.dtypes import DTYPES
 from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
 from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.source import ModelFiles, open_model
-from meshllm.pipeline.loaded_stages import LoadedStages, SharedWeights, WeightKey
+from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey
+from meshllm.tp.group import RankRole
+from meshllm.tp.node_collective import NodeCollective
+from meshllm.tp.stage import open_rank
 from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
@@ -32,26 +39,30 @@ ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> 
 
 class StageControl:
     def __init__(self, stages: LoadedStages, resolve_model: ModelResolver,
-                 on_change: Callable[[], None] = lambda: None, device: str = "cpu"):
+                 on_change: Callable[[], None] = lambda: None, device: str = "cpu",
+                 collective: NodeCollective | None = None):
         self._stages = stages
         self._device = device  # the node's --device: where loaded weights, KV and compute go
         self._resolve_model = resolve_model
         self._on_change = on_change  # the node refreshes its card's shard list
+        self._collective = collective  # the node's part in tensor parallelism, when it takes one
         self._load_lock = threading.Lock()  # one load at a time: loads are memory-heavy
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._load_lock:
             existing = self._stages.get(request.plan_id)
-            if existing is not None and existing.request == request:
+            if existing is not None and same_load(existing, request):
                 return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
             key = WeightKey.of(request)
             weights = self._stages.weights(key)
-            num_bytes_read = 0
-            if weights is None:
+            num_bytes_read, runner = 0, None
+            if request.HasField("tp"):
+                weights, runner, num_bytes_read = self._open_rank(request, key)
+            elif weights is None:
                 weights, num_bytes_read = self._load_weights(request, key)
-            self._stages.put(request.plan_id, request, weights)
+            close_runner(self._stages.put(request.plan_id, request, weights, runner))
             seconds = time.perf_counter() - started
             log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
                      request.first_layer, request.last_layer, request.stage_index,
@@ -60,7 +71,7 @@ class StageControl:
         return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=num_bytes_read, load_seconds=seconds,
                                    reused_weights=not num_bytes_read)
 
-    def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
+    def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, "torch.dtype"]:
         path = self._resolve_model(request.model_id, request.fingerprint)
         if path is None:
             raise ModelLoadError(f"this node has no model {request.model_id!r} with fingerprint "
@@ -80,9 +91,41 @@ class StageControl:
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
         _check_memory(files, request, dtype.itemsize)
+        return files, dtype
+
+    def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
+        files, dtype = self._open_files(request)
         decoder = load_stage_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype,
                                      request.quantization or None, request.batch_invariant, device=self._device)
         return SharedWeights(key, decoder, decoder_bytes(decoder)), files.source.num_bytes_read()
+
+    def _open_rank(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, object, int]:
+        role: RankRole = stage_convert.rank_role_from_pb(request)
+        if self._device != "cpu":
+            raise BadRequest(f"tensor-parallel ranks run on the CPU (gloo over the LAN); this node runs "
+                             f"--device {self._device}: plan it as an ordinary stage (--tp 1)")
+        files, dtype = self._open_files(request)
+        runners = []
+
+        def gone(reason: str) -> None:
+            # The group ended without an Unload (a rank failed, rank 0 went away): drop the stage
+            # now, so no rank outlives its group and the card stops advertising it.
+            if runners and self._stages.pop_runner(request.plan_id, runners[0]) is not None:
+                log.warning("plan %s: tensor-parallel rank %d of %d dropped: %s", request.plan_id, role.rank,
+                            role.size, reason)
+                self._on_change()
+
+        runner = open_rank(files, role, self._collective, request.first_layer, request.last_layer, dtype,
+                           request.quantization or None, request.batch_invariant, gone)
+        runners.append(runner)
+        weights = SharedWeights(key, runner.decoder, decoder_bytes(runner.decoder))
+        return weights, runner, files.source.num_bytes_read()
+
+    def close(self) -> None:
+        """Node shutdown: tensor-parallel groups are told to stop, not left to time out."""
+        for plan_id, _ in self._stages.items():
+            stage, _ = self._stages.pop(plan_id)
+            close_runner(stage)
 
     def unload(self, request: stage_pb2.UnloadRequest) -> stage_pb2.UnloadReply:
         """Forget a plan: its KV goes now, its weights once no other plan uses them."""
@@ -93,6 +136,7 @@ class StageControl:
         with stage.lock:  # a step of that plan still running finishes first
             stage.runner.release(stage.runner.held_sequences())
             stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
+        close_runner(stage)  # a tensor-parallel rank ends its group (rank 0 tells the workers)
         log.info("plan %s unloaded (%d weight bytes freed)", request.plan_id, freed)
         self._on_change()
         return stage_pb2.UnloadReply(was_loaded=True, weight_bytes_freed=freed)
@@ -114,19 +158,44 @@ class StageControl:
                     plan_id=plan_id, model_id=s.request.model_id, first_layer=s.request.first_layer,
                     last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
                     kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix),
-                    weight_bytes=s.weights.num_bytes, prefix_bytes=s.runner.prefix.num_bytes))
+                    weight_bytes=s.weights.num_bytes, prefix_bytes=s.runner.prefix.num_bytes,
+                    tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
         return stage_pb2.StageInfoReply(shards=shards)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return [s.request for _, s in self._stages.items()]
 
 
+def same_load(existing: LoadedStage, request: stage_pb2.LoadRequest) -> bool:
+    """A Load of what this node already serves. A tensor-parallel rank compares all but its
+    group id (fresh per deploy), and only while its group is alive: a second leader deploying
+    the same plan reuses the group, a redeploy after a failure forms a new one."""
+    if not request.HasField("tp"):
+        return existing.request == request
+    if getattr(existing.runner, "failed", False):
+        return False
+    mine, theirs = stage_pb2.LoadRequest(), stage_pb2.LoadRequest()
+    mine.CopyFrom(existing.request)
+    theirs.CopyFrom(request)
+    mine.tp.group_id = theirs.tp.group_id = ""
+    return mine == theirs
+
+
+def close_runner(stage: LoadedStage | None) -> None:
+    """Close a tensor-parallel stage's group (a plain stage has nothing to close)."""
+    close = getattr(stage.runner, "close", None) if stage is not None else None
+    if close is not None:
+        with stage.lock:  # a step still running finishes first
+            close()
+
+
 def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:
     """Refuse a range whose weights cannot fit in what the OS has free now, before reading it: a
-    leader that planned on a stale card gets a clear error instead of this node swapping."""
+    leader that planned on a stale card gets a clear error instead of this node swapping. A
+    tensor-parallel rank holds about 1/size of it, in dense form (tp/load.py)."""
     config = files.config
-    held = held_weight_bytes(files.source, config, dtype_bytes, request.quantization or None,
-                             request.batch_invariant)
+    held = None if request.HasField("tp") else held_weight_bytes(
+        files.source, config, dtype_bytes, request.quantization or None, request.batch_invariant)
     vocab_table = config.vocab_size * config.hidden_size * dtype_bytes
     layer = held.layer if held is not None else config.layer_parameters() * dtype_bytes
     need = (request.last_layer - request.first_layer) * layer
@@ -134,6 +203,7 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
         need += held.embedding if held is not None else vocab_table
     if request.last_layer == config.num_hidden_layers:
         need += held.lm_head if held is not None else vocab_table
+    need //= max(request.tp.size, 1)
     available = psutil.virtual_memory().available
     if need > available:
         raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) need {need} bytes of weights; "

@@ -15,6 +15,7 @@ from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_control import ModelResolver, StageControl
 from meshllm.pipeline.stage_forward import ForwardStreams
+from meshllm.tp.node_collective import NodeCollective
 from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
@@ -24,9 +25,9 @@ from meshllm.transport.server import DEFAULT_MAX_STREAMS
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
                  on_change: Callable[[], None] = lambda: None, max_streams: int = DEFAULT_MAX_STREAMS,
-                 device: str = "cpu"):
+                 device: str = "cpu", collective: NodeCollective | None = None):
         self.stages = LoadedStages()
-        self.control = StageControl(self.stages, resolve_model, on_change, device)
+        self.control = StageControl(self.stages, resolve_model, on_change, device, collective)
         self.forward = ForwardStreams(self.stages, channels, max_streams, FaultInjector.from_env())
 
     def Load(self, request, context):
@@ -56,3 +57,10 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return self.control.loaded()
+
+    # Node service interface: started with the node, stopped before its gRPC server.
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.control.close()

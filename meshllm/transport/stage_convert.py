@@ -13,10 +13,12 @@ from meshllm.engine.step import (MAX_DRAFT_SUPPORT, DraftDist, Publish, SampledT
                                  StepResult)
 from meshllm.engine.step_limits import WIRE_LIMITS, WIRE_MAX_BLOCK_SIZE, WIRE_MAX_LIST, StepLimits
 from meshllm.errors import BadRequest, MalformedMessage, PlanLimitExceeded
+from meshllm.tp.group import DEFAULT_TIMEOUT_S, RankRole
 from meshllm.transport import codec
 from meshllm.transport.protos import stage_pb2
 from meshllm.transport.token_mask import mask_from_bytes, mask_to_bytes
 
+MAX_TP_SIZE = 64  # ranks of one tensor-parallel group
 MAX_DRAFT_TOKENS = 64  # a verification step scores at most this many proposed tokens per sequence
 
 
@@ -210,3 +212,22 @@ def error_reply(step_id: int, code: str, message: str, stage_index: int,
                 timings=()) -> stage_pb2.StepReply:
     return stage_pb2.StepReply(step_id=step_id, error_code=code, error_message=message,
                                failed_stage=stage_index, timings=list(timings))
+
+
+def rank_role_from_pb(request: stage_pb2.LoadRequest) -> RankRole | None:
+    """This node's rank of a tensor-parallel stage, or None for a stage of its own."""
+    if not request.HasField("tp"):
+        return None
+    tp = request.tp
+    if not 2 <= tp.size <= MAX_TP_SIZE or len(tp.group_id) > 128 or not tp.timeout_s >= 0:
+        raise BadRequest(f"tensor-parallel group of {tp.size} (group id of {len(tp.group_id)} characters, "
+                         f"timeout {tp.timeout_s}) is out of range: 2..{MAX_TP_SIZE} ranks")
+    host, sep, port = tp.store_address.rpartition(":")
+    if not (sep and host and port.isdigit()):
+        raise BadRequest(f"tensor-parallel store address {tp.store_address!r} is not host:port")
+    return RankRole(tp.rank, tp.size, tp.store_address, tp.group_id, tp.timeout_s or DEFAULT_TIMEOUT_S)
+
+
+def rank_role_to_pb(role: RankRole) -> stage_pb2.TensorParallel:
+    return stage_pb2.TensorParallel(rank=role.rank, size=role.size, store_address=role.store_address,
+                                    group_id=role.group_id, timeout_s=role.timeout_s)
