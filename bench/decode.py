@@ -1,286 +1,218 @@
-"""Single-process decode and prefill speed against transformers on the same weights and threads.
+"""Decode and prefill speed and resident memory against llama.cpp, same GGUF files, same threads.
 
-Two models: SmolLM2-135M-Instruct (the demo GGUF, dequantized) and a random-weight model of
-TinyLlama-1.1B shape built in memory. For each weight variant (fp16, oneDNN-prepacked bf16,
-weight-only int8; see meshllm/engine/cpu_weights.py): decode tok/s at batch 1 (32-token
-prompt, 128 new tokens, greedy, through engine/generate.py), prefill tok/s (512-token prompt),
-and the fraction of the memory-bandwidth bound (weight bytes read per token / measured read
-bandwidth). transformers `generate` runs on the first variant's weights. Prints one JSON object.
+Rows: SmolLM2-135M-Instruct Q4_1 (the demo GGUF as shipped), BF16 and Q8_0 (made from it by
+llama-quantize), and a 1.1B model of TinyLlama's shape (random weights, SmolLM2's 49152-token
+vocabulary so the file carries a real tokenizer) in BF16, Q8_0 and Q4_0. For each: our decode
+tok/s at batch 1 and 8 (64 new tokens after a 32-token prompt), prefill tok/s (512 tokens, one
+chunk), steady and peak RSS, and the decode step split into graph building (Python) and ggml
+compute; llama.cpp's llama-bench (tg64, pp512) and llama-batched-bench (8 sequences) on the same
+file with the same thread count, and its peak RSS. Each of our rows runs in a fresh process.
+Rows "smollm2:dense-float32|float16|bfloat16" load the shipped GGUF dequantized to that dtype (the form
+a safetensors model takes): what the default --dtype is chosen by (engine/dtypes.py).
+Prints one JSON object. llama.cpp is built on first use (bench/llama_cpp.py, ~15 min).
 
-    python bench/decode.py [--variants fp16,bf16,int8] [--threads 2] [--models smollm2,tinyllama]
-
-Peer figures (llama.cpp, 2 threads, on the machine these targets were set on): SmolLM2-135M
-BF16 decode 79-95 tok/s, prefill(512) 680-900; TinyLlama-1.1B shape BF16 decode 14.5-15.8,
-prefill 115-126. The target is 0.8x of them.
+    flock -x /work/cpu.lock python bench/decode.py [--threads 2] [--rows smollm2:Q4_1,tiny:Q4_0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-from torch import nn
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from meshllm.commands.generate import AUTO_DTYPE  # noqa: E402
-from meshllm.engine.cpu_weights import Int8Linear, PackedBF16Linear  # noqa: E402
-from meshllm.engine.generate import stream_many  # noqa: E402
-from meshllm.engine.kv_cache import SequenceKV  # noqa: E402
-from meshllm.engine.sampler import SamplingParams  # noqa: E402
-from meshllm.engine.weight_forms import prepare_for_cpu  # noqa: E402
-from meshllm.model.config import ModelConfig  # noqa: E402
-from meshllm.model.decoder import Decoder, RMSNorm, SeqSlice  # noqa: E402
-from meshllm.model.loader import load_decoder  # noqa: E402
-from meshllm.model.source import open_model  # noqa: E402
-
-PROMPT_TOKENS, NEW_TOKENS, PREFILL_TOKENS = 32, 128, 512
-TINYLLAMA = ModelConfig(model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                        num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, head_dim=64,
-                        max_position_embeddings=2048, rms_norm_eps=1e-5, bos_token_id=1, eos_token_ids=(2,))
-# variant -> (dtype, int8 weights); see meshllm/engine/cpu_weights.py
-VARIANTS = {"fp16": (torch.float16, False), "bf16": (torch.bfloat16, False), "fp32": (torch.float32, False),
-            "int8": (torch.float16, True)}
-LLAMA_CPP_BF16 = {  # tok/s ranges measured with 2 threads (the brief of issue #2)
-    "smollm2": {"decode": [79, 95], "prefill": [680, 900]},
-    "tinyllama": {"decode": [14.5, 15.8], "prefill": [115, 126]},
-}
+PROMPT, NEW, PREFILL, BATCH = 32, 64, 512, 8
+ROWS = ["smollm2:Q4_1", "smollm2:BF16", "smollm2:Q8_0", "tiny:BF16", "tiny:Q8_0", "tiny:Q4_0"]
+TINYLLAMA = dict(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, head_dim=64)
 
 
-class _NoTokenizer:
-    """The loop only needs EOS ids and a detokenizer; benchmarks ignore the text."""
+def model_path(row: str) -> Path:
+    import llama_cpp
 
-    eos_token_ids = ()
+    from meshllm.model.source import default_model_path
 
-    @staticmethod
-    def decode_stream():
-        return _NoTokenizer
-
-    @staticmethod
-    def step(token_id: int) -> str:
-        return ""
-
-
-def read_bandwidth_gbs(repeats: int = 5) -> float:
-    """Read bandwidth of a sum over 512 MiB (far larger than any cache), best of `repeats`."""
-    buf = torch.ones(128 * 1024 * 1024, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best / 1e9
-
-
-def weight_bytes_per_token(decoder: Decoder) -> int:
-    """Bytes of weights one decode step reads: every matrix and norm once; the embedding one row."""
-    total = 0
-    for module in decoder.modules():
-        if isinstance(module, nn.Linear):
-            total += module.weight.numel() * module.weight.element_size()
-        elif isinstance(module, PackedBF16Linear):
-            total += module.in_features * module.out_features * 2
-        elif isinstance(module, Int8Linear):
-            total += module.weight_int8.numel() + module.scale_bf16.numel() * 2
-        elif isinstance(module, RMSNorm):
-            total += module.weight.numel() * module.weight.element_size()
-    return total
-
-
-def ours(decoder: Decoder, vocab: int, repeats: int) -> dict:
-    prompt = torch.randint(3, vocab, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0)).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    decode = []
-    for _ in range(repeats):
-        stream = stream_many(decoder, _NoTokenizer, [prompt], [params])
-        next(stream)  # prefill and the first token
-        t = time.perf_counter()
-        n = sum(1 for _ in stream)
-        decode.append(n / (time.perf_counter() - t))
-    long_prompt = torch.randint(3, vocab, (PREFILL_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
-    prefill = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        list(stream_many(decoder, _NoTokenizer, [long_prompt], [SamplingParams(temperature=0.0, max_tokens=1)]))
-        prefill.append(PREFILL_TOKENS / (time.perf_counter() - t))
-    return {"decode_tok_s": round(max(decode), 2), "prefill_tok_s": round(max(prefill), 1)}
-
-
-def non_matmul_ms(decoder: Decoder, steps: int = 32) -> float:
-    """Median ms of a decode step with every linear layer answering instantly: the time a
-    step spends outside the matrix products (norms, rotary, attention, dispatch, Python)."""
-    linears = [m for m in decoder.modules() if isinstance(m, (nn.Linear, PackedBF16Linear, Int8Linear))]
-    outputs: dict[tuple, torch.Tensor] = {}
-
-    def instant(module):
-        def forward(x):
-            key = (x.shape[0], module.out_features, x.dtype)
-            if key not in outputs:
-                outputs[key] = torch.full((x.shape[0], module.out_features), 0.01, dtype=x.dtype)
-            return outputs[key]
-        return forward
-
-    for m in linears:
-        m.forward = instant(m)
-    try:
-        kv = SequenceKV(decoder.kv_layout(), capacity=PROMPT_TOKENS + steps)
-        decoder(torch.arange(PROMPT_TOKENS), torch.arange(PROMPT_TOKENS), [SeqSlice(kv, 0, PROMPT_TOKENS)])
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            decoder(torch.tensor([5]), torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)])
-            times.append(time.perf_counter() - t)
-    finally:
-        for m in linears:
-            del m.forward
-    return statistics.median(times) * 1000
-
-
-def to_transformers(decoder: Decoder):
-    """A LlamaForCausalLM holding the same weights (q/k/v and gate/up split back apart)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = decoder.config
-    hf_config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                            num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-                            num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                            rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(hf_config)
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    state = {"model.embed_tokens.weight": decoder.embed_tokens.weight, "model.norm.weight": decoder.norm.weight,
-             "lm_head.weight": decoder.lm_head.weight}
-    for i, layer in enumerate(decoder.layers):
-        p = f"model.layers.{i}"
-        wq, wk, wv = layer.self_attn.qkv_proj.weight.split([q, kv, kv])
-        gate, up = layer.mlp.gate_up_proj.weight.split(c.intermediate_size)
-        state.update({f"{p}.self_attn.q_proj.weight": wq, f"{p}.self_attn.k_proj.weight": wk,
-                      f"{p}.self_attn.v_proj.weight": wv, f"{p}.self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
-                      f"{p}.mlp.gate_proj.weight": gate, f"{p}.mlp.up_proj.weight": up,
-                      f"{p}.mlp.down_proj.weight": layer.mlp.down_proj.weight,
-                      f"{p}.input_layernorm.weight": layer.input_layernorm.weight,
-                      f"{p}.post_attention_layernorm.weight": layer.post_attention_layernorm.weight})
-    model.load_state_dict({k: v.contiguous() for k, v in state.items()}, assign=True, strict=False)
-    model.model.rotary_emb = type(model.model.rotary_emb)(hf_config)  # its buffers were built on meta
-    if c.tie_word_embeddings:
-        model.tie_weights()
-    return model.eval()
-
-
-@torch.inference_mode()
-def theirs(model, vocab: int, repeats: int) -> dict:
-    def timed_generate(num_prompt: int, num_new: int, seed: int) -> float:
-        ids = torch.randint(3, vocab, (1, num_prompt), generator=torch.Generator().manual_seed(seed))
-        t = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, min_new_tokens=num_new,
-                       do_sample=False, pad_token_id=0)
-        return time.perf_counter() - t
-
-    decode, prefill = [], []
-    for _ in range(repeats):
-        first = timed_generate(PROMPT_TOKENS, 1, 0)
-        whole = timed_generate(PROMPT_TOKENS, NEW_TOKENS, 0)
-        decode.append((NEW_TOKENS - 1) / max(whole - first, 1e-9))
-        prefill.append(PREFILL_TOKENS / timed_generate(PREFILL_TOKENS, 1, 1))
-    return {"decode_tok_s": round(max(decode), 2), "prefill_tok_s": round(max(prefill), 1)}
-
-
-def random_decoder(config: ModelConfig, dtype: torch.dtype) -> Decoder:
-    """Random weights (std 0.02, norms 1), the same for every dtype: drawn in fp32 per tensor."""
-    with torch.device("meta"):
-        decoder = Decoder(config, dtype=dtype)
-    g = torch.Generator().manual_seed(0)
-    state = {name: (torch.ones(p.shape) if "norm" in name else torch.randn(p.shape, generator=g) * 0.02).to(dtype)
-             for name, p in decoder.named_parameters()}
-    decoder.load_state_dict(state, assign=True, strict=True)
-    decoder.rotary = type(decoder.rotary)(config, dtype)  # built on meta above
-    return decoder
-
-
-def load_variant(name: str, variant: str) -> Decoder:
-    """Model `name` in one of VARIANTS: a dtype, with its linear layers prepared for the CPU."""
-    dtype, int8 = VARIANTS[variant]
+    name, kind = row.split(":")
+    if kind.startswith("dense-"):
+        return default_model_path() if name == "smollm2" else model_path(f"{name}:BF16")
     if name == "smollm2":
-        files = open_model(None)
-        decoder = load_decoder(files.source, files.config, dtype=dtype)
+        shipped = default_model_path()
+        return shipped if kind == "Q4_1" else llama_cpp.make_variant(shipped, kind)
+    base = llama_cpp.CACHE / "bench" / "tinyllama-shape-random.BF16.gguf"
+    if not base.exists():
+        write_random_llama(default_model_path(), base)
+    return base if kind == "BF16" else llama_cpp.make_variant(base, kind)
+
+
+def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
+    """TinyLlama-1.1B's shape with random bf16 weights (std 0.02) and SmolLM2's tokenizer."""
+    import numpy as np
+    import torch
+    from gguf import GGUFWriter
+    from gguf.constants import GGMLQuantizationType as GGML
+
+    from meshllm.model.gguf import GGUFFile
+
+    meta = GGUFFile.open(tokenizer_gguf).metadata
+    t = TINYLLAMA
+    w = GGUFWriter(out.with_suffix(".tmp"), "llama")
+    for add, value in ((w.add_block_count, t["layers"]), (w.add_context_length, 2048),
+                       (w.add_embedding_length, t["hidden"]), (w.add_feed_forward_length, t["intermediate"]),
+                       (w.add_head_count, t["heads"]), (w.add_head_count_kv, t["kv_heads"]),
+                       (w.add_rope_dimension_count, t["head_dim"]), (w.add_layer_norm_rms_eps, 1e-5),
+                       (w.add_rope_freq_base, 10000.0)):
+        add(value)
+    for key, value in meta.items():
+        if key.startswith("tokenizer."):
+            if isinstance(value, (np.ndarray, list)):
+                w.add_array(key, list(value.tolist() if isinstance(value, np.ndarray) else value))
+            elif isinstance(value, str):
+                w.add_string(key, value)
+            elif isinstance(value, bool):
+                w.add_bool(key, value)
+            else:
+                w.add_uint32(key, int(value))
+    g = torch.Generator().manual_seed(0)
+    vocab = len(meta["tokenizer.ggml.tokens"])
+
+    def bf16(rows: int, cols: int):
+        x = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+        return x.view(torch.int16).numpy().view(np.uint8).reshape(rows, cols * 2)
+
+    def add(name: str, rows: int, cols: int) -> None:
+        w.add_tensor(name, bf16(rows, cols), raw_shape=(rows, cols * 2), raw_dtype=GGML.BF16)
+
+    h, i, q, kv = t["hidden"], t["intermediate"], t["heads"] * t["head_dim"], t["kv_heads"] * t["head_dim"]
+    add("token_embd.weight", vocab, h)
+    add("output.weight", vocab, h)
+    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    for b in range(t["layers"]):
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q),
+                                 ("ffn_gate", i, h), ("ffn_up", i, h), ("ffn_down", h, i)):
+            add(f"blk.{b}.{name}.weight", rows, cols)
+        w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(h, dtype=np.float32))
+        w.add_tensor(f"blk.{b}.ffn_norm.weight", np.ones(h, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out.with_suffix(".tmp").rename(out)
+
+
+def ours(path: Path, threads: int, dense: str | None = None) -> dict:
+    """Our figures for one GGUF, in this (fresh) process; `dense`: dequantized to that dtype."""
+    import psutil
+    import torch
+
+    torch.set_num_threads(threads)
+    from meshllm.engine.kv_cache import SequenceKV
+    from meshllm.engine.stage_weights import load_stage_decoder
+    from meshllm.model.decoder import SeqSlice
+    from meshllm.model.source import open_model
+
+    files = open_model(path)
+    dtype = torch.bfloat16 if ".BF16." in path.name else torch.float32
+    t = time.perf_counter()
+    if dense:
+        decoder = load_dense(files, getattr(torch, dense))
     else:
-        decoder = random_decoder(TINYLLAMA, dtype)
-    return prepare_for_cpu(decoder, "int8" if int8 else None, batch_invariant=False)
+        decoder = load_stage_decoder(files.source, files.config, dtype=dtype)
+    load_s = time.perf_counter() - t
+    del files
+    vocab = decoder.config.vocab_size
+    g = torch.Generator().manual_seed(0)
 
+    def decode(batch: int) -> tuple[float, list[float], list[float]]:
+        kvs = [SequenceKV(decoder.kv_layout(), PROMPT + NEW + 1) for _ in range(batch)]
+        for kv in kvs:
+            decoder(torch.randint(3, vocab, (PROMPT,), generator=g), torch.arange(PROMPT), [SeqSlice(kv, 0, PROMPT)],
+                    torch.tensor([PROMPT - 1]))
+        tokens = torch.randint(3, vocab, (batch,), generator=g)
+        build, compute = [], []
+        started = time.perf_counter()
+        for _ in range(NEW):
+            slices = [SeqSlice(kv, i, 1) for i, kv in enumerate(kvs)]
+            logits = decoder(tokens, torch.tensor([kv.length for kv in kvs]), slices, torch.arange(batch))
+            tokens = logits.argmax(dim=-1)
+            if decoder.fast_path is not None:
+                build.append(decoder.fast_path.last_build_s)
+                compute.append(decoder.fast_path.last_compute_s)
+        return batch * NEW / (time.perf_counter() - started), build, compute
 
-def bench_model(name: str, variants: list[str], bandwidth: float, args) -> dict:
-    result: dict = {"ours": {}}
-    peer = LLAMA_CPP_BF16[name]
-    for variant in variants:
+    runs = [decode(1) for _ in range(3)]
+    best = max(runs, key=lambda r: r[0])
+    prefill = []
+    for _ in range(2):
+        kv = SequenceKV(decoder.kv_layout(), PREFILL)
+        ids = torch.randint(3, vocab, (PREFILL,), generator=g)
         t = time.perf_counter()
-        decoder = load_variant(name, variant)
-        load_s = time.perf_counter() - t
-        vocab = decoder.config.vocab_size
-        figures = ours(decoder, vocab, args.repeats)
-        step_ms = 1000 / figures["decode_tok_s"]
-        outside = non_matmul_ms(decoder)
-        figures["decode_step_ms"] = {"total": round(step_ms, 2), "matmuls": round(step_ms - outside, 2),
-                                     "outside_matmuls": round(outside, 2)}
-        weight_bytes = weight_bytes_per_token(decoder)
-        bound = bandwidth * 1e9 / weight_bytes
-        figures.update(load_s=round(load_s, 1), weight_mb_per_token=round(weight_bytes / 1e6, 1),
-                       bandwidth_bound_tok_s=round(bound, 1), fraction_of_bound=round(figures["decode_tok_s"] / bound, 3),
-                       vs_llama_cpp_bf16={  # ours / llama.cpp's low and high figures
-                           "decode": [round(figures["decode_tok_s"] / x, 2) for x in peer["decode"]],
-                           "prefill": [round(figures["prefill_tok_s"] / x, 1 if x > 200 else 2) for x in peer["prefill"]]})
-        result["ours"][variant] = figures
-        if variant == variants[0] and not args.skip_transformers:
-            # transformers on the first variant's weights (a plain dtype: its own nn.Linear layers).
-            model = to_transformers(decoder)
-            theirs_figures = theirs(model, vocab, args.repeats)
-            theirs_figures["dtype"] = variant
-            theirs_figures["fraction_of_bound"] = round(theirs_figures["decode_tok_s"] / bound, 3)
-            result["transformers"] = theirs_figures
-            del model
-        del decoder
-    return result
+        decoder(ids, torch.arange(PREFILL), [SeqSlice(kv, 0, PREFILL)], torch.tensor([PREFILL - 1]))
+        prefill.append(PREFILL / (time.perf_counter() - t))
+    figures = {"decode_tok_s": round(statistics.median(r[0] for r in runs), 2),
+               "decode_tok_s_runs": [round(r[0], 2) for r in runs],
+               "decode_batch8_tok_s": round(decode(BATCH)[0], 2), "prefill_tok_s": round(max(prefill), 1),
+               "load_s": round(load_s, 1),
+               "steady_rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
+               "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+               "fast_path": decoder.fast_path is not None}
+    if best[1]:
+        figures["decode_step_ms"] = {"graph_build": round(statistics.median(best[1]) * 1000, 2),
+                                     "ggml_compute": round(statistics.median(best[2]) * 1000, 2),
+                                     "total": round(1000 / best[0], 2)}
+    return figures
+
+
+def load_dense(files, dtype):
+    """The GGUF dequantized to `dtype` at load, then given the forms load_stage_decoder gives a
+    safetensors model of that dtype (ggml's whole-layer graph over the dense weights)."""
+    from meshllm.engine import ggml_stage
+    from meshllm.engine.ggml_lib import runtime
+    from meshllm.model.loader import load_decoder
+
+    decoder = load_decoder(files.source, files.config, dtype=dtype)
+    if runtime() is not None and ggml_stage.supports(decoder) is None:
+        decoder.fast_path = ggml_stage.GGMLStage(runtime(), decoder)
+    return decoder
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", default="fp16,bf16,int8",
-                        help=f"comma-separated, the first also runs transformers: {', '.join(VARIANTS)} "
-                             f"(bf16 is oneDNN-prepacked, int8 is weight-only int8 with fp16 activations)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--models", default="smollm2,tinyllama", help="comma-separated: smollm2, tinyllama")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per figure; the best is reported")
-    parser.add_argument("--skip-transformers", action="store_true", help="only our figures")
+    parser.add_argument("--threads", type=int, default=2, help="threads for us and llama.cpp (default 2)")
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated (default: {','.join(ROWS)})")
+    parser.add_argument("--skip-llama-cpp", action="store_true", help="only our figures")
+    parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # internal: our figures for one file
+    parser.add_argument("--dense", help=argparse.SUPPRESS)  # internal: with --one, dequantized to this dtype
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        parser.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
-    bandwidth = read_bandwidth_gbs()
-    out = {"torch": torch.__version__, "cpu": _cpu_name(), "threads": torch.get_num_threads(),
-           "read_bandwidth_gb_s": round(bandwidth, 1), "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
-           "prefill_tokens": PREFILL_TOKENS, "auto_dtype": AUTO_DTYPE["cpu"], "models": {}}
-    for name in args.models.split(","):
-        out["models"][name] = bench_model(name, variants, bandwidth, args)
+    if args.one:
+        print(json.dumps(ours(args.one, args.threads, args.dense)))
+        return
+    import llama_cpp
+
+    out: dict = {"threads": args.threads, "prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tokens": PREFILL,
+                 "rows": {}}
+    for row in args.rows.split(","):
+        path = model_path(row)
+        result: dict = {"file": str(path), "file_mib": round(path.stat().st_size / 2**20, 1)}
+        kind = row.split(":")[1]
+        dense = ["--dense", kind.removeprefix("dense-")] if kind.startswith("dense-") else []
+        done = subprocess.run([sys.executable, __file__, "--one", str(path), "--threads", str(args.threads), *dense],
+                              check=True, capture_output=True, text=True)
+        result["ours"] = json.loads(done.stdout.strip().splitlines()[-1])
+        if not args.skip_llama_cpp and not dense:
+            theirs = result["llama_cpp"] = llama_cpp.bench(path, args.threads, PREFILL, NEW)
+            mine = result["ours"]
+            result["ratio"] = {k: round(mine[k] / theirs[k], 2) for k in
+                               ("decode_tok_s", "decode_batch8_tok_s", "prefill_tok_s") if theirs.get(k)}
+            result["ratio"]["rss_steady_vs_llama_cpp_peak"] = round(mine["steady_rss_mib"] / theirs["peak_rss_mib"], 2)
+        out["rows"][row] = result
+        print(json.dumps({row: result}), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=2))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

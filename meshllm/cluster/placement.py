@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from meshllm.cluster.card import Card, NodeId, Role
 from meshllm.cluster.cover import cover_loaded_shards
 from meshllm.cluster.registry import newer
-from meshllm.cluster.stage_budget import Footprint, split_layers, usable_bytes
+from meshllm.cluster.stage_budget import Footprint, WeightBytes, split_layers, usable_bytes
 from meshllm.cluster.tp_cost import TPEstimate, estimate
 from meshllm.cluster.tp_groups import form_groups, requested_groups, splits
 from meshllm.errors import BadRequest, ContextOverflow, ShardUnavailable
@@ -52,6 +52,9 @@ class PlacementRequest:
     safety_margin_fraction: float = 0.1  # of each node's free memory, never planned for
     exclude: frozenset[NodeId] = frozenset()  # nodes to leave out (failed ones when re-planning)
     prefill_chunk_tokens: int = 512  # tokens per prefill chunk; sizes the activation headroom
+    # Real bytes of the weights as stages hold them (quantized GGUF blocks, --quantize); None:
+    # every parameter takes weight_dtype_bytes.
+    weight_bytes: WeightBytes | None = None
     prefix_cache_tokens: int = 0  # prompt KV each stage keeps for reuse (the leader's prefix cache), budgeted too
     # Nodes per stage: None groups nodes whose measured link makes it pay, 1 never groups, N > 1
     # makes every stage a tensor-parallel group of N (--tp N).

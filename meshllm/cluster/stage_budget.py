@@ -21,6 +21,21 @@ if TYPE_CHECKING:
 ACTIVATION_DTYPE_BYTES = 4
 
 
+@dataclass(frozen=True, slots=True)
+class WeightBytes:
+    """Bytes the weights take as a stage holds them (quantized blocks as stored), measured from the
+    model's tensor table at the leader; the planner uses these instead of parameters × dtype bytes."""
+
+    layer: int  # the largest decoder layer (mixed-type files such as Q4_K_M differ a little per layer)
+    embedding: int
+    final_norm: int
+    lm_head: int  # with tied embeddings: the same table (a separate copy unless one stage holds both)
+
+    def __post_init__(self):
+        if min(self.layer, self.embedding, self.final_norm, self.lm_head) < 0:
+            raise ValueError(f"weight bytes must not be negative: {self}")
+
+
 def usable_bytes(card: Card, safety_margin_fraction: float) -> int:
     """Free memory a plan may use on this node: the margin is left for the OS and other programs."""
     return max(0, int(card.memory_free_bytes * (1.0 - safety_margin_fraction)))
@@ -38,6 +53,7 @@ class Footprint:
     tied: bool
     step_activation: int  # working memory of one step on any stage
     logits: int  # extra on the last stage: a row of logits per sequence
+    dense: WeightBytes  # the weights in --dtype: what a tensor-parallel rank holds (tp/load.py)
 
     @classmethod
     def of(cls, request: PlacementRequest) -> Footprint:
@@ -51,30 +67,36 @@ class Footprint:
         # One layer's attention scores if the kernel materialises them (no flash attention on
         # every backend); layers run one at a time, so only one layer's worth is live.
         scores = step_tokens * request.context_length * c.num_attention_heads
+        dense = WeightBytes(layer=c.layer_parameters() * wb, embedding=c.vocab_size * c.hidden_size * wb,
+                            final_norm=c.hidden_size * wb, lm_head=c.vocab_size * c.hidden_size * wb)
+        held = request.weight_bytes or dense
         return cls(
-            layer_weight=c.layer_parameters() * wb,
+            layer_weight=held.layer,
             layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1)
             * (request.context_length * request.max_batch + request.prefix_cache_tokens),
-            embedding=c.vocab_size * c.hidden_size * wb,
-            final_norm=c.hidden_size * wb,
-            lm_head=c.vocab_size * c.hidden_size * wb,
+            embedding=held.embedding,
+            final_norm=held.final_norm,
+            lm_head=held.lm_head,
             tied=c.tie_word_embeddings,
             step_activation=(step_tokens * per_token + scores) * ACTIVATION_DTYPE_BYTES,
             logits=request.max_batch * c.vocab_size * ACTIVATION_DTYPE_BYTES,
+            dense=dense,
         )
 
     def per_rank(self, config: ModelConfig, size: int) -> Footprint:
         """What one rank of a `size`-way tensor-parallel group holds (tp/shard.py): 1/size of each
         layer's weights, its KV heads (one each when there are fewer KV heads than ranks), its rows
-        of the vocabulary; activations and logits whole (rank 0 gathers the logits)."""
+        of the vocabulary; activations and logits whole (rank 0 gathers the logits). Ranks hold
+        their slices dense (tp/load.py), so this divides the dense bytes, not the quantized ones."""
         if size == 1:
             return self
         kv_heads = config.num_key_value_heads
         vocab_rows = -(-config.vocab_size // size)
-        return replace(self, layer_weight=-(-self.layer_weight // size),
+        return replace(self, layer_weight=-(-self.dense.layer // size),
                        layer_kv=self.layer_kv * max(kv_heads // size, 1) // kv_heads,
-                       embedding=self.embedding * vocab_rows // config.vocab_size,
-                       lm_head=self.lm_head * vocab_rows // config.vocab_size)
+                       embedding=self.dense.embedding * vocab_rows // config.vocab_size,
+                       final_norm=self.dense.final_norm,
+                       lm_head=self.dense.lm_head * vocab_rows // config.vocab_size)
 
     @property
     def per_layer(self) -> int:

@@ -22,7 +22,9 @@ from meshllm.api.app import create_app
 from meshllm.api.cluster_backend import local_cluster_backend
 from meshllm.api.config import API_KEY_ENV, MIB, APIConfig, add_api_guard_arguments, api_key_from
 from meshllm.api.server import APIServer
+from meshllm.engine.dtypes import add_dtype_argument
 from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions
 from meshllm.pipeline.local_cluster import LocalCluster
@@ -38,9 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"HF model folder, .gguf file or hub id (default: ${MODEL_ENV}, else the "
                              f"SmolLM2-135M-Instruct GGUF installed with meshllm)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP API port on 127.0.0.1 (default 8000)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"],
-                        help="weights and activations on every stage (default bfloat16: on a CPU with "
-                             "AVX-512 BF16 it decodes through meshllm's own matrix-vector kernel)")
+    add_dtype_argument(parser)
+    parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
+                        help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
+                             "GGUF files stay in their own quantization without it (default: none)")
     parser.add_argument("--max-context", type=int, default=2048, help="tokens per request (default 2048)")
     parser.add_argument("--once", action="store_true", help="exit after the sample completion")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
@@ -49,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_api_guard_arguments(parser)
     parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
                         help=SPECULATIVE_HELP + " (default: off)")
+
+
+def serving_options(args: argparse.Namespace) -> ServingOptions:
+    """How the demo serves: a GGUF keeps its own quantization (ggml holds the blocks)."""
+    return ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes // args.tp,
+                          dtype=args.dtype, quantization=args.quantize, scheduler=SchedulerConfig(),
+                          speculative=args.speculative, tensor_parallel=args.tp)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,9 +84,7 @@ def run(args: argparse.Namespace) -> int:
     cluster.start()
     backend = server = None
     try:
-        options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes // args.tp,
-                                 dtype=args.dtype, scheduler=SchedulerConfig(), speculative=args.speculative,
-                                 tensor_parallel=args.tp)
+        options = serving_options(args)
         backend, owner, _ = local_cluster_backend(cluster, files, options, "demo-leader")
         plan = owner.plan
         if plan is None:

@@ -1,7 +1,8 @@
 """`meshllm generate`: complete one prompt and stream the text to the terminal.
 
-Runs the whole model in this process (engine/generate.py), or with --peer
-through a pipeline planned over the cluster's nodes. The prompt is checked
+Runs the whole model in this process, or with --peer through a pipeline planned
+over the cluster's nodes; either way through the same leader loop (one in-process
+stage locally). The prompt is checked
 against the model's context before any weight is loaded, so a bad request fails
 in a second with one line. Chat models get their chat template unless --raw.
 """
@@ -16,27 +17,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from meshllm.commands.plan import add_tp_argument
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
-from meshllm.engine.generate import TextDelta, check_fits, stream_many
+from meshllm.engine.dtypes import add_dtype_argument
+from meshllm.engine.generate import check_fits
 from meshllm.engine.sampler import SamplingParams
-from meshllm.engine.weight_forms import prepare_for_cpu
+from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.errors import BadRequest, PeerUnreachable, ShardUnavailable
-from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.events import GenerationEvent
 from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-# Measured with torch 2.13 on an AVX-512 (Sapphire Rapids) CPU, 2 threads (bench/decode.py):
-# fp16 prefills fastest (as fast as fp32, at half its memory; bf16 GEMMs run ~0.6x without
-# AMX) and decodes as fast as fp32. Prepacked bf16 (--dtype bf16) decodes faster, 1.1x on
-# SmolLM2-135M and 1.6x on a 1.1B model, at that prefill cost; --int8 is faster still.
-AUTO_DTYPE = {"cpu": "fp16"}
 LEADER_ID = "meshllm-generate"  # who `generate --peer` is to the nodes it calls
 
 
@@ -60,10 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="random seed; the same seed gives the same text (default: random)")
     parser.add_argument("--stop", action="append", default=[],
                         help="stop before this text; repeat for several (default: none)")
-    parser.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
-                        help="weight and activation dtype (default auto: "
-                             f"{AUTO_DTYPE['cpu']} on CPU, the fastest measured); on CPU bf16 weights are "
-                             "prepacked for oneDNN: faster decode, slower prefill than fp16")
+    add_dtype_argument(parser)
+    parser.add_argument("--device", default="cpu",
+                        help="without --peer: where weights, KV cache and compute go: cpu, cuda, cuda:N or mps "
+                             "(default cpu; on a GPU the weights are dense in --dtype)")
     parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                         help="run through the cluster this node belongs to (repeatable; the first that "
                              "answers gives the fleet view); default: the whole model in this process")
@@ -73,9 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --peer: split the model over this many nodes (default: fewest that fit)")
     add_tp_argument(parser)
     add_transport_arguments(parser)
-    parser.add_argument("--int8", action="store_true",
-                        help="keep linear weights as int8 with one scale per row: decodes "
-                             "~1.5x faster on CPU, output close to but not identical with 16-bit weights")
+    parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
+                        help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
+                             "GGUF files stay in their own quantization without it (default: none)")
+    parser.add_argument("--int8", dest="quantize", action="store_const", const="int8",
+                        help="same as --quantize int8 (kept for old scripts)")
     parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
                         help=SPECULATIVE_HELP + " (default: off)")
     parser.add_argument("--threads", type=int, default=None,
@@ -101,10 +97,8 @@ def run(args: argparse.Namespace) -> int:
         SpeculativeChoice.parse(args.speculative)  # a bad value fails before any weight loads
     if args.peer:
         deltas = _cluster_stream(files, prompt_ids, params, args)
-    elif args.speculative is not None:
-        deltas = _local_leader_stream(files, prompt_ids, params, args)
     else:
-        deltas = _local_stream(files, prompt_ids, params, resolve_dtype(args.dtype), args.int8)
+        deltas = _local_stream(files, prompt_ids, params, args)
     num_tokens, finish_reason, first_token_at = 0, None, None
     for delta in deltas:
         first_token_at = first_token_at or time.perf_counter()
@@ -120,26 +114,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
-                  dtype: torch.dtype, int8: bool = False) -> Iterator[TextDelta]:
-    # The whole model in this process; a --peer branch (cluster) would return the same deltas.
-    with tqdm(total=1, desc=f"loading {files.model_id}", unit="tensor", file=sys.stderr, leave=False) as bar:
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
-
-        decoder = load_decoder(files.source, files.config, dtype=dtype, progress=progress)
-    prepare_for_cpu(decoder, "int8" if int8 else None, batch_invariant=False)
-    return stream_many(decoder, files.tokenizer, [prompt_ids], [params])
-
-
-def _local_leader_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
-                         args: argparse.Namespace) -> Iterator[GenerationEvent]:
-    """The whole model in this process behind a leader, which drafts with the chosen proposer."""
+                  args: argparse.Namespace) -> Iterator[GenerationEvent]:
+    """The whole model in this process as the one stage of the cluster's leader loop (which
+    drafts with the chosen proposer, if any)."""
     from meshllm.pipeline.cluster import ServingOptions, local_leader
 
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
-                             dtype=_option_dtype(args.dtype), quantization="int8" if args.int8 else None,
-                             speculative=args.speculative)
+                             dtype=args.dtype, quantization=args.quantize,
+                             speculative=args.speculative, device=args.device)
     leader = local_leader(files, options)
     try:
         for event in leader.generate(prompt_ids, params):
@@ -148,10 +130,6 @@ def _local_leader_stream(files: ModelFiles, prompt_ids: list[int], params: Sampl
             yield event
     finally:
         leader.close()
-
-
-def _option_dtype(name: str) -> str:
-    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[AUTO_DTYPE["cpu"] if name == "auto" else name]
 
 
 def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
@@ -178,8 +156,8 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
 
     fleet_view()  # no peer answers: fail now, with that message
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
-                             num_stages=args.stages, dtype=_option_dtype(args.dtype),
-                             quantization="int8" if args.int8 else None, speculative=args.speculative,
+                             num_stages=args.stages, dtype=args.dtype,
+                             quantization=args.quantize, speculative=args.speculative,
                              tensor_parallel=args.tp)
     owner = PlanOwner(files, fleet_view, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
     leader = owner.start()
@@ -212,7 +190,3 @@ def _prompt_ids(files: ModelFiles, prompt: str, raw: bool) -> list[int]:
     # The template writes BOS itself where the model wants one (as transformers encodes it).
     text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    return DTYPES[AUTO_DTYPE["cpu"] if name == "auto" else name]

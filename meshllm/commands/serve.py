@@ -20,9 +20,11 @@ from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
 from meshllm.commands.plan import add_tp_argument
 from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.dtypes import add_dtype_argument
+from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.model.source import default_model_path, open_model
 from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
-from meshllm.pipeline.cluster import DTYPE_BYTES, ServingOptions, wait_for_fleet
+from meshllm.pipeline.cluster import ServingOptions, wait_for_fleet
 from meshllm.pipeline.failover import FailoverConfig
 from meshllm.pipeline.node_stage import attach_stage_service
 from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
@@ -39,8 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     node_command.add_arguments(parser)
     parser.add_argument("--model", type=Path, default=None,
                         help="model folder or .gguf file to serve (default: the SmolLM2-135M-Instruct demo GGUF)")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_SERVING.dtype,
-                        help=f"weights and activations dtype (default {_SERVING.dtype})")
+    add_dtype_argument(parser)
+    parser.add_argument("--quantize", choices=sorted(QUANTIZE_TYPES), default=None,
+                        help="quantize a 16/32-bit model's linear weights at load: int8 (ggml Q8_0 blocks), int4 (Q4_0); "
+                             "GGUF files stay in their own quantization without it (default: none)")
     parser.add_argument("--max-context", type=int, default=_SERVING.context_length,
                         help=f"tokens (prompt + completion) per request, capped by the model's own context "
                              f"(default {_SERVING.context_length})")
@@ -94,7 +98,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
     if args.speculative is not None:
         SpeculativeChoice.parse(args.speculative)
     return ServingOptions(context_length=args.max_context, max_batch=args.max_batch, dtype=args.dtype,
-                          batch_invariant=args.batch_invariant, scheduler=scheduler, step_timeout_s=args.step_timeout,
+                          batch_invariant=args.batch_invariant, quantization=args.quantize,
+                          scheduler=scheduler, step_timeout_s=args.step_timeout,
                           failover=FailoverConfig(max_failovers=args.max_failovers),
                           fallback_local=args.fallback_local, speculative=args.speculative,
                           tensor_parallel=args.tp)

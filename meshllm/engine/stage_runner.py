@@ -98,7 +98,7 @@ class StageRunner:
             logit_rows = torch.tensor([r for s, w in zip(slices, step.seqs) if w.num_scored
                                        for r in range(s.row + s.num_tokens - w.num_scored, s.row + s.num_tokens)],
                                       dtype=torch.long)
-        out = self.decoder(x, torch.cat(positions), slices, logit_rows)
+        out = self.decoder(x, torch.cat(positions), slices, logit_rows).cpu()  # no-op on cpu; from --device
         if not self.is_last:
             return out
         return choose_tokens(out, scored) if self.samples else []

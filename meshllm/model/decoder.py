@@ -224,11 +224,18 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype) if self.has_head else None
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype) if self.has_head else None
         self.rotary = Rotary(config, dtype)
+        # Set by engine/stage_weights.py: runs the whole layer range as one ggml graph per step.
+        self.fast_path = None
         self.requires_grad_(False)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights are, and so the KV caches and the compute (cpu unless --device)."""
+        return self.norm.weight.device if self.norm is not None else next(self.parameters()).device
 
     def kv_layout(self, kv_dtype: torch.dtype | None = None) -> KVLayout:
         return KVLayout(len(self.layers), self.config.num_key_value_heads, self.config.head_dim,
-                        kv_dtype or self.dtype, max_tokens=self.config.max_position_embeddings)
+                        kv_dtype or self.dtype, max_tokens=self.config.max_position_embeddings, device=self.device)
 
     @torch.inference_mode()
     def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice],
@@ -247,6 +254,15 @@ class Decoder(nn.Module):
         assert row == x.shape[0] == positions.shape[0], (row, x.shape[0], positions.shape[0])
         for s in slices:
             s.kv.reserve(s.start + s.num_tokens)
+        if self.fast_path is not None:
+            out = self.fast_path.forward(x, positions, slices, logit_rows)
+            for s in slices:
+                s.kv.length += s.num_tokens
+            return out
+        device = self.device
+        if x.device != device:  # weights on a GPU (--device): inputs follow them there
+            x, positions = x.to(device), positions.to(device)
+            logit_rows = None if logit_rows is None else logit_rows.to(device)
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
         rotation = self.rotary.rotation(positions)
         for i, layer in enumerate(self.layers):

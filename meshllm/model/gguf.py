@@ -249,6 +249,32 @@ class GGUFSource:
             self._bytes_read += info.num_bytes
         return out
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self._by_hf_name.items()}
+
+    def block_bytes(self, name: str) -> int:
+        return self._by_hf_name[name].num_bytes
+
+    def is_block_quantized(self, name: str) -> bool:
+        info = self._by_hf_name.get(name)
+        return info is not None and info.ggml_type in _BLOCK_TYPES
+
+    def read_blocks(self, name: str):
+        """One block-quantized tensor as stored (a BlockMatrix: ggml blocks, HF row order), not dequantized."""
+        from meshllm.engine.ggml_weights import BlockMatrix  # the engine's weight form; loaded on demand
+
+        info = self._by_hf_name.get(name)
+        if info is None:
+            raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
+        assert info.ggml_type in _BLOCK_TYPES and len(info.shape) == 2, (name, info.ggml_type, info.shape)
+        rows = torch.from_numpy(self.file.raw(info).copy())  # [rows, bytes per row]; off the read-only map
+        if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
+            # Whole rows move, so undoing the permutation on the blocks is exact.
+            heads = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
+            rows = _unpermute_rope_rows(rows, heads)
+        self._bytes_read += info.num_bytes
+        return BlockMatrix(rows.contiguous(), info.ggml_type, info.shape[1])
+
     def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Only the asked rows or columns of each tensor, cut from the stored blocks before dequantizing.
 

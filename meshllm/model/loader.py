@@ -7,9 +7,10 @@ and gate/up are concatenated at load so each runs as one matmul.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from meshllm.errors import ModelLoadError
 from meshllm.model.config import ModelConfig
@@ -18,6 +19,18 @@ from meshllm.model.weights import TensorSource
 
 # our parameter name -> HF names concatenated along dim 0 to form it
 NameMap = dict[str, list[str]]
+_MODULE_WEIGHTS = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight", ".down_proj.weight")
+
+
+class WeightForm(Protocol):
+    """Decides, tensor by tensor while loading, which linears and embeddings take another form
+    (engine/stage_weights.py: ggml-quantized). Returning None keeps the dense nn module."""
+
+    def linear(self, source: TensorSource, hf_names: list[str], rows: list[int]) -> nn.Module | None: ...
+
+    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None: ...
+
+    def tied_head(self, embedding: nn.Module) -> nn.Module | None: ...
 
 
 def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
@@ -46,11 +59,14 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
 
 def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0, last_layer: int | None = None,
                  dtype: torch.dtype = torch.float32,
-                 progress: Callable[[int, int], None] | None = None) -> Decoder:
+                 progress: Callable[[int, int], None] | None = None,
+                 weight_form: WeightForm | None = None) -> Decoder:
     """Load layers [first_layer, last_layer) (whole model by default) in `dtype`.
 
     Reads only the tensors of that range from `source`. `progress(done, total)` is
-    called as parameters load (the CLI draws a bar).
+    called as parameters load (the CLI draws a bar). `weight_form` may swap linears and the
+    embedding for other modules (quantized ones) as their tensors are read, so no dense
+    copy of a swapped weight is ever made.
     """
     last_layer = config.num_hidden_layers if last_layer is None else last_layer
     if not 0 <= first_layer < last_layer <= config.num_hidden_layers:
@@ -67,15 +83,48 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
     shares_embedding = config.tie_word_embeddings and "embed_tokens.weight" in names and "lm_head.weight" in names
     state: dict[str, Tensor] = {}
     for done, (ours, hf_names) in enumerate(names.items()):
-        if shares_embedding and ours == "lm_head.weight":
+        swapped = weight_form is not None and _swap_module(decoder, weight_form, source, available, config,
+                                                           ours, hf_names, expected[ours], shares_embedding)
+        if swapped:
+            pass
+        elif shares_embedding and ours == "lm_head.weight":
             state[ours] = state["embed_tokens.weight"]
         else:
             state[ours] = _load_one(source, available, config, ours, hf_names, expected[ours], dtype)
         if progress:
             progress(done + 1, len(names))
+    assert set(state) == {name for name, _ in decoder.named_parameters()}, "swapped modules left parameters"
     decoder.load_state_dict(state, assign=True, strict=True)
     decoder.rotary = type(decoder.rotary)(config, dtype)  # built on meta above; rebuild on cpu
     return decoder
+
+
+def _swap_module(decoder: Decoder, form: WeightForm, source: TensorSource, available: set[str],
+                 config: ModelConfig, ours: str, hf_names: list[str], shape: torch.Size,
+                 shares_embedding: bool) -> bool:
+    """Put `form`'s module in place of the one owning parameter `ours`; False when it declines."""
+    is_linear = ours.endswith(_MODULE_WEIGHTS) or ours == "lm_head.weight"
+    if not is_linear and ours != "embed_tokens.weight":
+        return False
+    for hf in hf_names:
+        if hf not in available:
+            raise ModelLoadError(f"{source.path}: tensor {hf!r} is missing (needed for {ours}); "
+                                 f"the checkpoint does not match its config.json")
+    path = ours.removesuffix(".weight")
+    old = decoder.get_submodule(path)
+    if ours == "embed_tokens.weight":
+        module = form.embedding(source, hf_names[0], shape)
+    elif ours == "lm_head.weight" and shares_embedding:
+        module = form.tied_head(decoder.embed_tokens)
+    else:
+        module = form.linear(source, hf_names, _part_rows(config, ours, shape))
+    if module is None:
+        return False
+    if isinstance(old, nn.Linear) and old.bias is not None:  # loaded next by load_state_dict
+        module.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
+    parent, _, name = path.rpartition(".")
+    setattr(decoder.get_submodule(parent) if parent else decoder, name, module)
+    return True
 
 
 def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ours: str, hf_names: list[str],

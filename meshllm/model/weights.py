@@ -50,6 +50,8 @@ class TensorSource(Protocol):
 
     def num_bytes_read(self) -> int: ...
 
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
 
 @dataclass(frozen=True, slots=True)
 class _TensorEntry:
@@ -77,6 +79,9 @@ class SafetensorsSource:
 
     def num_bytes_read(self) -> int:
         return self._bytes_read
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: entry.shape for name, entry in self._entries.items()}
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return self._read({name: None for name in names}, dtype)

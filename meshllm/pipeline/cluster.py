@@ -10,16 +10,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 
 from meshllm.cluster.card import Card
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
+from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPE_BYTES, DTYPES, dtype_name
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.stage_weights import held_weight_bytes, load_stage_decoder
 from meshllm.engine.step_limits import StepLimits
-from meshllm.engine.weight_forms import prepare_for_cpu
-from meshllm.errors import PeerUnreachable, ShardUnavailable
-from meshllm.model.loader import load_decoder
+from meshllm.errors import BadRequest, PeerUnreachable, ShardUnavailable
 from meshllm.model.source import ModelFiles
 from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
@@ -33,8 +32,7 @@ from meshllm.transport.channels import ChannelPool
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = DTYPES  # the names tests and older callers import from here
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,9 +41,9 @@ class ServingOptions:
     max_batch: int = 16  # sequences decoding at once
     num_stages: int | None = None  # None: the fewest stages that fit
     tensor_parallel: int | None = None  # nodes per stage: None decides by link speed, 1 never groups (--tp)
-    dtype: str = "float32"  # weights and activations on every stage
+    dtype: str = DEFAULT_DTYPE  # dense weights, KV and activations on every stage (engine/dtypes.py)
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
-    quantization: str | None = None  # "int8": weight-only int8 linears on every stage
+    quantization: str | None = None  # "int8" / "int4": quantize a 16/32-bit model's linears at load
     # No reply for this long is a stalled pipeline even if every stage answers health checks (the
     # cap of the deadline measured from step times, deadline.py).
     step_timeout_s: float = 30.0
@@ -53,11 +51,14 @@ class ServingOptions:
     fallback_local: bool = False  # when no plan fits the fleet, run on the leader alone if the model fits here
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding, when a proposer is given
+    device: str = "cpu"  # where the leader's own in-process stage runs (cpu, cuda[:N], mps)
     speculative: str | None = None  # "ngram" | "draft:MODEL" | "remote[:NODE]" (spec/factory.py); None: off
 
     def __post_init__(self):
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        try:
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))  # aliases (bf16, fp32, ...) accepted
+        except BadRequest as error:
+            raise ValueError(str(error)) from None
 
     def step_limits(self, max_context: int) -> StepLimits:
         """What the stages accept per step from a leader with these options (sent when loading)."""
@@ -91,8 +92,9 @@ def new_leader(files: ModelFiles, transport, options: ServingOptions, observer: 
 
 def local_transport(files: ModelFiles, options: ServingOptions) -> LocalPipeline:
     """The whole model as one in-process stage."""
-    decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
-    prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
+    decoder = load_stage_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype],
+                                 quantization=options.quantization, batch_invariant=options.batch_invariant,
+                                 device=options.device)
     return LocalPipeline([StageRunner(decoder, prefix_capacity_blocks=options.scheduler.prefix_cache_blocks)])
 
 
@@ -109,6 +111,8 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
                             config=files.config, context_length=context_of(files, options),
                             max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
                             kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
+                            weight_bytes=held_weight_bytes(files.source, files.config, DTYPE_BYTES[options.dtype],
+                                                           options.quantization, options.batch_invariant),
                             prefix_cache_tokens=options.scheduler.prefix_cache_blocks
                             * options.scheduler.prefix_block_size, tensor_parallel=options.tensor_parallel)
 

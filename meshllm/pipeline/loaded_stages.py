@@ -69,11 +69,6 @@ class LoadedStage:
         return self.request.stage_index
 
 
-def decoder_bytes(decoder: Decoder) -> int:
-    tensors = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 class LoadedStages:
     def __init__(self):
         self._lock = threading.Lock()

@@ -24,7 +24,8 @@ def attach_stage_service(node, key: bytes) -> StageService:
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     # A loaded shard shows in the node's card at once, not at the next gossip round.
     service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
-                           max_streams=node.server.config.max_streams, collective=node.collective)
+                           device=node.config.device, max_streams=node.server.config.max_streams,
+                           collective=node.collective)
 
     def shards() -> tuple[LoadedShard, ...]:
         # One entry per range held, however many plans share its weights. Streams are a node-wide

@@ -22,13 +22,11 @@ from pathlib import Path
 import psutil
 import torch
 
-from meshllm.engine.weight_forms import prepare_for_cpu
+from meshllm.engine.dtypes import DTYPES
+from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
 from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
-from meshllm.model.config import ModelConfig
-from meshllm.model.loader import load_decoder
-from meshllm.model.source import open_model
-from meshllm.model.source import ModelFiles
-from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey, decoder_bytes
+from meshllm.model.source import ModelFiles, open_model
+from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey
 from meshllm.tp.group import RankRole
 from meshllm.tp.node_collective import NodeCollective
 from meshllm.tp.stage import open_rank
@@ -37,14 +35,15 @@ from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> local path
 
 
 class StageControl:
     def __init__(self, stages: LoadedStages, resolve_model: ModelResolver,
-                 on_change: Callable[[], None] = lambda: None, collective: NodeCollective | None = None):
+                 on_change: Callable[[], None] = lambda: None, device: str = "cpu",
+                 collective: NodeCollective | None = None):
         self._stages = stages
+        self._device = device  # the node's --device: where loaded weights, KV and compute go
         self._resolve_model = resolve_model
         self._on_change = on_change  # the node refreshes its card's shard list
         self._collective = collective  # the node's part in tensor parallelism, when it takes one
@@ -73,7 +72,7 @@ class StageControl:
         return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=num_bytes_read, load_seconds=seconds,
                                    reused_weights=not num_bytes_read)
 
-    def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, torch.dtype]:
+    def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, "torch.dtype"]:
         path = self._resolve_model(request.model_id, request.fingerprint)
         if path is None:
             raise ModelLoadError(f"this node has no model {request.model_id!r} with fingerprint "
@@ -92,17 +91,20 @@ class StageControl:
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
-        _check_memory(files.config, request, dtype.itemsize)
+        _check_memory(files, request, dtype.itemsize)
         return files, dtype
 
     def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
         files, dtype = self._open_files(request)
-        decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
-        prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
+        decoder = load_stage_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype,
+                                     request.quantization or None, request.batch_invariant, device=self._device)
         return SharedWeights(key, decoder, decoder_bytes(decoder)), files.source.num_bytes_read()
 
     def _open_rank(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, object, int]:
         role: RankRole = stage_convert.rank_role_from_pb(request)
+        if self._device != "cpu":
+            raise BadRequest(f"tensor-parallel ranks run on the CPU (gloo over the LAN); this node runs "
+                             f"--device {self._device}: plan it as an ordinary stage (--tp 1)")
         files, dtype = self._open_files(request)
         runners = []
 
@@ -188,16 +190,20 @@ def close_runner(stage: LoadedStage | None) -> None:
             close()
 
 
-def _check_memory(config: ModelConfig, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:
+def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:
     """Refuse a range whose weights cannot fit in what the OS has free now, before reading it: a
     leader that planned on a stale card gets a clear error instead of this node swapping. A
-    tensor-parallel rank holds about 1/size of it."""
-    num_layers = request.last_layer - request.first_layer
-    need = num_layers * config.layer_parameters() * dtype_bytes
+    tensor-parallel rank holds about 1/size of it, in dense form (tp/load.py)."""
+    config = files.config
+    held = None if request.HasField("tp") else held_weight_bytes(
+        files.source, config, dtype_bytes, request.quantization or None, request.batch_invariant)
+    vocab_table = config.vocab_size * config.hidden_size * dtype_bytes
+    layer = held.layer if held is not None else config.layer_parameters() * dtype_bytes
+    need = (request.last_layer - request.first_layer) * layer
     if request.first_layer == 0:
-        need += config.vocab_size * config.hidden_size * dtype_bytes
+        need += held.embedding if held is not None else vocab_table
     if request.last_layer == config.num_hidden_layers:
-        need += config.vocab_size * config.hidden_size * dtype_bytes
+        need += held.lm_head if held is not None else vocab_table
     need //= max(request.tp.size, 1)
     available = psutil.virtual_memory().available
     if need > available:

@@ -25,9 +25,9 @@ from meshllm.transport.server import DEFAULT_MAX_STREAMS
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
                  on_change: Callable[[], None] = lambda: None, max_streams: int = DEFAULT_MAX_STREAMS,
-                 collective: NodeCollective | None = None):
+                 device: str = "cpu", collective: NodeCollective | None = None):
         self.stages = LoadedStages()
-        self.control = StageControl(self.stages, resolve_model, on_change, collective)
+        self.control = StageControl(self.stages, resolve_model, on_change, device, collective)
         self.forward = ForwardStreams(self.stages, channels, max_streams, FaultInjector.from_env())
 
     def Load(self, request, context):

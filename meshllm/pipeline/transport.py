@@ -143,6 +143,10 @@ class LocalPipeline:
 
     def close(self) -> None:
         self._work.put(None)
+        # Wait for a step still computing: a daemon thread inside torch or ggml while the
+        # interpreter exits aborts the process ("terminate called without an active exception").
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=60)
 
 
 _step_ids = itertools.count(1)

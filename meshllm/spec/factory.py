@@ -52,12 +52,11 @@ class DraftOptions:
 
 
 def load_draft_model(path: str | Path, options: DraftOptions = DraftOptions()) -> tuple[DraftModelProposer, ModelFiles]:
-    from meshllm.engine.weight_forms import prepare_for_cpu
-    from meshllm.model.loader import load_decoder
+    from meshllm.engine.stage_weights import load_stage_decoder
 
     files = open_model(path)
-    decoder = load_decoder(files.source, files.config, dtype=DRAFT_DTYPES[options.dtype])
-    prepare_for_cpu(decoder, options.quantization, batch_invariant=False)
+    decoder = load_stage_decoder(files.source, files.config, dtype=DRAFT_DTYPES[options.dtype],
+                                 quantization=options.quantization)
     return DraftModelProposer(decoder, files.model_id), files
 
 
@@ -83,10 +82,12 @@ def build_proposer(choice: SpeculativeChoice, target: ModelFiles, *, options: Dr
 def served_proposers(draft_paths: list[Path], bandwidth_gbps: float, options: DraftOptions = DraftOptions()
                      ) -> list[Served]:
     """What a node serves on its Proposer service: n-gram always, plus each draft model."""
+    from meshllm.engine.stage_weights import decoder_bytes
+
     served = [Served(NgramProposer())]
     for path in draft_paths:
         proposer, files = load_draft_model(path, options)
-        weight_bytes = sum(t.numel() * t.element_size() for t in proposer.decoder.state_dict().values())
+        weight_bytes = decoder_bytes(proposer.decoder)
         speed = bandwidth_gbps * 1e9 / weight_bytes if weight_bytes else 0.0  # decode reads every weight
         served.append(Served(proposer, vocab_fingerprint(files.tokenizer), files.config.vocab_size, round(speed, 1)))
     return served

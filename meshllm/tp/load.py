@@ -7,6 +7,7 @@ group's timeout while another is still reading its disk.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,8 @@ from meshllm.tp.layers import shard_decoder
 from meshllm.tp.shard import ShardLayout
 from meshllm.tp.sharded_source import ShardedSource
 
+log = logging.getLogger(__name__)
+
 
 def load_rank_weights(source: TensorSource, config: ModelConfig, layout: ShardLayout, first_layer: int = 0,
                       last_layer: int | None = None, dtype: torch.dtype = torch.float32,
@@ -32,6 +35,15 @@ def load_rank_weights(source: TensorSource, config: ModelConfig, layout: ShardLa
     linears, so every form works sharded; `shard_decoder` then wraps them for the group.
     """
     assert layout.config == config, "the layout must be built from this model's config"
+    # A rank holds its slices dense, GGUF blocks dequantized (ShardedSource.read -> read_slices),
+    # never kept as ggml blocks (engine/stage_weights.py) even where a column-parallel row slice
+    # would be whole blocks: ggml quantizes activations to multiply blocks and runs whole layers
+    # in its own graph, which would skip the group's all-reduce, and a rank's output must equal
+    # one process's within 1e-4 (tests/tp/test_tp_equality.py). Only the rank's slice is dense.
+    is_blocks = getattr(source, "is_block_quantized", lambda _: False)
+    if any(is_blocks(n) for n in source.tensor_names()):
+        log.debug("tensor-parallel rank %d of %d: GGUF blocks of its slices dequantized to %s", layout.rank,
+                  layout.size, dtype)
     decoder = load_decoder(ShardedSource(source, layout), layout.local_config(), first_layer, last_layer, dtype,
                            progress)
     return prepare_for_cpu(decoder, quantization, batch_invariant)

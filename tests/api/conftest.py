@@ -23,7 +23,8 @@ from meshllm.api.config import APIConfig
 from meshllm.api.metrics import MetricsObserver
 from meshllm.api.server import APIServer
 from meshllm.engine.batch_invariant import make_batch_invariant
-from meshllm.engine.generate import Completion, generate_many
+from meshllm.engine.generate import Completion
+from meshllm.pipeline.local_generate import generate_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
@@ -233,7 +234,7 @@ def slow_backend(aidreams_files) -> Iterator[Backend]:
 
 @pytest.fixture(scope="package")
 def reference(aidreams_files) -> Callable[[list[int], SamplingParams], Completion]:
-    """Single-process generation (engine/generate.py, no scheduler, no leader) with the same
+    """Single-process generation (the leader loop over one in-process stage) with the same
     batch-invariant arithmetic as the served model."""
     files = aidreams_files
     decoder = make_batch_invariant(load_decoder(files.source, files.config))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshllm.engine.batch_invariant import make_batch_invariant
-from meshllm.engine.generate import generate_many
+from meshllm.pipeline.local_generate import generate_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model

@@ -262,3 +262,36 @@ def test_duplicate_cards_of_a_node_resolve_to_the_newest_in_any_order():
     for fleet in ([old, new], [new, old]):
         plan = plan_placement(request(), fleet)
         assert ranges(plan) == [("a", 0, 30)]
+
+
+# --- real bytes: quantized weights as held (WeightBytes) ---------------------------------------------
+
+def test_quantized_weight_bytes_replace_parameters_times_dtype_bytes():
+    from meshllm.cluster.stage_budget import WeightBytes
+
+    q4 = WeightBytes(layer=2_216_448, embedding=30_081_024, final_norm=2_304, lm_head=30_081_024)  # SmolLM2 Q4_1
+    dense, quantized = request(weight_dtype_bytes=2), request(weight_dtype_bytes=2, weight_bytes=q4)
+    fp = Footprint.of(quantized)
+    assert (fp.layer_weight, fp.embedding, fp.lm_head) == (q4.layer, q4.embedding, q4.lm_head)
+    # A node that holds the Q4_1 model but not its 16-bit dequantization: only real bytes plan it.
+    free = free_for(quantized, [30])[0]
+    assert free < free_for(dense, [30])[0]
+    plan = plan_placement(quantized, [card("a", free)])
+    assert ranges(plan) == [("a", 0, 30)] and plan.stages[0].weight_bytes == 30 * q4.layer + q4.embedding + q4.final_norm
+    with pytest.raises(ShardUnavailable):
+        plan_placement(dense, [card("a", free)])
+    assert plan_placement(quantized, [card("a", free)]) == plan  # still a pure function
+
+
+def test_held_weight_bytes_of_the_q4_1_gguf_are_about_its_file_size(smollm2_gguf_path):
+    from meshllm.engine.ggml_lib import runtime
+    from meshllm.engine.stage_weights import held_weight_bytes
+    from meshllm.model.source import open_model
+
+    if runtime() is None:
+        pytest.skip("ggml is not built here: GGUF weights are dequantized, parameters x dtype bytes is right")
+    files = open_model(smollm2_gguf_path)
+    held = held_weight_bytes(files.source, files.config, dtype_bytes=4)
+    total = files.config.num_hidden_layers * held.layer + held.embedding + held.final_norm  # tied head: no copy
+    assert 0.95 < total / smollm2_gguf_path.stat().st_size < 1.02
+    assert held.lm_head == held.embedding  # tied: the same Q8_0 table

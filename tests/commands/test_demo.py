@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -22,6 +24,80 @@ def test_demo_once_serves_the_default_model_across_node_processes(smollm2_gguf_p
     answer = out.split("> What is the capital of France?")[1].split("Try it yourself")[0]
     assert "Paris" in answer
     assert "curl http://127.0.0.1:" in out and "from openai import OpenAI" in out
+
+
+# Chat prompts the demo might be asked; greedy, 32 new tokens each.
+GOLDEN_PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a short poem about the sea.",
+                  "List three colors.", "Explain gravity to a child."]
+NEAR_TIE = 0.5  # logits; see the test's docstring
+
+
+def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gguf_path, tmp_path):
+    """The demo's serving options keep the Q4_1 blocks (ggml holds them; nothing is dequantized)
+    and its greedy output through 2 node processes follows transformers on the dequantized weights.
+
+    Tolerance, stated: ggml rounds activations to 8-bit blocks inside every product (as llama.cpp
+    does) and the demo keeps bf16 hidden states and KV, so our logits differ from transformers' fp32
+    ones by up to ~1 (max over the vocabulary; logits span ~27). Greedy output may then differ only
+    where transformers itself nearly ties: each reply must equal transformers' up to its first
+    differing token, and there transformers may prefer its own token over ours by less than
+    NEAR_TIE logits, half the measured deviation; at least half the replies must be identical in
+    full.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from meshllm.commands import demo
+    from meshllm.engine.ggml_lib import runtime
+    from meshllm.engine.quantized import QuantizedLinear
+    from meshllm.engine.sampler import SamplingParams
+    from meshllm.engine.stage_weights import load_stage_decoder
+    from meshllm.model.source import open_model
+    from meshllm.pipeline.cluster import TORCH_DTYPES
+    from meshllm.pipeline.local_cluster import LocalCluster
+    from tests.pipeline.conftest import Cluster
+
+    if runtime() is None:
+        pytest.skip("ggml is not built here (install.sh builds it); the demo would dequantize")
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    options = demo.serving_options(parser.parse_args(["--nodes", "2"]))
+    files = open_model(smollm2_gguf_path)
+    # What every stage's Load runs with these options (stage_service -> load_stage_decoder):
+    stage = load_stage_decoder(files.source, files.config, 0, 15, TORCH_DTYPES[options.dtype], options.quantization)
+    linears = [m for m in stage.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 4 * 15 and all(m.weight_types == ["Q4_1"] for m in linears)
+    del stage
+
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name,
+                                                     dtype=torch.float32).eval()
+    local = LocalCluster(2, [smollm2_gguf_path], tmp_path, threads_per_node=1)
+    local.start(timeout_s=120)
+    identical = 0
+    try:
+        leader = Cluster(local).leader(files, [(0, 15), (15, 30)], options)
+        try:
+            for prompt in GOLDEN_PROMPTS:
+                ids = files.tokenizer.encode(files.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+                params = SamplingParams(temperature=0.0, max_tokens=32)
+                ours = [e.token_id for e in leader.generate(ids, params) if e.token_id is not None]
+                with torch.no_grad():
+                    theirs = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                                eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
+                    logits = reference(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:]
+                first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+                if first is None:
+                    assert ours == theirs, (prompt, ours, theirs)  # same tokens, same stop
+                    identical += 1
+                    continue
+                # How much transformers itself prefers its token over ours, where they first differ.
+                gap = float(logits[first].max() - logits[first, ours[first]])
+                print(f"{prompt!r}: first difference at token {first}, transformers' gap {gap:.3f}")
+                assert gap < NEAR_TIE, (prompt, first, gap, ours, theirs)
+        finally:
+            leader.close()
+    finally:
+        local.stop()
+    assert identical >= len(GOLDEN_PROMPTS) // 2, identical
 
 
 def test_demo_reaps_and_reports_a_node_that_dies_and_keeps_answering(aidreams_path, tmp_path):

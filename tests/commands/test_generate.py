@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from meshllm.engine.generate import generate_many
+from meshllm.pipeline.local_generate import generate_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from meshllm.engine.cpu_weights import MAX_INT8_KERNEL_ROWS, Int8Linear, PackedBF16Linear, pack_bf16, quantize_int8
-from meshllm.engine.generate import generate_many
+from meshllm.pipeline.local_generate import generate_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model

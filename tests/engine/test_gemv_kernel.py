@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshllm.engine.cpu_weights import MAX_GEMV_ROWS, FastBF16Linear, use_fast_bf16
-from meshllm.engine.generate import generate_many
+from meshllm.pipeline.local_generate import generate_many
 from meshllm.engine.kernels.build import build
 from meshllm.engine.kernels.gemv import REQUIRED_CPU_FLAGS, cpu_flags, gemv_bf16, load_gemv
 from meshllm.engine.sampler import SamplingParams

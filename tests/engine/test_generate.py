@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from meshllm.engine.generate import Completion, check_fits, generate, generate_many, stream_many
+from meshllm.engine.generate import Completion, check_fits
+from meshllm.pipeline.local_generate import generate, generate_many, stream_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.errors import BadRequest, ContextOverflow
 from meshllm.model.loader import load_decoder

@@ -1,0 +1,123 @@
+"""ggml (the kernel library under llama.cpp) through ggml-python's ctypes layer, loaded only where it runs.
+
+meshllm drives ggml's CPU backend directly: weights live in ggml backend buffers (the CPU
+"repack" buffer type for the types ggml re-lays out for its AVX2/AVX-512 kernels), and
+activations and KV caches stay torch tensors whose memory ggml tensors point at, so there is
+no copy at the boundary. `runtime()` returns None (reason logged at debug) when the package is
+missing, its version is not the pinned one, or its struct layout disagrees with the library;
+callers then keep torch's path.
+
+Two traps this module exists to avoid: the ctypes declarations must match the compiled ggml
+exactly (so the version is pinned and the layout checked at load), and a bad shape inside ggml
+aborts the whole process through GGML_ASSERT (so callers validate shapes before building a graph).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GGML_PYTHON_VERSION = "0.0.45"  # pinned: its ctypes layer describes exactly the ggml it builds (0.15.3)
+GGML_VERSION = "0.15.3"
+# Context metadata: one graph of a whole stage has a few thousand nodes.
+MAX_GRAPH_NODES = 16384
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The loaded library, the CPU backend's buffer types and one thread pool."""
+
+    lib: object  # the ggml module of ggml-python
+    cpu_buffer_type: int
+    repack_buffer_type: int | None  # None where this CPU has no repacked kernels
+    threadpool: int
+    num_threads: int
+
+    def buffer_type_for(self, ggml_type: int, rows: int) -> int:
+        """Repack buffer for the types whose fast CPU kernels need their layout, else plain CPU.
+
+        Mirrors ggml_repack_get_optimal_repack_type (ggml-cpu/repack.cpp) for x86: a tensor put in
+        the repack buffer that ggml has no repacked kernel for crashes at upload, so only these go.
+        """
+        if self.repack_buffer_type is not None and ggml_type in self.repacked_types and rows % 8 == 0:
+            return self.repack_buffer_type
+        return self.cpu_buffer_type
+
+    @property
+    def repacked_types(self) -> frozenset[int]:
+        g = self.lib
+        types = {g.GGML_TYPE_Q4_0, g.GGML_TYPE_Q4_K, g.GGML_TYPE_IQ4_NL}
+        if g.ggml_cpu_has_avx512():
+            types.add(g.GGML_TYPE_Q2_K)
+        return frozenset(types)
+
+
+def _extra_buffer_types(g, device) -> list[int]:
+    """ggml_backend_dev_get_extra_bufts of the CPU backend, reached through the registry."""
+    reg = g.ggml_backend_dev_backend_reg(device)
+    address = g.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return []
+    fn = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)
+    array = fn(device)
+    out = []
+    i = 0
+    while array and array[i]:
+        out.append(array[i])
+        i += 1
+    return out
+
+
+def _layout_matches(g) -> str | None:
+    """None when ggml-python's struct layout agrees with the compiled library, else why not."""
+    version = g.ggml_version().decode()
+    if version != GGML_VERSION:
+        return f"ggml {version} is not the pinned {GGML_VERSION}"
+    # ggml_tensor_overhead() is sizeof(ggml_object) + sizeof(ggml_tensor) as compiled.
+    compiled_tensor = g.ggml_tensor_overhead() - g.GGML_OBJECT_SIZE
+    if compiled_tensor != ctypes.sizeof(g.ggml_tensor):
+        return f"ggml_tensor is {compiled_tensor} bytes in the library, {ctypes.sizeof(g.ggml_tensor)} in ctypes"
+    return None
+
+
+@functools.cache
+def runtime(num_threads: int | None = None) -> Runtime | None:
+    """The ggml runtime with `num_threads` compute threads (torch's count by default), or None."""
+    if os.environ.get("MESHLLM_NO_GGML"):
+        log.debug("ggml unused: MESHLLM_NO_GGML is set")
+        return None
+    try:
+        from importlib.metadata import version
+
+        installed = version("ggml-python")
+        if installed != GGML_PYTHON_VERSION:
+            log.debug("ggml unused: ggml-python %s installed, meshllm pins %s", installed, GGML_PYTHON_VERSION)
+            return None
+        import ggml as g
+    except (ImportError, OSError) as error:  # not installed, or the library failed to load
+        log.debug("ggml unused: %s", error)
+        return None
+    problem = _layout_matches(g)
+    if problem:
+        log.debug("ggml unused: %s", problem)
+        return None
+    if not g.ggml_cpu_has_avx2():
+        log.debug("ggml unused: this CPU lacks AVX2, ggml's CPU kernels would be no faster than torch's")
+        return None
+    g.ggml_cpu_init()
+    device = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
+    extra = _extra_buffer_types(g, device)
+    repack = next((b for b in extra if g.ggml_backend_buft_name(b) == b"CPU_REPACK"), None)
+    threads = num_threads or torch.get_num_threads()
+    params = g.ggml_threadpool_params_default(threads)
+    pool = g.ggml_threadpool_new(ctypes.byref(params))
+    # Not ggml_backend_cpu_buffer_type(): ggml-python 0.0.45 declares it returning a C int,
+    # which truncates the pointer (tests/engine/test_ggml_lib.py checks every function we call).
+    return Runtime(g, g.ggml_backend_dev_buffer_type(device), repack, pool, threads)

@@ -1,0 +1,346 @@
+"""A stage's whole layer range as one ggml graph per step: the fast path of Decoder.forward.
+
+Decoding a small model spends more time dispatching torch ops (norms, rotary, attention, adds:
+~25 per layer) than multiplying; llama.cpp runs the whole step as one ggml graph. So does this:
+each step builds one graph over all the stage's layers (norms, q/k/v products, rotary, the KV
+writes, flash attention per sequence, SwiGLU MLP, residuals, and the head on the last stage) and
+ggml computes it on its thread pool. The contracts of Decoder.forward are unchanged: a flat
+batch of many sequences, each attending to its own `SequenceKV`, whose torch tensors ggml reads
+and writes in place (so truncate, prefix copies and rollback keep working).
+
+Weights are the ones the Decoder already holds: QuantizedLinear/QuantizedEmbedding matrices in
+ggml buffers, and dense fp32/fp16/bf16 parameters, which ggml reads straight from torch memory.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import Tensor, nn
+
+from meshllm.engine.ggml_lib import Runtime
+from meshllm.engine.ggml_weights import GraphScope
+from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
+from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
+
+_F32 = 4
+# Graph capacity: ~25 nodes per layer plus 14 per sequence and layer (views count), with room to spare.
+_NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 48, 24
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+
+
+class _Weights:
+    """ggml tensors over one layer's (or the head's) weights; dense ones point into torch memory."""
+
+    def __init__(self, scope: _WeightContext, module: nn.Module):
+        # [(tensor, first_row, num_rows)] in output-row order
+        self.parts: list[tuple[object, int, int]] = []
+        if isinstance(module, QuantizedLinear):
+            row = 0
+            for m in module.matrices:
+                self.parts.append((m.tensor, row, m.rows))
+                row += m.rows
+            bias = module.bias
+        else:
+            assert isinstance(module, nn.Linear), type(module)
+            self.parts.append((scope.wrap(module.weight), 0, module.out_features))
+            bias = module.bias
+        self.bias = None if bias is None else scope.wrap(scope.keep(bias.detach().float().contiguous()))
+
+
+class _WeightContext:
+    """Metadata of the ggml tensors that point at dense torch weights, kept for the stage's life."""
+
+    def __init__(self, rt: Runtime, max_tensors: int):
+        g = self.g = rt.lib
+        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=(max_tensors + 8) * g.ggml_tensor_overhead(),
+                                                  mem_buffer=None, no_alloc=True))
+        self._kept: list[Tensor] = []
+
+    def keep(self, t: Tensor) -> Tensor:
+        self._kept.append(t)
+        return t
+
+    def wrap(self, t: Tensor):
+        assert t.is_contiguous() and t.dtype in _DTYPES, (t.dtype, t.shape)
+        dims = list(reversed(t.shape)) + [1] * (4 - t.dim())
+        gt = self.g.ggml_new_tensor_4d(self.ctx, _DTYPES[t.dtype], *dims)
+        gt.contents.data = t.data_ptr()
+        return gt
+
+    def __del__(self):
+        if getattr(self, "ctx", None):
+            self.g.ggml_free(self.ctx)
+            self.ctx = None
+
+
+def supports(decoder: Decoder) -> str | None:
+    """None when GGMLStage can run this decoder, else why not (the torch path runs it)."""
+    c = decoder.config
+    if c.sliding_window is not None:
+        return "sliding-window attention"
+    if decoder.dtype not in _DTYPES:
+        return f"dtype {decoder.dtype}"
+    linears = [m for layer in decoder.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if decoder.has_head:
+        linears.append(decoder.lm_head)
+    if not all(isinstance(m, QuantizedLinear) or type(m) is nn.Linear for m in linears):
+        return "linears of a form ggml does not read"
+    return None
+
+
+class GGMLStage:
+    def __init__(self, rt: Runtime, decoder: Decoder):
+        assert supports(decoder) is None, supports(decoder)
+        self.rt, self.g = rt, rt.lib
+        # Not the decoder itself: it holds this object (decoder.fast_path), and a reference cycle
+        # would keep the ggml buffers alive past Unload until the cycle collector happens to run.
+        self.has_head, self.dtype = decoder.has_head, decoder.dtype
+        c = self.config = decoder.config
+        self.q_size, self.kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self._ctx = _WeightContext(rt, max_tensors=16 * len(decoder.layers) + 8)
+        wrap_f32 = lambda t: self._ctx.wrap(self._ctx.keep(t.detach().float().contiguous()))  # noqa: E731
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(dict(
+                attn_norm=wrap_f32(layer.input_layernorm.weight), mlp_norm=wrap_f32(layer.post_attention_layernorm.weight),
+                qkv=_Weights(self._ctx, attn.qkv_proj), o=_Weights(self._ctx, attn.o_proj),
+                gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj),
+                q_norm=None if attn.q_norm is None else wrap_f32(attn.q_norm.weight),
+                k_norm=None if attn.k_norm is None else wrap_f32(attn.k_norm.weight)))
+        self.embedding = None
+        if decoder.has_embedding:
+            e = decoder.embed_tokens
+            self.embedding = e.table.tensor if isinstance(e, QuantizedEmbedding) else self._ctx.wrap(e.weight)
+        if decoder.has_head:
+            self.norm = wrap_f32(decoder.norm.weight)
+            self.head = _Weights(self._ctx, decoder.lm_head)
+        # ggml's NEOX rotary (HF's rotate_half) computes theta_i = pos * base^(-2i/d) / factor_i:
+        # the factors carry llama3's frequency scaling.
+        base = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        factors = base / _inv_freq(c)
+        # Memory for a step's intermediate tensors, reused (and grown when needed) step after step;
+        # the cached decode graph has its own, so a prefill step never moves its tensors.
+        self._allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
+        self._decode_allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
+        self._cached: _Step | None = None
+        self.freq_factors = None if bool((factors == 1).all()) else wrap_f32(factors)
+
+    # --- graph pieces ---------------------------------------------------------------------------
+    def _linear(self, s: GraphScope, w: _Weights, x):
+        """[(output, first_row, num_rows)] of x [in, n] through each row part of w."""
+        g = s.g
+        outs = []
+        for tensor, first, rows in w.parts:
+            outs.append((g.ggml_mul_mat(s.ctx, tensor, x), first, rows))
+        if w.bias is not None:
+            assert len(outs) == 1, "a bias over mixed-type parts is not supported"
+            outs = [(g.ggml_add(s.ctx, outs[0][0], w.bias), *outs[0][1:])]
+        return outs
+
+    @staticmethod
+    def _rows(s: GraphScope, outs, first: int, num: int, shape: tuple[int, ...]):
+        """A view of output rows [first, first + num) as `shape` ([ne0, ne1(, ne2)]) of the part holding them."""
+        for out, start, rows in outs:
+            if start <= first and first + num <= start + rows:
+                nb1 = out.contents.nb[1]
+                offset = (first - start) * _F32
+                if len(shape) == 2:
+                    return s.g.ggml_view_2d(s.ctx, out, shape[0], shape[1], nb1, offset)
+                return s.g.ggml_view_3d(s.ctx, out, shape[0], shape[1], shape[2], shape[0] * _F32, nb1, offset)
+        raise AssertionError(f"rows [{first}, {first + num}) straddle two weight parts")
+
+    def _norm(self, s: GraphScope, x, weight):
+        return s.g.ggml_mul(s.ctx, s.g.ggml_rms_norm(s.ctx, x, self.config.rms_norm_eps), weight)
+
+    def _attention(self, s: GraphScope, graph, layer: int, w: dict, x, pos, slices: list[SeqSlice], masks, n: int):
+        g, ctx, c = s.g, s.ctx, self.config
+        hd, heads, kv_heads = c.head_dim, c.num_attention_heads, c.num_key_value_heads
+        qkv = self._linear(s, w["qkv"], x)
+        q = self._rows(s, qkv, 0, self.q_size, (hd, heads, n))
+        k = self._rows(s, qkv, self.q_size, self.kv_size, (hd, kv_heads, n))
+        v = self._rows(s, qkv, self.q_size + self.kv_size, self.kv_size, (hd, kv_heads, n))
+        if w["q_norm"] is not None:
+            q = self._norm(s, q, w["q_norm"])
+            k = self._norm(s, k, w["k_norm"])
+        rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, hd, g.GGML_ROPE_TYPE_NEOX, 0,  # noqa: E731
+                                         c.rope_theta, 1.0, 0.0, 1.0, 0.0, 0.0)
+        q, k = rope(q), rope(k)
+        outs = []
+        for seq, (k_cache, v_cache), mask in zip(slices, s.kv[layer], masks):
+            t, start = seq.num_tokens, seq.start
+            end = start + t
+            elt = seq.kv.k.element_size()
+            row_nb, head_nb = hd * elt, seq.kv.capacity * hd * elt
+            for new, cache in ((k, k_cache), (v, v_cache)):
+                # new [hd, kv_heads, n] rows of this sequence -> cache [hd, t, kv_heads] at `start`
+                rows = g.ggml_view_3d(ctx, new, hd, kv_heads, t, new.contents.nb[1], new.contents.nb[2],
+                                      seq.row * new.contents.nb[2])
+                dst = g.ggml_view_3d(ctx, cache, hd, t, kv_heads, row_nb, head_nb, start * row_nb)
+                # Expanded now: the attention below reads the cache through another view, which
+                # ggml does not know depends on this write; graph order is execution order.
+                write = g.ggml_cpy(ctx, g.ggml_permute(ctx, rows, 0, 2, 1, 3), dst)
+                g.ggml_build_forward_expand(graph, write)
+                s.writes.append((dst, write, cache.contents.data, row_nb))
+            q_seq = g.ggml_view_3d(ctx, q, hd, heads, t, q.contents.nb[1], q.contents.nb[2], seq.row * q.contents.nb[2])
+            keys = g.ggml_view_3d(ctx, k_cache, hd, end, kv_heads, row_nb, head_nb, 0)
+            values = g.ggml_view_3d(ctx, v_cache, hd, end, kv_heads, row_nb, head_nb, 0)
+            s.reads.append((keys, values))
+            out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q_seq, 0, 2, 1, 3), keys, values, mask,
+                                        1.0 / math.sqrt(hd), 0.0, 0.0)  # [hd, heads, t]
+            g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
+            outs.append(out)
+        attn = outs[0]
+        for out in outs[1:]:
+            attn = g.ggml_concat(ctx, attn, out, 2)
+        attn = g.ggml_reshape_2d(ctx, attn, self.q_size, n)
+        (o, _, _), = self._linear(s, w["o"], attn)
+        return o
+
+    def _mlp(self, s: GraphScope, w: dict, x, n: int):
+        i = self.config.intermediate_size
+        gate_up = self._linear(s, w["gate_up"], x)
+        gate = self._rows(s, gate_up, 0, i, (i, n))
+        up = self._rows(s, gate_up, i, i, (i, n))
+        (down, _, _), = self._linear(s, w["down"], s.g.ggml_swiglu_split(s.ctx, gate, up))
+        return down
+
+    # --- one step ------------------------------------------------------------------------------
+    def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> Tensor:
+        """Decoder.forward's contract; the caller reserved KV room and commits the lengths.
+
+        A decode step shaped like the previous one (same sequences, same KV tensors, one token
+        each) reuses that step's graph: only the KV write offsets, the attended lengths and the
+        inputs change, and those are patched in place instead of rebuilding ~40 nodes per layer
+        from Python.
+        """
+        started = time.perf_counter()
+        key = self._decode_key(x, slices, logit_rows)
+        step = self._cached if key is not None and self._cached is not None and self._cached.key == key else None
+        if step is None:
+            self._drop_cached()
+            step = self._build(x, slices, logit_rows, key)
+        step.patch(x, positions, slices, logit_rows)
+        out = torch.empty(step.out_shape, dtype=torch.float32)
+        built = time.perf_counter()
+        step.run(out)
+        if key is not None:
+            self._cached = step
+        else:
+            step.close()
+        # Where a step's time goes (bench/decode.py reports it): Python building the graph, ggml running it.
+        self.last_build_s, self.last_compute_s = built - started, time.perf_counter() - built
+        return out if self.has_head else out.to(self.dtype)
+
+    @staticmethod
+    def _decode_key(x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
+        """What a reusable decode graph depends on; None for steps that build their own graph."""
+        if any(s.num_tokens != 1 for s in slices):
+            return None
+        return (x.dtype, x.shape, None if logit_rows is None else logit_rows.numel(),
+                tuple((s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.capacity) for s in slices))
+
+    def _drop_cached(self) -> None:
+        if self._cached is not None:
+            self._cached.close()
+            self._cached = None
+
+    def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
+        g, c, n = self.g, self.config, x.shape[0]
+        max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices)) + 64
+        s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
+        ctx = s.ctx
+        s.writes, s.reads = [], []
+        graph = s.new_graph()
+        step = _Step(key, s, graph, self._decode_allocator if key is not None else self._allocator)
+        step.pos = torch.zeros(n, dtype=torch.int32)
+        pos = s.wrap(step.pos)
+        masks = [self._mask(s, seq) for seq in slices]
+        s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
+        if self.embedding is not None:
+            step.ids = torch.zeros(n, dtype=torch.int32)
+            h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
+        else:
+            step.hidden = torch.zeros(n, c.hidden_size, dtype=torch.float32)
+            h = s.wrap(step.hidden)
+        for i, w in enumerate(self.layers):
+            h = g.ggml_add(ctx, h, self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos,
+                                                   slices, masks, n))
+            h = g.ggml_add(ctx, h, self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n))
+        step.out_shape = (n, c.hidden_size)
+        if self.has_head:
+            if logit_rows is not None:
+                step.rows = torch.zeros(logit_rows.numel(), dtype=torch.int32)
+                h = g.ggml_get_rows(ctx, h, s.wrap(step.rows))
+            (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
+            step.out_shape = (n if logit_rows is None else logit_rows.numel(), c.vocab_size)
+        step.out = h
+        return step
+
+    def _mask(self, s: GraphScope, seq: SeqSlice):
+        """f16 [t, end] additive causal mask, or None when every key is visible (a decode row)."""
+        t, start = seq.num_tokens, seq.start
+        if t == 1:
+            return None
+        end = start + t
+        q_pos = torch.arange(start, end).unsqueeze(1)
+        k_pos = torch.arange(0, end).unsqueeze(0)
+        mask = torch.zeros(t, end, dtype=torch.float16).masked_fill_(k_pos > q_pos, float("-inf"))
+        return s.wrap(s.keep(mask))
+
+    def __del__(self):
+        if getattr(self, "_allocator", None):
+            self._drop_cached()
+            self.g.ggml_gallocr_free(self._allocator)
+            self.g.ggml_gallocr_free(self._decode_allocator)
+            self._allocator = None
+
+
+class _Step:
+    """One built graph and where a new step's values go into it."""
+
+    def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
+        self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
+        self.ids = self.hidden = self.rows = self.pos = self.out = None
+        self.out_shape: tuple[int, int] = (0, 0)
+        self._allocated = False
+
+    def patch(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> None:
+        self.pos.copy_(positions)
+        if self.ids is not None:
+            self.ids.copy_(x)
+        else:
+            self.hidden.copy_(x)
+        if self.rows is not None:
+            self.rows.copy_(logit_rows)
+        if self.key is None:  # built for this very step: its offsets are already right
+            return
+        num_seqs = len(slices)
+        # Per layer: k and v writes of each sequence, in slice order (see _attention).
+        for i, (dst, write, base, row_nb) in enumerate(self.scope.writes):
+            address = base + slices[(i // 2) % num_seqs].start * row_nb
+            dst.contents.data = address
+            write.contents.data = address
+        for i, (keys, values) in enumerate(self.scope.reads):
+            end = slices[i % num_seqs].start + 1
+            keys.contents.ne[1] = end
+            values.contents.ne[1] = end
+
+    def run(self, out: Tensor) -> None:
+        if out.numel():
+            self.out.contents.data = out.data_ptr()
+            outputs = (self.out,)
+        else:  # no logit rows asked for: still write the KV
+            outputs = ()
+        if self._allocated:
+            self.scope.compute_graph(self.graph)
+        else:
+            self.scope.compute_graph(self.graph, *outputs, allocator=self.allocator)
+            self._allocated = True
+
+    def close(self) -> None:
+        self.scope.__exit__(None, None, None)

@@ -1,0 +1,211 @@
+"""Block-quantized matrices held by ggml, and products with torch activations.
+
+`BlockMatrix` is the compact form every quantized weight takes in memory: the ggml blocks
+as they are in the GGUF file (or as ggml's quantizer made them from a safetensors weight),
+`[rows, bytes per row]` uint8, plus the ggml type. It slices by output rows exactly, and by
+input columns at block boundaries (the tensor-parallel shards). `GGMLMatrix` uploads one to a
+ggml backend buffer (repacked at upload for the types ggml re-lays out) and multiplies:
+`x [n, in] fp32 -> [n, out] fp32`, where ggml quantizes x to the weight's dot-product type
+exactly as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
+from torch import Tensor
+
+from meshllm.engine.ggml_lib import Runtime
+
+# Types kept quantized in memory; gguf's numbering is ggml's.
+KEPT_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K,
+              GGML.Q2_K, GGML.Q3_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.BF16, GGML.F16)
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMatrix:
+    """A [rows, cols] matrix as ggml blocks: `data` is uint8 [rows, bytes per row]."""
+
+    data: Tensor
+    ggml_type: GGML
+    cols: int
+
+    def __post_init__(self):
+        block, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
+        assert self.cols % block == 0 and self.data.dtype == torch.uint8, (self.cols, self.ggml_type)
+        assert self.data.shape[1] == self.cols // block * block_bytes, (self.data.shape, self.cols)
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.data.numel()
+
+    def row_slice(self, start: int, stop: int) -> BlockMatrix:
+        return BlockMatrix(self.data[start:stop].contiguous(), self.ggml_type, self.cols)
+
+    def col_slice(self, start: int, stop: int) -> BlockMatrix:
+        """Input columns [start, stop); both must fall on block boundaries."""
+        block, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
+        if start % block or stop % block:
+            raise ValueError(f"{self.ggml_type.name} columns split only at multiples of {block}, "
+                             f"not [{start}, {stop})")
+        data = self.data[:, start // block * block_bytes:stop // block * block_bytes].contiguous()
+        return BlockMatrix(data, self.ggml_type, stop - start)
+
+    @staticmethod
+    def cat_rows(parts: list[BlockMatrix]) -> BlockMatrix:
+        assert len({(p.ggml_type, p.cols) for p in parts}) == 1, "row parts must share type and width"
+        return BlockMatrix(torch.cat([p.data for p in parts]), parts[0].ggml_type, parts[0].cols)
+
+    def dequantize(self) -> Tensor:
+        """fp32 [rows, cols] by gguf's reference dequantization (tests, fallbacks)."""
+        from gguf import quants
+
+        if self.ggml_type == GGML.BF16:
+            return self.data.view(torch.bfloat16).float()
+        if self.ggml_type == GGML.F16:
+            return self.data.view(torch.float16).float()
+        return torch.from_numpy(quants.dequantize(self.data.numpy(), self.ggml_type)).reshape(self.shape)
+
+
+def quantize(rt: Runtime, weight: Tensor, ggml_type: GGML) -> BlockMatrix:
+    """A float [rows, cols] matrix in ggml blocks, by ggml's own quantizer (what llama-quantize runs)."""
+    g = rt.lib
+    w = weight.detach().float().contiguous()
+    rows, cols = w.shape
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if cols % block:
+        raise ValueError(f"a {ggml_type.name} matrix needs a width that is a multiple of {block}, not {cols}")
+    out = torch.empty(rows, cols // block * block_bytes, dtype=torch.uint8)
+    g.ggml_quantize_chunk(int(ggml_type), ctypes.cast(w.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+                          out.data_ptr(), 0, rows, cols, None)
+    return BlockMatrix(out, ggml_type, cols)
+
+
+class GGMLMatrix:
+    """One BlockMatrix in a ggml backend buffer: a tensor with ne = [cols, rows]."""
+
+    def __init__(self, rt: Runtime, matrix: BlockMatrix, repack: bool = True):
+        """`repack=False` keeps ggml's plain layout, which get_rows (embedding lookups) needs."""
+        g = self.g = rt.lib
+        self.rt = rt
+        self.ggml_type, (self.rows, self.cols) = matrix.ggml_type, matrix.shape
+        self.num_bytes = matrix.num_bytes
+        params = g.ggml_init_params(mem_size=g.ggml_tensor_overhead() * 2, mem_buffer=None, no_alloc=True)
+        self._ctx = g.ggml_init(params)
+        self.tensor = g.ggml_new_tensor_2d(self._ctx, int(matrix.ggml_type), self.cols, self.rows)
+        self._buffer = g.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx, (rt.buffer_type_for(int(matrix.ggml_type), self.rows) if repack
+                                                                     else rt.cpu_buffer_type))
+        if not self._buffer:
+            raise MemoryError(f"ggml could not allocate {matrix.num_bytes} bytes for a {matrix.shape} matrix")
+        data = matrix.data.contiguous()
+        assert g.ggml_nbytes(self.tensor) == data.numel()
+        # The repack buffer re-lays the blocks out as they are set: one call with the whole tensor.
+        g.ggml_backend_tensor_set(self.tensor, ctypes.c_void_p(data.data_ptr()), 0, data.numel())
+
+    def __del__(self):
+        g = getattr(self, "g", None)
+        if g is not None and getattr(self, "_buffer", None):
+            g.ggml_backend_buffer_free(self._buffer)
+            g.ggml_free(self._ctx)
+            self._buffer = None
+
+    def matmul(self, x: Tensor) -> Tensor:
+        """x [n, cols] -> x @ W.T [n, rows], fp32."""
+        assert x.dim() == 2 and x.shape[1] == self.cols, (tuple(x.shape), self.shape)  # ggml would abort
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
+        with GraphScope(self.rt) as s:
+            xt = s.wrap(x)
+            yt = s.g.ggml_mul_mat(s.ctx, self.tensor, xt)
+            s.point(yt, y)
+            s.compute(yt)
+        return y
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+
+_COMPUTE_LOCK = threading.Lock()
+_GGML_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30, torch.int32: 26}
+
+
+class GraphScope:
+    """A throwaway ggml context whose tensors point into torch memory; compute on the shared pool."""
+
+    _work = torch.empty(0, dtype=torch.uint8)  # grown on demand; one compute at a time per process
+
+    def __init__(self, rt: Runtime, max_nodes: int = 64):
+        self.rt, self.g = rt, rt.lib
+        self._max_nodes = max_nodes
+        # tensors (up to ~3 per node) plus the graph's own arrays
+        self._ctx_bytes = 3 * max_nodes * rt.lib.ggml_tensor_overhead() + rt.lib.ggml_graph_overhead_custom(
+            max_nodes, False)
+
+    def __enter__(self) -> GraphScope:
+        g = self.g
+        self.ctx = g.ggml_init(g.ggml_init_params(mem_size=self._ctx_bytes, mem_buffer=None, no_alloc=True))
+        self._kept: list[Tensor] = []
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.g.ggml_free(self.ctx)
+        self._kept = []
+
+    def keep(self, t: Tensor) -> Tensor:
+        """Hold `t` alive until the scope ends (ggml tensors point into its memory)."""
+        self._kept.append(t)
+        return t
+
+    def new_graph(self):
+        return self.g.ggml_new_graph_custom(self.ctx, self._max_nodes, False)
+
+    def wrap(self, t: Tensor):
+        """A ggml tensor over a contiguous torch tensor's memory (ggml dims are torch's reversed);
+        `t` is kept alive until the scope ends."""
+        assert t.is_contiguous() and t.dtype in _GGML_DTYPES, (t.dtype, t.is_contiguous())
+        self._kept.append(t)
+        dims = list(reversed(t.shape)) + [1] * (4 - t.dim())
+        gt = self.g.ggml_new_tensor_4d(self.ctx, _GGML_DTYPES[t.dtype], *dims)
+        gt.contents.data = t.data_ptr()
+        return gt
+
+    def point(self, gt, t: Tensor) -> None:
+        """Make ggml write result `gt` straight into torch tensor `t`."""
+        assert t.is_contiguous() and self.g.ggml_nbytes(gt) == t.numel() * t.element_size()
+        gt.contents.data = t.data_ptr()
+
+    def compute(self, *outputs) -> None:
+        self.compute_graph(self.new_graph(), *outputs)
+
+    def compute_graph(self, graph, *outputs, allocator=None) -> None:
+        """Compute `graph` after adding `outputs` (None entries skipped) to it. Intermediate tensors
+        get memory from `allocator` (a ggml_gallocr); without one every tensor must point somewhere."""
+        g, rt = self.g, self.rt
+        for out in outputs:
+            if out is not None:
+                g.ggml_build_forward_expand(graph, out)
+        if allocator is not None and not g.ggml_gallocr_alloc_graph(allocator, graph):
+            raise MemoryError("ggml could not allocate the step's intermediate tensors")
+        # One compute at a time per process: the work buffer and ggml's threads are shared (two
+        # stages loaded on one node run on different gRPC threads).
+        with _COMPUTE_LOCK:
+            plan = g.ggml_graph_plan(graph, rt.num_threads, rt.threadpool)
+            if plan.work_size > GraphScope._work.numel():
+                GraphScope._work = torch.empty(plan.work_size, dtype=torch.uint8)
+            plan.work_data = ctypes.cast(GraphScope._work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+            status = g.ggml_graph_compute(graph, ctypes.byref(plan))
+            if status != 0:
+                raise RuntimeError(f"ggml graph compute failed with status {status}")

@@ -1,0 +1,88 @@
+"""Linear and embedding layers whose weights stay ggml-quantized in memory.
+
+Built at load from `BlockMatrix` parts (GGUF blocks as stored, or a safetensors weight run
+through ggml's quantizer for `--quantize int8|int4`). Types ggml repacks for its fast x86
+kernels (Q4_0, Q4_K, IQ4_NL) live in ggml's repack buffer; every other type stays in the torch
+uint8 tensor it was read into and ggml multiplies it in place. Products: `x [n, in] -> [n, out]`
+in x's dtype, computed in fp32 by ggml with x quantized to the weight's 8-bit dot-product type
+(as llama.cpp does), so decode and prefill both run ggml's kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from meshllm.engine.ggml_lib import Runtime
+from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, GraphScope
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W the row-concatenation of `parts` (q|k|v or gate|up when fused)."""
+
+    def __init__(self, matrices: list[GGMLMatrix], bias: Tensor | None = None):
+        super().__init__()
+        assert matrices and len({m.cols for m in matrices}) == 1, "row parts must share the input width"
+        self.in_features = matrices[0].cols
+        self.out_features = sum(m.rows for m in matrices)
+        self.matrices = matrices
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_parts(cls, rt: Runtime, parts: list[BlockMatrix], bias: Tensor | None = None) -> QuantizedLinear:
+        if len(parts) > 1 and len({p.ggml_type for p in parts}) == 1:
+            parts = [BlockMatrix.cat_rows(parts)]  # one matrix, one product
+        return cls([GGMLMatrix(rt, p) for p in parts], bias)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.num_bytes for m in self.matrices)
+
+    @property
+    def weight_types(self) -> list[str]:
+        return [m.ggml_type.name for m in self.matrices]
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [rows, in_features] -> [rows, out_features]
+        flat = x.reshape(-1, self.in_features)
+        outs = [m.matmul(flat) for m in self.matrices]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, ggml {'+'.join(self.weight_types)}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Rows of a block-quantized table, dequantized on lookup by ggml's get_rows."""
+
+    def __init__(self, rt: Runtime, table: GGMLMatrix, dtype: torch.dtype):
+        super().__init__()
+        self.rt, self.table, self.dtype = rt, table, dtype
+        self.num_embeddings, self.embedding_dim = table.rows, table.cols
+
+    def forward(self, ids: Tensor) -> Tensor:
+        # ids: [n] int64 -> [n, embedding_dim]
+        ids32 = ids.to(torch.int32).contiguous()
+        out = torch.empty(ids32.numel(), self.embedding_dim, dtype=torch.float32)
+        with GraphScope(self.rt) as s:
+            rows = s.g.ggml_get_rows(s.ctx, self.table.tensor, s.wrap(ids32))
+            s.point(rows, out)
+            s.compute(rows)
+        return out.to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, ggml {self.table.ggml_type.name}"
+
+
+def ggml_matrices(module: nn.Module) -> list[GGMLMatrix]:
+    """Every ggml-held matrix under `module`, each once (a tied LM head shares the embedding's)."""
+    matrices: dict[int, GGMLMatrix] = {}
+    for m in module.modules():
+        if isinstance(m, QuantizedLinear):
+            matrices.update((id(x), x) for x in m.matrices)
+        elif isinstance(m, QuantizedEmbedding):
+            matrices[id(m.table)] = m.table
+    return list(matrices.values())

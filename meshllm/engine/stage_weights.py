@@ -1,0 +1,205 @@
+"""Load a stage's layers in the form they run fastest in: the one entry point every load path calls.
+
+`load_stage_decoder` is what the stage service, the in-process leader and `generate` call:
+it reads layers [first, last) and decides the weight form once, for all of them:
+
+- GGUF block-quantized tensors (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) stay quantized, held
+  and multiplied by ggml (engine/quantized.py), unless ggml is not available or batch-invariant
+  mode is on; then they are dequantized to `dtype` as before.
+- `quantization="int8"|"int4"` quantizes a 16/32-bit model's layer linears at load, tensor by
+  tensor (ggml Q8_0 / Q4_0 blocks); without ggml, int8 falls back to torch's per-row int8.
+- everything else keeps the dense forms of engine/weight_forms.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
+from torch import nn
+
+from meshllm.cluster.stage_budget import WeightBytes
+from meshllm.engine import ggml_stage
+from meshllm.engine.ggml_lib import Runtime, runtime
+from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, quantize
+from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
+from meshllm.engine.batch_invariant import make_batch_invariant
+from meshllm.engine.weight_forms import QUANTIZATIONS, prepare_for_cpu
+from meshllm.errors import BadRequest, ModelLoadError
+from meshllm.model.config import ModelConfig
+from meshllm.model.decoder import Decoder
+from meshllm.model.loader import load_decoder
+from meshllm.model.weights import TensorSource
+
+log = logging.getLogger(__name__)
+
+# --quantize name -> the ggml block type a 16/32-bit weight is quantized to at load
+QUANTIZE_TYPES = {"int8": GGML.Q8_0, "int4": GGML.Q4_0}
+
+
+class GGMLWeightForm:
+    """loader.WeightForm: GGUF blocks kept as they are, or dense weights quantized to `quantize_to`."""
+
+    def __init__(self, rt: Runtime, quantize_to: GGML | None):
+        self.rt, self.quantize_to = rt, quantize_to
+
+    def _blocks(self, source: TensorSource, name: str) -> BlockMatrix | None:
+        is_blocks = getattr(source, "is_block_quantized", None)
+        if is_blocks is None or not is_blocks(name):
+            return None
+        matrix = source.read_blocks(name)
+        if matrix.ggml_type not in KEPT_TYPES:
+            raise ModelLoadError(f"{source.path}: {name} is {matrix.ggml_type.name}, which meshllm does not run "
+                                 f"quantized; use a GGUF of {', '.join(t.name for t in KEPT_TYPES)}")
+        return matrix
+
+    def linear(self, source: TensorSource, hf_names: list[str], rows: list[int]) -> nn.Module | None:
+        if all(getattr(source, "is_block_quantized", lambda _: False)(n) for n in hf_names):
+            parts = [self._blocks(source, n) for n in hf_names]
+        elif self.quantize_to is not None:
+            shapes = source.tensor_shapes()
+            block = GGML_QUANT_SIZES[self.quantize_to][0]
+            if any(shapes[n][-1] % block for n in hf_names):
+                return None  # rows are not whole blocks (aidreams' 172-wide MLP): keep it dense
+            parts = [quantize(self.rt, t, self.quantize_to)
+                     for t in source.read(hf_names, torch.float32).values()]
+        else:
+            return None
+        for name, part, want in zip(hf_names, parts, rows):
+            if part.rows != want:
+                raise ModelLoadError(f"{source.path}: tensor {name!r} has {part.rows} rows, expected {want} "
+                                     f"from the model config; the checkpoint does not match its config")
+        return QuantizedLinear.from_parts(self.rt, parts)
+
+    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None:
+        table = self._blocks(source, hf_name)
+        if table is None:
+            return None
+        if table.shape != tuple(shape):
+            raise ModelLoadError(f"{source.path}: tensor {hf_name!r} has shape {table.shape}, expected {tuple(shape)}")
+        # Plain (not repacked) layout: get_rows reads it, and a tied LM head multiplies the same copy.
+        return QuantizedEmbedding(self.rt, GGMLMatrix(self.rt, table, repack=False), torch.float32)
+
+    def tied_head(self, embedding: nn.Module) -> nn.Module | None:
+        if isinstance(embedding, QuantizedEmbedding):
+            return QuantizedLinear([embedding.table])
+        return None
+
+
+def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0,
+                       last_layer: int | None = None, dtype: torch.dtype = torch.float32,
+                       quantization: str | None = None, batch_invariant: bool = False,
+                       progress=None, device: str = "cpu") -> Decoder:
+    """Layers [first_layer, last_layer) of `source` in their fastest form (see the module docstring)."""
+    if device != "cpu":
+        return _load_on_device(source, config, first_layer, last_layer, dtype, quantization, batch_invariant,
+                               progress, device)
+    if quantization is not None and quantization not in QUANTIZE_TYPES:
+        raise BadRequest(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZE_TYPES)}")
+    if batch_invariant and quantization is not None:
+        raise BadRequest("batch-invariant mode runs 16/32-bit weights; drop the quantization")
+    rt = None if batch_invariant else runtime()
+    if rt is None:
+        if quantization == "int4":
+            raise BadRequest("--quantize int4 needs ggml (built by install.sh), which is not available here; "
+                             "use --quantize int8 or no quantization")
+        decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress)
+        return prepare_for_cpu(decoder, quantization if quantization in QUANTIZATIONS else None, batch_invariant)
+    form = GGMLWeightForm(rt, QUANTIZE_TYPES.get(quantization))
+    decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form)
+    _return_freed_memory()
+    why_not = ggml_stage.supports(decoder)
+    log.info("layers [%d, %d) of %s: weights %s", first_layer, decoder.last_layer, source.path,
+             describe_weights(decoder))
+    if why_not is None:
+        decoder.fast_path = ggml_stage.GGMLStage(rt, decoder)  # the linears stay as ggml reads them
+        return decoder
+    log.debug("whole-layer ggml path unused for %s: %s", source.path, why_not)
+    return prepare_for_cpu(decoder, None, batch_invariant=False)
+
+
+def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int, last_layer: int | None,
+                    dtype: torch.dtype, quantization: str | None, batch_invariant: bool, progress,
+                    device: str) -> Decoder:
+    """Weights, KV and compute on a GPU (`--device cuda[:N]|mps`), dense in `dtype`.
+
+    ggml's kernels here are its CPU backend's, so on a GPU GGUF blocks are dequantized to `dtype`
+    (not compact) and --quantize is refused rather than silently run on the CPU.
+    """
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BadRequest(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    available = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}.get(dev.type)
+    if available is None:
+        raise BadRequest(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps")
+    if not available():
+        raise BadRequest(f"--device {device}: this machine's torch has no {dev.type.upper()} device; use cpu")
+    if quantization is not None:
+        raise BadRequest(f"--quantize runs on the CPU (ggml); on {device} weights are held in --dtype")
+    decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress).to(dev)
+    return make_batch_invariant(decoder) if batch_invariant else decoder
+
+
+def decoder_bytes(decoder: Decoder) -> int:
+    """Weight bytes a stage holds: torch parameters and buffers, plus the matrices ggml holds."""
+    tensors = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}
+    dense = sum(t.numel() * t.element_size() for t in tensors.values())
+    return dense + sum(m.num_bytes for m in ggml_matrices(decoder))
+
+
+def describe_weights(decoder: Decoder) -> str:
+    """E.g. "ggml Q4_1 63.0 MiB, Q8_0 28.1 MiB; dense 0.1 MiB" (logs: what a stage holds, and how)."""
+    held: dict[str, int] = {}
+    for m in ggml_matrices(decoder):
+        held[m.ggml_type.name] = held.get(m.ggml_type.name, 0) + m.num_bytes
+    dense = sum(p.numel() * p.element_size() for p in decoder.parameters())
+    quantized = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sorted(held.items()))
+    return f"ggml {quantized}; dense {dense / 2**20:.1f} MiB" if held else f"dense {dense / 2**20:.1f} MiB"
+
+
+def _return_freed_memory() -> None:
+    """Give the read buffers freed during loading back to the OS.
+
+    Each weight is read into a temporary buffer and copied into ggml's; glibc keeps freed heap
+    memory mapped (its mmap threshold grows after the first large frees), which left ~100 MiB of
+    a SmolLM2 stage's RSS as dead buffers. A no-op where the C library is not glibc.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: int,
+                      quantization: str | None = None, batch_invariant: bool = False) -> WeightBytes | None:
+    """What the weights take in memory in the form load_stage_decoder gives them; None when that
+    is simply parameters × dtype bytes (no ggml, batch-invariant mode, or nothing quantized)."""
+    if batch_invariant or runtime() is None:
+        return None
+    is_blocks = getattr(source, "is_block_quantized", lambda _: False)
+    quantize_to = QUANTIZE_TYPES.get(quantization)
+    if quantize_to is None and not any(is_blocks(n) for n in source.tensor_names()):
+        return None
+    shapes = source.tensor_shapes()
+
+    def held(name: str, linear: bool) -> int:
+        if is_blocks(name):
+            return source.block_bytes(name)
+        count = math.prod(shapes[name])
+        if linear and quantize_to is not None:
+            block, block_bytes = GGML_QUANT_SIZES[quantize_to]
+            return count // block * block_bytes
+        return count * dtype_bytes
+
+    def layer(i: int) -> int:
+        names = [n for n in shapes if n.startswith(f"model.layers.{i}.") and not n.endswith("rotary_emb.inv_freq")]
+        return sum(held(n, linear=shapes[n].__len__() == 2) for n in names)
+
+    embedding = held("model.embed_tokens.weight", linear=False)
+    lm_head = embedding if config.tie_word_embeddings else held("lm_head.weight", linear=True)
+    return WeightBytes(layer=max(layer(i) for i in range(config.num_hidden_layers)), embedding=embedding,
+                       final_norm=held("model.norm.weight", linear=False), lm_head=lm_head)

@@ -1,0 +1,127 @@
+"""The whole-layer ggml graph (Decoder.fast_path) against the torch path on the same weights.
+
+A tiny random Llama GGUF (Q4_0, so the repacked kernels run) is loaded once; the torch path is
+the same Decoder with fast_path removed (torch ops around the same ggml matrix products). Both
+quantize activations to 8-bit blocks inside the products, in slightly different places, so
+logits agree to a stated tolerance (atol 2e-2 on logits of magnitude ~3), not bitwise. The
+reused decode graph, which is patched step to step instead of rebuilt, must agree with a freshly
+built graph bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as GGML
+
+from meshllm.engine.ggml_lib import runtime
+from meshllm.engine.ggml_stage import GGMLStage
+from meshllm.engine.kv_cache import SequenceKV
+from meshllm.engine.stage_weights import load_stage_decoder
+from meshllm.model.decoder import SeqSlice
+from meshllm.model.source import open_model
+from tests.quantized_gguf import write_quantized_llama
+
+ATOL = 2e-2
+
+
+@pytest.fixture(scope="module")
+def decoder(smollm2_gguf_path, tmp_path_factory):
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    path = write_quantized_llama(rt, smollm2_gguf_path, tmp_path_factory.mktemp("q") / "tiny.gguf", GGML.Q4_0)
+    files = open_model(path)
+    d = load_stage_decoder(files.source, files.config)
+    assert isinstance(d.fast_path, GGMLStage)
+    return d
+
+
+def _run(decoder, prompts: list[list[int]], steps: int, fast: bool) -> list[torch.Tensor]:
+    """Prefill the prompts as one batch, then `steps` batched decode steps; logits of each step."""
+    saved = decoder.fast_path
+    decoder.fast_path = saved if fast else None
+    try:
+        kvs = [SequenceKV(decoder.kv_layout(), 8) for _ in prompts]  # small: decode grows them
+        ids = torch.tensor([t for p in prompts for t in p])
+        positions = torch.cat([torch.arange(len(p)) for p in prompts])
+        slices, row = [], 0
+        for kv, p in zip(kvs, prompts):
+            slices.append(SeqSlice(kv, row, len(p)))
+            row += len(p)
+        ends = torch.tensor([s.row + s.num_tokens - 1 for s in slices])
+        out = [decoder(ids, positions, slices, ends)]
+        for _ in range(steps):
+            tokens = out[-1].argmax(dim=-1)
+            positions = torch.tensor([kv.length for kv in kvs])
+            out.append(decoder(tokens, positions, [SeqSlice(kv, i, 1) for i, kv in enumerate(kvs)],
+                               torch.arange(len(kvs))))
+        return out
+    finally:
+        decoder.fast_path = saved
+
+
+PROMPTS = [[5, 17, 300, 42, 9, 1000, 77], [8, 8, 19], [4000, 12, 12, 12, 5]]
+
+
+def test_fast_path_matches_torch_path(decoder):
+    fast, slow = _run(decoder, PROMPTS, 12, True), _run(decoder, PROMPTS, 12, False)
+    for step, (a, b) in enumerate(zip(fast, slow)):
+        torch.testing.assert_close(a, b, rtol=0, atol=ATOL, msg=f"step {step}")
+
+
+def test_reused_decode_graph_equals_a_fresh_one(decoder, monkeypatch):
+    reused = _run(decoder, PROMPTS, 12, True)  # grows the KV tensors past 8: rebuilds, then reuses
+    monkeypatch.setattr(GGMLStage, "_decode_key", staticmethod(lambda *a: None))
+    fresh = _run(decoder, PROMPTS, 12, True)
+    for a, b in zip(reused, fresh):
+        assert torch.equal(a, b)
+
+
+def test_rollback_then_decode_recomputes_the_same_logits(decoder):
+    kv = SequenceKV(decoder.kv_layout(), 64)
+    prompt = torch.tensor(PROMPTS[0])
+    decoder(prompt, torch.arange(len(prompt)), [SeqSlice(kv, 0, len(prompt))], torch.tensor([len(prompt) - 1]))
+    first = [decoder(torch.tensor([t]), torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+             for t in (3, 4, 5)]
+    kv.truncate(len(prompt) + 1)  # reject the last two (speculative rollback)
+    again = [decoder(torch.tensor([t]), torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+             for t in (4, 5)]
+    assert torch.equal(first[1], again[0]) and torch.equal(first[2], again[1])
+
+
+def test_sixteen_sequences_fit_one_graph(decoder):
+    # A graph too small for the batch aborts the process inside ggml (GGML_ASSERT), so this
+    # guards the capacity estimate: 16 sequences of a prefill and decode steps.
+    prompts = [[3 + i, 40 + i, 500 + i] for i in range(16)]
+    fast, slow = _run(decoder, prompts, 2, True), _run(decoder, prompts, 2, False)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+
+
+def test_dropping_a_ggml_stage_frees_its_matrices_at_once(smollm2_gguf_path, tmp_path):
+    """Unload (failover's shared weights) drops the last reference to a decoder: its ggml buffers must
+    go then, not whenever the cycle collector runs, and decoder_bytes must have counted them."""
+    import gc
+    import weakref
+
+    from meshllm.engine.quantized import ggml_matrices
+    from meshllm.engine.stage_weights import decoder_bytes
+
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    path = write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "tiny.gguf", GGML.Q8_0)
+    files = open_model(path)
+    d = load_stage_decoder(files.source, files.config)
+    matrices = ggml_matrices(d)
+    held = sum(m.num_bytes for m in matrices)
+    assert matrices and decoder_bytes(d) >= held > 0.8 * path.stat().st_size  # the rest: tokenizer metadata
+    refs = [weakref.ref(m) for m in matrices]
+    del matrices
+    gc.disable()  # freed by reference counting alone
+    try:
+        del d
+        assert all(r() is None for r in refs), "a reference cycle keeps ggml matrices alive after the stage is dropped"
+    finally:
+        gc.enable()

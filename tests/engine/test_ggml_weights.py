@@ -1,0 +1,103 @@
+"""ggml-held quantized matrices against gguf's reference dequantization.
+
+For each GGUF quant type meshllm keeps quantized, a random matrix is quantized by ggml's own
+quantizer (what llama-quantize runs) and multiplied by ggml; the reference is gguf-py's
+independent numpy dequantization of the same blocks, multiplied in fp64.
+
+Tolerance, stated: ggml rounds the activations to 8-bit blocks before the integer dot products
+(Q8_0 for Q4_0/Q4_1/Q5_x/Q8_0, Q8_K for the K-quants; bf16 for BF16 weights), exactly as
+llama.cpp does. Rounding x to a block scale of max|x|/127 moves each x_j by at most
+max|x|/254, so |y_i - ref_i| <= sum_j |w_ij| * max|x| / 254; we assert that bound (plus 1e-5
+for fp32 accumulation). Weights themselves are exact: the blocks are used as stored.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as GGML
+
+from meshllm.engine.ggml_lib import runtime
+from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, quantize
+
+GGUF_TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
+# Functions of ggml-python's ctypes layer meshllm calls that return pointers: each must be
+# declared returning a pointer type (0.0.45 declares ggml_backend_cpu_buffer_type as int).
+POINTER_RETURNING = ["ggml_init", "ggml_new_tensor_4d", "ggml_new_tensor_2d", "ggml_mul_mat", "ggml_get_rows",
+                     "ggml_new_graph_custom", "ggml_backend_alloc_ctx_tensors_from_buft", "ggml_backend_dev_by_type",
+                     "ggml_backend_dev_backend_reg", "ggml_backend_reg_get_proc_address",
+                     "ggml_backend_dev_buffer_type", "ggml_threadpool_new", "ggml_rms_norm", "ggml_mul", "ggml_add",
+                     "ggml_rope_ext", "ggml_flash_attn_ext", "ggml_view_4d", "ggml_cpy", "ggml_swiglu_split",
+                     "ggml_reshape_3d", "ggml_permute", "ggml_cont", "ggml_set_rows", "ggml_view_1d",
+                     "ggml_view_2d", "ggml_view_3d", "ggml_scale", "ggml_reshape_2d"]
+
+
+@pytest.fixture(scope="module")
+def rt():
+    loaded = runtime()
+    if loaded is None:
+        pytest.skip("ggml is not built here (install.sh builds ggml-python); the torch path is tested instead")
+    return loaded
+
+
+def test_ctypes_layer_matches_the_library(rt):
+    g = rt.lib
+    assert g.ggml_version().decode() == "0.15.3"
+    assert g.ggml_tensor_overhead() == g.GGML_OBJECT_SIZE + ctypes.sizeof(g.ggml_tensor)
+    for name in POINTER_RETURNING:
+        restype = getattr(g, name).restype
+        assert restype is ctypes.c_void_p or issubclass(restype, ctypes._Pointer), (name, restype)
+
+
+def _bound(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # [n, rows]: sum_j |w_ij| * max|x_n| / 254 (see the module docstring)
+    return (w.abs().sum(dim=1)[None, :] * x.abs().amax(dim=1, keepdim=True)) / 254 + 1e-5
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES + [GGML.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("num_rows", [1, 7, 64], ids=["decode", "batch", "prefill"])
+def test_matmul_matches_reference_dequantization(rt, ggml_type, num_rows):
+    g = torch.Generator().manual_seed(int(ggml_type) * 100 + num_rows)
+    weight = torch.randn(264, 512, generator=g) * 0.05  # 264 rows: not a multiple of 16 or 64
+    blocks = quantize(rt, weight, ggml_type)
+    reference_weight = blocks.dequantize().double()  # gguf-py's numpy dequantization
+    x = torch.randn(num_rows, 512, generator=g)
+    y = GGMLMatrix(rt, blocks).matmul(x)
+    expected = x.double() @ reference_weight.T
+    error = (y.double() - expected).abs()
+    assert bool((error <= _bound(reference_weight, x.double())).all()), float((error / _bound(reference_weight, x.double())).max())
+    # and the blocks are close to the float weight (4-bit rounding moves a value by up to 1/16
+    # of its block maximum): guards a wrong type or layout
+    assert float((reference_weight - weight.double()).abs().max()) < 0.1 * float(weight.abs().max())
+
+
+@pytest.mark.parametrize("ggml_type", [GGML.Q4_0, GGML.Q4_K], ids=lambda t: t.name)
+def test_repacked_and_plain_layouts_agree(rt, ggml_type):
+    weight = torch.randn(256, 512, generator=torch.Generator().manual_seed(3)) * 0.05
+    blocks = quantize(rt, weight, ggml_type)
+    assert rt.buffer_type_for(int(ggml_type), 256) == rt.repack_buffer_type  # the fast kernel is used
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    repacked = GGMLMatrix(rt, blocks).matmul(x)
+    plain = GGMLMatrix(rt, blocks, repack=False).matmul(x)
+    torch.testing.assert_close(repacked, plain, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_TYPES, ids=lambda t: t.name)
+def test_slices_are_exact(rt, ggml_type):
+    weight = torch.randn(64, 512, generator=torch.Generator().manual_seed(5))
+    blocks = quantize(rt, weight, ggml_type)
+    full = blocks.dequantize()
+    assert torch.equal(blocks.row_slice(8, 40).dequantize(), full[8:40])
+    assert torch.equal(blocks.col_slice(256, 512).dequantize(), full[:, 256:512])
+    with pytest.raises(ValueError, match="multiples"):
+        blocks.col_slice(0, 100)
+    halves = BlockMatrix.cat_rows([blocks.row_slice(0, 32), blocks.row_slice(32, 64)])
+    assert torch.equal(halves.data, blocks.data)
+
+
+def test_bad_shape_is_refused_before_ggml(rt):
+    m = GGMLMatrix(rt, quantize(rt, torch.randn(32, 64), GGML.Q8_0))
+    with pytest.raises(AssertionError):
+        m.matmul(torch.randn(2, 32))  # ggml would abort the process through GGML_ASSERT

@@ -1,0 +1,68 @@
+"""Quantized GGUF models stay quantized on real stage processes and give one-process output.
+
+For each GGUF quant type meshllm keeps quantized, a tiny random Llama of that type runs through
+a 2-stage pipeline of real `meshllm node` processes on loopback and, greedy, yields exactly the
+tokens the whole model gives in one process (the default fast path, not batch-invariant mode).
+"""
+
+from __future__ import annotations
+
+import pytest
+from gguf.constants import GGMLQuantizationType as GGML
+
+from meshllm.engine.ggml_lib import runtime
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.scheduler import SchedulerConfig
+from meshllm.engine.stage_weights import load_stage_decoder
+from meshllm.model.source import open_model
+from meshllm.pipeline.cluster import ServingOptions, local_leader
+from meshllm.pipeline.local_cluster import LocalCluster
+from tests.pipeline.conftest import Cluster
+from tests.quantized_gguf import write_quantized_llama
+
+pytestmark = pytest.mark.slow
+
+TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
+OPTIONS = ServingOptions(context_length=256, max_batch=4, dtype="float32",
+                         scheduler=SchedulerConfig(max_batched_tokens=64, prefill_chunk=32))
+PROMPTS = ["Once upon a time", "The capital of France is"]
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_gguf_path, tmp_path_factory):
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it); quantized weights are dequantized instead")
+    folder = tmp_path_factory.mktemp("quantized")
+    return {t: write_quantized_llama(rt, smollm2_gguf_path, folder / f"tiny-{t.name}.gguf", t) for t in TYPES}
+
+
+@pytest.fixture(scope="module")
+def two_nodes(models, tmp_path_factory):
+    local = LocalCluster(2, list(models.values()), tmp_path_factory.mktemp("cluster"),
+                         extra_args=("--gossip-interval", "0.3"), threads_per_node=1)
+    local.start(timeout_s=120)
+    try:
+        yield Cluster(local)
+    finally:
+        local.stop()
+
+
+def _tokens(leader, ids, params) -> list[int]:
+    try:
+        return [e.token_id for e in leader.generate(ids, params) if e.token_id is not None]
+    finally:
+        leader.close()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
+def test_two_stage_pipeline_matches_one_process(two_nodes, models, ggml_type):
+    files = open_model(models[ggml_type])
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    decoder = load_stage_decoder(files.source, files.config)
+    assert decoder.layers[0].mlp.down_proj.weight_types == [ggml_type.name]  # held quantized, not dequantized
+    for prompt in PROMPTS:
+        ids = files.tokenizer.encode(prompt)
+        expected = _tokens(local_leader(files, OPTIONS), ids, params)
+        got = _tokens(two_nodes.leader(files, [(0, 1), (1, 3)], OPTIONS), ids, params)
+        assert got == expected, (ggml_type.name, prompt)

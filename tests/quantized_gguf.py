@@ -1,0 +1,84 @@
+"""Tiny random Llama models written as GGUF files of one quant type, for quantized-path tests.
+
+The vocabulary (and the tokenizer metadata, copied verbatim) is the SmolLM2 demo GGUF's, so
+`open_model` reads the file like any real one; the layers are random and small, 256 wide so
+every type's blocks (256 for the K-quants) tile the rows. Weights are quantized by ggml's own
+quantizer (what llama-quantize runs) and q/k rows permuted the way llama.cpp's converter does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFWriter
+from gguf.constants import GGMLQuantizationType as GGML
+
+from meshllm.engine.ggml_lib import Runtime
+from meshllm.engine.ggml_weights import quantize
+from meshllm.model.gguf import GGUFFile
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 256, 512, 4, 2, 64
+
+
+def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    # convert_hf_to_gguf.py LlamaModel.permute: HF half-rotated rows -> ggml interleaved pairs
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
+                          seed: int = 0) -> Path:
+    meta = GGUFFile.open(tokenizer_gguf).metadata
+    vocab = len(meta["tokenizer.ggml.tokens"])
+    w = GGUFWriter(out, "llama")
+    w.add_block_count(num_layers)
+    w.add_context_length(512)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(INTERMEDIATE)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_key_length(HEAD_DIM)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    for key, value in meta.items():
+        if key.startswith("tokenizer."):
+            if isinstance(value, np.ndarray):
+                w.add_array(key, value.tolist())
+            elif isinstance(value, list):
+                w.add_array(key, value)
+            elif isinstance(value, str):
+                w.add_string(key, value)
+            elif isinstance(value, bool):
+                w.add_bool(key, value)
+            else:
+                w.add_uint32(key, int(value))
+    g = torch.Generator().manual_seed(seed)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=g) / cols ** 0.5
+
+    def add_blocks(name: str, weight: torch.Tensor, kind: GGML) -> None:
+        blocks = quantize(rt, weight, kind)
+        w.add_tensor(name, blocks.data.numpy(), raw_shape=blocks.data.shape, raw_dtype=kind)
+
+    # The embedding is Q8_0 as llama.cpp's converters keep it for most types (it is tied to the head).
+    add_blocks("token_embd.weight", torch.randn(vocab, HIDDEN, generator=g), GGML.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    for i in range(num_layers):
+        q, k = matrix(HEADS * HEAD_DIM, HIDDEN), matrix(KV_HEADS * HEAD_DIM, HIDDEN)
+        add_blocks(f"blk.{i}.attn_q.weight", torch.from_numpy(_permute(q.numpy(), HEADS)), ggml_type)
+        add_blocks(f"blk.{i}.attn_k.weight", torch.from_numpy(_permute(k.numpy(), KV_HEADS)), ggml_type)
+        add_blocks(f"blk.{i}.attn_v.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN), ggml_type)
+        add_blocks(f"blk.{i}.attn_output.weight", matrix(HIDDEN, HEADS * HEAD_DIM), ggml_type)
+        add_blocks(f"blk.{i}.ffn_gate.weight", matrix(INTERMEDIATE, HIDDEN), ggml_type)
+        add_blocks(f"blk.{i}.ffn_up.weight", matrix(INTERMEDIATE, HIDDEN), ggml_type)
+        add_blocks(f"blk.{i}.ffn_down.weight", matrix(HIDDEN, INTERMEDIATE), ggml_type)
+        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * torch.randn(HIDDEN, generator=g)).numpy())
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * torch.randn(HIDDEN, generator=g)).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
