@@ -81,6 +81,7 @@ class NgramProposer:
     """Proposer over each sequence's own tokens (meshllm.spec.proposer.Proposer)."""
 
     name = "ngram"
+    inline = True  # a dict lookup and a copy per request: cheaper than a thread hop
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()
