@@ -41,7 +41,7 @@ from meshllm.engine.scheduler import MicroBatch, Work
 from meshllm.engine.sequence import Sequence
 from meshllm.engine.step import DraftDist
 from meshllm.errors import MeshError
-from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, StepCosts
+from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts
 from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest, checked_draft
 
 log = logging.getLogger(__name__)
@@ -78,11 +78,17 @@ class DraftsReady:
 
 
 class _State:
-    def __init__(self, seq: Sequence, sampling: DraftSampling | None, length: DraftLength, k_cap: int):
+    def __init__(self, seq: Sequence, sampling: DraftSampling | None, length: DraftLength, k_cap: int,
+                 offered_length: OfferedLength | None = None):
         self.seq = seq
         self.sampling = sampling
         self.length = length
         self.k_cap = k_cap
+        # For a proposer that sizes its own drafts: it is asked for k_cap tokens, and what is sent
+        # of its offer is decided by acceptance per offered length (draft_length.py).
+        self.offered_length = offered_length
+        self.offered = 0  # length of the last offer a step took
+        self.rows = 1  # rows beside this sequence's draft in its last verified step
         self.mirror: list[int] = []  # what the proposer holds: committed tokens, then its drafts
         self.dists: dict[int, DraftDist] = {}  # q of drafted positions (sampling proposers)
         self.confirmed = 0  # mirror[:confirmed] equals the committed tokens
@@ -93,7 +99,7 @@ class _State:
 
     @property
     def k(self) -> int:
-        return min(self.length.k, self.k_cap)
+        return self.k_cap if self.offered_length is not None else min(self.length.k, self.k_cap)
 
 
 class Drafter:
@@ -111,6 +117,7 @@ class Drafter:
         self._work: queue.Queue = queue.Queue()
         self._released: list[SeqId] = []
         self.inline = bool(getattr(proposer, "inline", False))
+        self.sizes_drafts = bool(getattr(proposer, "sizes_drafts", False))
         self._thread = None
         if not self.inline:
             self._thread = threading.Thread(target=self._run, daemon=True, name="drafter")
@@ -125,7 +132,8 @@ class Drafter:
             sampling = DraftSampling(params.temperature, draw_seed(params.seed, DRAFT_SEED_POSITION),
                                      self.config.draft_support)
         cap = self.config.lengths.k_max if max_draft is None else max(0, min(max_draft, self.config.lengths.k_max))
-        st = self._states[seq.seq_id] = _State(seq, sampling, DraftLength(self.config.lengths), cap)
+        offered = OfferedLength(self.config.lengths) if self.sizes_drafts else None
+        st = self._states[seq.seq_id] = _State(seq, sampling, DraftLength(self.config.lengths), cap, offered)
         self._request(st)
 
     def finish(self, seq_id: SeqId) -> None:
@@ -134,7 +142,12 @@ class Drafter:
 
     def verified(self, work: Work, num_accepted: int, rows: int) -> None:
         st = self._states.get(work.seq.seq_id)
-        if st is not None:
+        if st is None:
+            return
+        if st.offered_length is not None:
+            st.offered_length.update(st.offered, len(work.draft), num_accepted)
+            st.rows = max(1, rows - len(work.draft))
+        else:
             st.length.update(len(work.draft), num_accepted, self._costs, rows)
 
     def step_done(self, batch: MicroBatch, seconds: float) -> None:
@@ -224,6 +237,9 @@ class Drafter:
         k = st.k
         if k and st.confirmed == n and len(st.mirror) > n:
             seq.draft = tuple(st.mirror[n:n + k])
+            if st.offered_length is not None:
+                st.offered = len(seq.draft)
+                seq.draft = seq.draft[:st.offered_length.send_length(st.offered, self._costs, st.rows)]
             seq.draft_position = n
             dists = tuple(st.dists.get(p) for p in range(n, n + len(seq.draft)))
             # A draft without q for every token is verified by exact match, which is exact for any draft.
