@@ -52,6 +52,11 @@ class StepCosts:
         if extra == 0:
             return 1.0
         base, more = self._estimate(rows), self._estimate(rows + extra)
+        if base is None and more is not None:
+            # Only bigger steps measured yet (drafting since the first step): the cheapest one
+            # bounds the base from above, so the ratio is not overestimated, and a dear step
+            # (past the CPU kernel's 8 rows: 1.6x) is seen at once.
+            base = min(self._seconds.values())
         if base is None or more is None or more < base:
             return 1.0 + PRIOR_ROW_COST * extra
         return more / base
@@ -116,6 +121,9 @@ def best_length(alpha: float, k_max: int, costs: StepCosts, rows: int) -> int:
 
 
 _OFFER_BUCKETS = (1, 2, 4, 8)  # offered lengths up to each bound share an estimate; longer, the last
+# Prior acceptance per bucket: longer matches copy more surely (as in SuffixDecoding); one
+# observation moves the estimate a long way (weight 1 against the prior's 1).
+_OFFER_PRIORS = (0.2, 0.35, 0.5, 0.7, 0.8)
 
 
 class OfferedLength:
@@ -123,8 +131,7 @@ class OfferedLength:
 
     def __init__(self, config: DraftLengthConfig):
         self.config = config
-        prior = config.k_start / (config.k_start + 1)
-        self._accepted = [prior] * (len(_OFFER_BUCKETS) + 1)
+        self._accepted = list(_OFFER_PRIORS)
         self._trials = [1.0] * (len(_OFFER_BUCKETS) + 1)
         self._skipped = [0] * (len(_OFFER_BUCKETS) + 1)
 

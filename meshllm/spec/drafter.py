@@ -113,6 +113,7 @@ class Drafter:
         self._states: dict[SeqId, _State] = {}
         self._costs = StepCosts()
         self._latency_s: float | None = None  # decaying average of one proposer call
+        self._token_s: float | None = None  # decaying average of a call's seconds per drafted token
         self._paused_until = 0.0
         self._work: queue.Queue = queue.Queue()
         self._released: list[SeqId] = []
@@ -182,6 +183,10 @@ class Drafter:
         else:
             self._latency_s = message.seconds if self._latency_s is None else \
                 0.8 * self._latency_s + 0.2 * message.seconds
+            drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
+            if drafted:
+                per_token = message.seconds / drafted
+                self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
         for i, (request, generation) in enumerate(zip(message.requests, message.generations)):
             st = self._states.get(request.seq_id)
             if st is None:
@@ -258,7 +263,7 @@ class Drafter:
             return
         position = len(st.mirror)
         tokens = tuple(st.seq.token_ids(position, n)) if position < n else ()
-        request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, st.k + 1), st.sampling)
+        request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, self._block_fit(st.k) + 1), st.sampling)
         st.mirror.extend(tokens)
         st.confirmed = max(st.confirmed, min(len(st.mirror), n))
         st.outstanding = True
@@ -275,6 +280,14 @@ class Drafter:
                 and self._latency_s < self.config.hold_fraction * typical:
             st.hold_until = time.perf_counter() + self.config.hold_fraction * typical
         self._work.put((request, st.generation, tuple(released)))
+
+    def _block_fit(self, k: int) -> int:
+        """k, shrunk so a slow proposer drafts a block within about one verifier step: drafting
+        ahead hides its time only if the next block is ready when the current one is verified."""
+        typical = self._costs.typical_step_s
+        if self.inline or self._token_s is None or typical is None:
+            return k
+        return max(1, min(k, int(typical / self._token_s) - 1))
 
     # --- drafter thread (proposers that are not inline) ---------------------------------------------
     def _run(self) -> None:
