@@ -56,8 +56,9 @@ class SpecConfig:
     sample_drafts: bool = True  # ask sampling proposers for q (min(1, p/q)) for unseeded sampled requests
     draft_support: int = 16  # entries of each sparse q
     retry_after_s: float = 0.2  # after a failed proposer call, plain decoding for this long
-    # Hold every decode step until its draft arrives (at most max_wait_s): for tests and acceptance
-    # measurements, where drafts must be verified even from a proposer as slow as the verifier.
+    # Hold every decode step until its draft arrives (at most max_wait_s), and send whatever a
+    # self-sizing proposer offers: for tests and acceptance measurements, where drafts must be
+    # verified even from a proposer as slow as the verifier or when they do not pay.
     wait_for_drafts: bool = False
     max_wait_s: float = 5.0
 
@@ -242,7 +243,7 @@ class Drafter:
         k = st.k
         if k and st.confirmed == n and len(st.mirror) > n:
             seq.draft = tuple(st.mirror[n:n + k])
-            if st.offered_length is not None:
+            if st.offered_length is not None and not self.config.wait_for_drafts:
                 st.offered = len(seq.draft)
                 seq.draft = seq.draft[:st.offered_length.send_length(st.offered, self._costs, st.rows)]
             seq.draft_position = n
