@@ -28,11 +28,9 @@ from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
-from meshllm.pipeline.cluster import ServingOptions, new_leader, wait_for_fleet
-from meshllm.pipeline.deploy import deploy
+from meshllm.pipeline.cluster import ServingOptions, leader_for_plan, wait_for_fleet
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.local_cluster import LocalCluster
-from meshllm.pipeline.transport import RemotePipeline
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.tls import PLAINTEXT
@@ -109,11 +107,8 @@ def run_stages(cluster: LocalCluster, channels, files, num_stages: int, options:
                    for k in range(num_stages))
     plan = Plan(files.model_id, files.source.fingerprint(), n, options.context_length, options.max_batch, 2, 2,
                 stages, 0.0, False)
-    plan_id = deploy(plan, channels, options.dtype, quantization=options.quantization)
     timer = HopTimer()
-    first = channels.get(stages[0].address, stages[0].node_id)
-    leader = new_leader(files, RemotePipeline(first, plan_id, num_stages), options,
-                        observer=timer)
+    leader = leader_for_plan(files, plan, channels, options, observer=timer)
     prompt = files.tokenizer.encode("The history of distributed computing begins with")[:32]
     try:
         list(leader.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))  # warm-up

@@ -140,3 +140,29 @@ class InvalidReply(MeshError):
     extra or misplaced tokens, drafts it claims to accept but that were not proposed)."""
 
     code = "invalid_reply"
+
+
+class PlanLimitExceeded(MeshError):
+    """A step asks more of a stage than the plan it was loaded for allows (more sequences, rows or
+    positions than the plan's batch, step and context), or a node has no room for another stream."""
+
+    code = "plan_limit_exceeded"
+
+
+class LeaderDown(MeshError):
+    """The leader's loop stopped after repeated internal errors; nothing more can be served until the
+    server is restarted."""
+
+    code = "leader_down"
+
+
+class TensorParallelUnsplittable(BadRequest):
+    """A model's head, KV-head, MLP or block counts cannot be divided over a tensor-parallel group."""
+
+    code = "tp_unsplittable"
+
+
+class TensorParallelFailed(MeshError):
+    """A rank of a tensor-parallel group died, hung or left; the whole group (one stage) has failed."""
+
+    code = "tp_group_failed"

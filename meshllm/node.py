@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from meshllm.cluster.card import NodeId
+from meshllm.cluster.card import Card, LinkProbe, NodeId
 from meshllm.cluster.discovery import Discovery, is_wildcard, lan_ipv4_addresses
 from meshllm.cluster.gossip import ClusterServicer, GossipLoop, HealthServicer
 from meshllm.cluster.models_on_disk import ModelScan
 from meshllm.cluster.own_card import CardIdentity, OwnCard
 from meshllm.cluster.profile import load_or_probe, memory_of, platform_name
 from meshllm.cluster.registry import Registry
+from meshllm.tp.node_collective import NodeCollective
 from meshllm.transport.auth import cluster_id
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.convert import MAX_TTL_S
@@ -59,6 +60,9 @@ class NodeConfig:
     tls: TlsMode = None  # None: TLS with certificates derived from the cluster key
     device: str = "cpu"
     max_memory_bytes: int | None = None  # the most memory this node offers to plans (None: what is free)
+    # Port of the tensor-parallel rendezvous store this node hosts (0: a free one); None: the node
+    # takes no part in tensor parallelism (no collective endpoint in its card, no link probes).
+    collective_port: int | None = None
 
     def __post_init__(self):
         if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
@@ -104,6 +108,13 @@ class Node:
         self.card = OwnCard(CardIdentity(self.node_id, self.address, platform_name(), config.ttl_s), profile,
                             memory=lambda: capped_memory(memory_of(config.device), config.max_memory_bytes),
                             models=lambda: self.models.models)
+        self.collective: NodeCollective | None = None
+        if config.collective_port is not None:
+            self.collective = NodeCollective(
+                self.node_id, self._advertised_host(), config.collective_port, self._fleet,
+                ChannelPool(ChannelConfig(self.node_id, key, config.tls)), self._publish_links)
+            self.card.set_collective_endpoint(self.collective.endpoint)
+            self.server.add(cluster_pb2_grpc.add_CollectiveServicer_to_server, self.collective.servicer)
         self.registry = Registry(self.card.build())
         self.server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(self.registry))
         self.server.add(cluster_pb2_grpc.add_HealthServicer_to_server, HealthServicer(self.registry))
@@ -113,7 +124,8 @@ class Node:
         self.gossip = GossipLoop(self.registry, ChannelPool(ChannelConfig(self.node_id, key, config.tls)),
                                  peers=self._peers, refresh_own=self.card.build,
                                  interval_s=config.gossip_interval_s)
-        self.services: list[Service] = [self.models, *([self.discovery] if self.discovery else []), self.gossip]
+        self.services: list[Service] = [self.models, *([self.discovery] if self.discovery else []), self.gossip,
+                                        *([self.collective] if self.collective else [])]
         self._started: list[Service] = []
 
     def _advertised_host(self) -> str:
@@ -123,6 +135,13 @@ class Node:
             return self.config.host
         lan = lan_ipv4_addresses()
         return lan[0] if lan else socket.gethostname()
+
+    def _fleet(self) -> list[Card]:
+        return self.registry.snapshot()
+
+    def _publish_links(self, links: tuple[LinkProbe, ...]) -> None:
+        self.card.set_links(links)
+        self.registry.update_own(self.card.build())  # in the card at once, not at the next gossip round
 
     def _peers(self) -> set[str]:
         discovered = self.discovery.peers() if self.discovery else set()

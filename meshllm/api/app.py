@@ -91,8 +91,8 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
 
     @app.get("/health", responses={503: {"description": "No plan fits the fleet: the model cannot run now"}})
     async def health() -> JSONResponse:
-        """For load balancers: 200 only while a working plan serves; else 503 and why."""
-        view = health_view(backend.health.report())
+        """For load balancers: 200 only while a working plan serves and the leader's loop runs; else 503 and why."""
+        view = health_view(backend.health_report())
         return JSONResponse(view.model_dump(), status_code=200 if view.status == "ok" else 503)
 
     @app.get("/metrics", include_in_schema=False)

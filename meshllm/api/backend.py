@@ -7,7 +7,7 @@ over gRPC to stage nodes in cluster mode) is decided by whoever builds it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from meshllm.api.metrics import MetricsObserver
@@ -15,7 +15,7 @@ from meshllm.cluster.card import Card
 from meshllm.model.source import open_model
 from meshllm.model.tokenizer import Tokenizer
 from meshllm.pipeline.cluster import ServingOptions, context_of, local_leader
-from meshllm.pipeline.health import ServingHealth
+from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth
 from meshllm.pipeline.leader import Leader
 
 
@@ -49,6 +49,15 @@ class Backend:
         if self.max_context < 2:
             raise ValueError(f"max_context must be at least 2 tokens, got {self.max_context}")
         self.health.subscribe(self.metrics.on_health)
+
+    def health_report(self) -> HealthReport:
+        """The plan's health, unless the leader's loop has stopped (pipeline/supervision.py): then
+        nothing serves whatever the plan, and the report says why."""
+        report = self.health.report()
+        failure = self.leader.failure if self.leader is not None else None
+        if failure is None:
+            return report
+        return replace(report, status=HealthStatus.UNAVAILABLE, reason=f"[{failure.code}] {failure}")
 
     def close(self) -> None:
         if self.leader is not None:

@@ -112,7 +112,7 @@ def node_view(card: Card, now: float) -> NodeView:
 
 def cluster_view(backend: Backend, metrics: MetricsObserver) -> ClusterView:
     now = time.time()
-    report = backend.health.report()
+    report = backend.health_report()
     served = ServedModelView(
         model_id=backend.model_id, ready=report.ok, plan_error=None if report.ok else report.reason,
         health=health_view(report), max_context=backend.max_context,

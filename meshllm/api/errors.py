@@ -19,8 +19,8 @@ from starlette.exceptions import HTTPException
 
 from meshllm.api.metrics import MetricsObserver
 from meshllm.engine.scheduler import QueueFull
-from meshllm.errors import (AuthError, BadRequest, ContextOverflow, MalformedMessage, MeshError, PipelineStalled,
-                            RequestTimeout, RequestTooLarge, ShardUnavailable, UnknownModel)
+from meshllm.errors import (AuthError, BadRequest, ContextOverflow, LeaderDown, MalformedMessage, MeshError,
+                            PipelineStalled, RequestTimeout, RequestTooLarge, ShardUnavailable, UnknownModel)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ _STATUS: tuple[tuple[type[MeshError], int, str], ...] = (
     (QueueFull, 429, "rate_limit_error"),
     (ShardUnavailable, 503, "server_error"),
     (PipelineStalled, 503, "server_error"),
+    (LeaderDown, 503, "server_error"),
     (RequestTimeout, 504, "server_error"),
 )
 

@@ -35,6 +35,20 @@ class LoadedShard:
     last_layer: int  # exclusive
     queue_depth: int = 0
     max_streams: int = 64
+    tp_size: int = 1  # > 1: one rank's slice of a tensor-parallel group, not the whole range
+
+
+@dataclass(frozen=True, slots=True)
+class LinkProbe:
+    """All-reduce cost measured between this node and `peer` over the collective backend."""
+
+    peer: NodeId
+    latency_s: float  # one all-reduce of a small tensor (1 KiB), median
+    bandwidth_gbps: float  # GB/s of all-reduced payload for large tensors (1 MiB)
+
+    def all_reduce_s(self, num_bytes: int) -> float:
+        """Predicted time of one 2-rank all-reduce of `num_bytes` over this link."""
+        return self.latency_s + num_bytes / (self.bandwidth_gbps * 1e9)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +79,7 @@ class Card:
     announced_at: float = field(default_factory=time.time)  # unix seconds; last writer wins
     ttl_seconds: float = 30.0
     offers: tuple[RoleOffer, ...] = ()
+    links: tuple[LinkProbe, ...] = ()  # measured by this node to peers with a collective endpoint
 
     @property
     def expires_at(self) -> float:

@@ -35,7 +35,8 @@ def cover_loaded_shards(fingerprint: str, num_layers: int, cards: Iterable[Card]
     starting_at: dict[int, list[CoveringShard]] = {}
     for card in cards:
         for shard in card.shards:
-            if shard.fingerprint != fingerprint or shard.queue_depth >= shard.max_streams:
+            # A tensor-parallel rank holds a slice of its range: only its group can run it.
+            if shard.fingerprint != fingerprint or shard.queue_depth >= shard.max_streams or shard.tp_size > 1:
                 continue
             if not 0 <= shard.first_layer < shard.last_layer <= num_layers:
                 continue  # a shard of a differently sized model with the same fingerprint: ignore

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer
+from meshllm.cluster.card import Card, LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer
 from meshllm.cluster.profile import DeviceProfile
 from meshllm.transport.convert import CARD_MAX_BYTES, card_wire_size
 
@@ -46,6 +46,7 @@ class OwnCard:
         self._api_address: str | None = None
         self._collective_endpoint: str | None = None
         self._offers: tuple[RoleOffer, ...] = ()
+        self._links: tuple[LinkProbe, ...] = ()
         self._warned_trim = False
 
     def set_shards_source(self, shards: Callable[[], tuple[LoadedShard, ...]]) -> None:
@@ -65,11 +66,15 @@ class OwnCard:
         with self._lock:
             self._collective_endpoint = address
 
+    def set_links(self, links: tuple[LinkProbe, ...]) -> None:
+        with self._lock:
+            self._links = links
+
     def build(self) -> Card:
         total, free = self._memory()
         with self._lock:
             shards, api_address, collective = self._shards(), self._api_address, self._collective_endpoint
-            offers = self._offers
+            offers, links = self._offers, self._links
         roles = tuple(dict.fromkeys((*self._identity.roles, *(o.role for o in offers))))
         card = Card(
             node_id=self._identity.node_id, grpc_address=self._identity.grpc_address,
@@ -79,7 +84,7 @@ class OwnCard:
             matmul_gflops=round(self._profile.matmul_gflops, 2),
             models=self._models(), shards=tuple(shards), roles=roles, offers=offers,
             collective_endpoint=collective, api_address=api_address,
-            announced_at=self._clock(), ttl_seconds=self._identity.ttl_seconds)
+            announced_at=self._clock(), ttl_seconds=self._identity.ttl_seconds, links=links)
         return self._fit_to_wire(card)
 
     def _fit_to_wire(self, card: Card) -> Card:

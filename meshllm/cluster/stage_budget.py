@@ -7,10 +7,11 @@ every node computes the same numbers.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from meshllm.cluster.card import Card
+from meshllm.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from meshllm.cluster.placement import PlacementRequest
@@ -30,7 +31,7 @@ class Footprint:
     """Bytes of each part of the model a stage may hold, for one placement request."""
 
     layer_weight: int  # one decoder layer (all layers are the same size)
-    layer_kv: int  # one layer's KV cache for context_length × max_batch
+    layer_kv: int  # one layer's KV cache for context_length × max_batch, plus its prefix-cache blocks
     embedding: int
     final_norm: int
     lm_head: int  # vocab × hidden; with tied embeddings a separate copy unless one stage holds both
@@ -52,7 +53,8 @@ class Footprint:
         scores = step_tokens * request.context_length * c.num_attention_heads
         return cls(
             layer_weight=c.layer_parameters() * wb,
-            layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1) * request.context_length * request.max_batch,
+            layer_kv=c.kv_bytes_per_token(request.kv_dtype_bytes, 1)
+            * (request.context_length * request.max_batch + request.prefix_cache_tokens),
             embedding=c.vocab_size * c.hidden_size * wb,
             final_norm=c.hidden_size * wb,
             lm_head=c.vocab_size * c.hidden_size * wb,
@@ -60,6 +62,19 @@ class Footprint:
             step_activation=(step_tokens * per_token + scores) * ACTIVATION_DTYPE_BYTES,
             logits=request.max_batch * c.vocab_size * ACTIVATION_DTYPE_BYTES,
         )
+
+    def per_rank(self, config: ModelConfig, size: int) -> Footprint:
+        """What one rank of a `size`-way tensor-parallel group holds (tp/shard.py): 1/size of each
+        layer's weights, its KV heads (one each when there are fewer KV heads than ranks), its rows
+        of the vocabulary; activations and logits whole (rank 0 gathers the logits)."""
+        if size == 1:
+            return self
+        kv_heads = config.num_key_value_heads
+        vocab_rows = -(-config.vocab_size // size)
+        return replace(self, layer_weight=-(-self.layer_weight // size),
+                       layer_kv=self.layer_kv * max(kv_heads // size, 1) // kv_heads,
+                       embedding=self.embedding * vocab_rows // config.vocab_size,
+                       lm_head=self.lm_head * vocab_rows // config.vocab_size)
 
     @property
     def per_layer(self) -> int:

@@ -43,14 +43,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "AVX-512 BF16 it decodes through meshllm's own matrix-vector kernel)")
     parser.add_argument("--max-context", type=int, default=2048, help="tokens per request (default 2048)")
     parser.add_argument("--once", action="store_true", help="exit after the sample completion")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="nodes per stage: N > 1 makes each stage a tensor-parallel group of N nodes (gloo "
+                             "on loopback), so --nodes / N stages (default 1: a pipeline of --nodes stages)")
     add_api_guard_arguments(parser)
     parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
                         help=SPECULATIVE_HELP + " (default: off)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nodes < 1:
-        raise SystemExit("meshllm demo: --nodes must be at least 1")
+    if args.nodes < 1 or args.tp < 1 or args.nodes % args.tp:
+        raise SystemExit(f"meshllm demo: --nodes ({args.nodes}) must be a positive multiple of --tp ({args.tp})")
     try:
         api = APIConfig(host="127.0.0.1", port=args.port, api_key=api_key_from(args.api_key),
                         max_body_bytes=int(args.max_body_mib * MIB))
@@ -63,21 +66,24 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     state_dir = Path(tempfile.mkdtemp(prefix="meshllm-demo-"))
     threads = max(1, (os.cpu_count() or 1) // args.nodes)
-    cluster = LocalCluster(args.nodes, [files.path], state_dir, extra_args=("--gossip-interval", "0.5"),
+    collective = ("--collective-port", "0") if args.tp > 1 else ()
+    cluster = LocalCluster(args.nodes, [files.path], state_dir, extra_args=("--gossip-interval", "0.5", *collective),
                            threads_per_node=threads, on_exit=_report_exit)
     print(f"meshllm demo: starting {args.nodes} nodes on loopback ...", flush=True)
     started = time.perf_counter()
     cluster.start()
     backend = server = None
     try:
-        options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes,
-                                 dtype=args.dtype, scheduler=SchedulerConfig(), speculative=args.speculative)
+        options = ServingOptions(context_length=args.max_context, max_batch=16, num_stages=args.nodes // args.tp,
+                                 dtype=args.dtype, scheduler=SchedulerConfig(), speculative=args.speculative,
+                                 tensor_parallel=args.tp)
         backend, owner, _ = local_cluster_backend(cluster, files, options, "demo-leader")
         plan = owner.plan
         if plan is None:
             raise SystemExit(f"meshllm demo: {backend.health.report().reason}")
         for i, s in enumerate(plan.stages):
-            print(f"  stage {i}: {s.node_id} at {s.address} holds layers {s.first_layer}-{s.last_layer - 1}",
+            group = f" (tensor-parallel with {', '.join(w.node_id for w in s.workers)})" if s.workers else ""
+            print(f"  stage {i}: {s.node_id} at {s.address}{group} holds layers {s.first_layer}-{s.last_layer - 1}",
                   flush=True)
         server = APIServer(create_app(backend, api), api.host, api.port)
         server.start()

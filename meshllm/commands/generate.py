@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from meshllm.commands.plan import add_tp_argument
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.engine.generate import TextDelta, check_fits, stream_many
 from meshllm.engine.sampler import SamplingParams
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cluster key file (with --peer; default the node's state-dir key)")
     parser.add_argument("--stages", type=int, default=None,
                         help="with --peer: split the model over this many nodes (default: fewest that fit)")
+    add_tp_argument(parser)
     add_transport_arguments(parser)
     parser.add_argument("--int8", action="store_true",
                         help="keep linear weights as int8 with one scale per row: decodes "
@@ -92,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise BadRequest(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    if (args.tp or 1) > 1 and not args.peer:
+        raise BadRequest(f"--tp {args.tp} splits stages over nodes of a cluster: give --peer HOST:PORT of one")
     started = time.perf_counter()
     if args.speculative is not None:
         SpeculativeChoice.parse(args.speculative)  # a bad value fails before any weight loads
@@ -175,7 +179,8 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
     fleet_view()  # no peer answers: fail now, with that message
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
                              num_stages=args.stages, dtype=_option_dtype(args.dtype),
-                             quantization="int8" if args.int8 else None, speculative=args.speculative)
+                             quantization="int8" if args.int8 else None, speculative=args.speculative,
+                             tensor_parallel=args.tp)
     owner = PlanOwner(files, fleet_view, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
     leader = owner.start()
     plan = owner.plan
@@ -184,8 +189,8 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
         report = owner.health.report()
         raise ShardUnavailable(report.reason or "no plan fits the fleet", missing_bytes=report.missing_bytes,
                                part=report.missing)
-    print("[" + ", ".join(f"{s.node_id}: layers {s.first_layer}-{s.last_layer - 1}" for s in plan.stages) + "]",
-          file=sys.stderr)
+    print("[" + ", ".join(f"{'+'.join(s.node_ids)}: layers {s.first_layer}-{s.last_layer - 1}"
+                          for s in plan.stages) + "]", file=sys.stderr)
     try:
         for event in leader.generate(prompt_ids, params):
             if event.error is not None:

@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-memory", type=parse_size, default=None, metavar="SIZE",
                         help="the most memory this node offers to plans, e.g. 6GiB or 512MiB (default: all that "
                              "is free); leaves the rest to other programs")
+    parser.add_argument("--collective-port", type=int, default=None, metavar="PORT",
+                        help="take part in tensor-parallel groups: host their rendezvous store on PORT (0 picks a "
+                             "free one), advertise it, and measure links to peers that do too. Its traffic (gloo) "
+                             "is not encrypted: use it on a trusted link (Thunderbolt, a switch you own). "
+                             "Default: off")
 
 
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
@@ -78,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),
             model_paths=tuple(args.models), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
             ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=state_dir, tls=tls_from_args(args),
-            device=args.device, max_memory_bytes=args.max_memory)
+            device=args.device, max_memory_bytes=args.max_memory,
+            collective_port=args.collective_port)
     except ValueError as e:
         raise SystemExit(f"meshllm node: {e}") from None
     key = resolve_key(args.key_file, state_dir, create=True)

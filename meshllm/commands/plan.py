@@ -1,8 +1,11 @@
 """`meshllm plan`: dry-run placement of a model on the fleet; nothing is loaded.
 
 Prints each stage's node, layer range and memory budget against the node's free
-memory, and the estimated decode tokens/s, or the same as JSON. The fleet is
-this machine alone, or the view of a running node (--peer).
+memory, and the estimated decode tokens/s, or the same as JSON. For a tensor-parallel
+group (asked with --tp, or chosen by link speed) it prints the cost model's
+prediction: compute per token alone and split, and what the collectives add; when
+deciding by link speed, the best group it did not use and why. The fleet is this
+machine alone, or the view of a running node (--peer).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import socket
 from pathlib import Path
 
 from meshllm.cluster.card import Card, ModelOnDisk, NodeId, Role
-from meshllm.cluster.placement import GIB, Plan, PlacementRequest, plan_placement
+from meshllm.cluster.placement import GIB, TP_MIN_GAIN, Plan, PlacementRequest, plan_placement
 from meshllm.cluster.stage_budget import usable_bytes
+from meshllm.cluster.tp_cost import TPEstimate
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.errors import BadRequest, ModelLoadError
 from meshllm.model.config import ModelConfig
@@ -49,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sequences decoding at once (default {DEFAULT_BATCH})")
     parser.add_argument("--stages", type=_positive_int, default=None,
                         help="number of pipeline stages (default: the fewest that fit)")
+    add_tp_argument(parser)
     parser.add_argument("--weight-bytes", type=int, choices=(1, 2, 4), default=_REQUEST_DEFAULTS["weight_dtype_bytes"],
                         help="bytes per weight as stages hold them: 2 for float16/bfloat16, 4 for float32 "
                              f"(default {_REQUEST_DEFAULTS['weight_dtype_bytes']})")
@@ -61,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_transport_arguments(parser)
 
 
+def add_tp_argument(parser: argparse.ArgumentParser) -> None:
+    """--tp, shared by plan, serve, demo and generate."""
+    parser.add_argument("--tp", type=_positive_int, default=None, metavar="N",
+                        help="nodes per stage: N > 1 makes every stage a tensor-parallel group of N nodes "
+                             "(their counts of heads must divide), 1 never groups (default: group nodes whose "
+                             "measured link makes it faster, see `meshllm plan`)")
+
+
 def run(args: argparse.Namespace) -> int:
     model_path = args.model or default_model_path()
     if model_path is None:
@@ -71,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         model_id=model_id, fingerprint=fingerprint, config=config,
         context_length=args.context or min(DEFAULT_CONTEXT, config.max_position_embeddings),
         max_batch=args.batch, weight_dtype_bytes=args.weight_bytes, kv_dtype_bytes=args.kv_bytes,
-        num_stages=args.stages)
+        num_stages=args.stages, tensor_parallel=args.tp)
     fleet = _peer_view(args) if args.peer else [_local_card(Path(model_path), model_id, fingerprint, config)]
     plan = plan_placement(request, fleet)
     cards = {c.node_id: c for c in fleet}
@@ -83,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 def plan_json(plan: Plan, cards: dict[str, Card], safety_margin_fraction: float) -> dict:
     out = dataclasses.asdict(plan)
     for stage, entry in zip(plan.stages, out["stages"]):
-        card = cards[stage.node_id]
+        card = cards[stage.node_id]  # rank 0's, for a group (every rank's budget is the same)
         entry["budget_bytes"] = stage.budget_bytes
         entry["free_bytes"] = card.memory_free_bytes
         entry["usable_bytes"] = usable_bytes(card, safety_margin_fraction)
@@ -94,10 +107,14 @@ def plan_table(plan: Plan, cards: dict[str, Card], safety_margin_fraction: float
     header = ["stage", "node", "address", "layers", "weights", "KV", "activations", "budget", "free (usable)"]
     rows = [header]
     for i, s in enumerate(plan.stages):
-        card = cards[s.node_id]
-        rows.append([str(i), s.node_id, s.address, f"{s.first_layer}-{s.last_layer - 1}", _size(s.weight_bytes),
-                     _size(s.kv_bytes), _size(s.activation_bytes), _size(s.budget_bytes),
-                     f"{_size(card.memory_free_bytes)} ({_size(usable_bytes(card, safety_margin_fraction))})"])
+        # One row per node; a tensor-parallel group's ranks each hold their share of the stage.
+        for rank, (node_id, address) in enumerate([(s.node_id, s.address)] + [(w.node_id, w.address)
+                                                                             for w in s.workers]):
+            card = cards[node_id]
+            name = f"{node_id} (rank {rank})" if s.workers else node_id
+            rows.append([str(i), name, address, f"{s.first_layer}-{s.last_layer - 1}", _size(s.weight_bytes),
+                         _size(s.kv_bytes), _size(s.activation_bytes), _size(s.budget_bytes),
+                         f"{_size(card.memory_free_bytes)} ({_size(usable_bytes(card, safety_margin_fraction))})"])
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines = [f"{plan.model_id} (fingerprint {plan.fingerprint[:12]}): {plan.num_layers} layers, context "
              f"{plan.context_length} tokens × batch {plan.max_batch}, {plan.weight_dtype_bytes} B/weight, "
@@ -106,7 +123,26 @@ def plan_table(plan: Plan, cards: dict[str, Card], safety_margin_fraction: float
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.append(f"estimated decode: {plan.est_tokens_per_s:.1f} tokens/s per sequence "
                  f"(memory-bound, all {plan.max_batch} sequence(s) at full context)")
+    for i, s in enumerate(plan.stages):
+        if s.tp is not None:
+            lines += [f"stage {i} is a tensor-parallel group of {s.tp_size}: {', '.join(s.node_ids)} "
+                      f"(rank 0 {s.node_id}, rendezvous at {s.collective_endpoint})", tp_prediction(s.tp)]
+    if plan.tp_candidate is not None:
+        c = plan.tp_candidate
+        lines += [f"tensor parallelism not used: a group of {c.size} ({', '.join(c.nodes)}) is not predicted "
+                  f"{TP_MIN_GAIN:.0%} faster per token", tp_prediction(c)]
     return "\n".join(lines)
+
+
+def tp_prediction(e: TPEstimate) -> str:
+    """The cost model's numbers for a group, per decode token."""
+    link = (f"measured all-reduce {e.link.latency_s * 1e6:.0f} us, {e.link.bandwidth_gbps:.2f} GB/s"
+            if e.link.measured else f"link not measured, assumed {e.link.latency_s * 1e6:.0f} us, "
+                                    f"{e.link.bandwidth_gbps:.2f} GB/s")
+    verdict = "pays" if e.pays else "does not pay"
+    return (f"  per token: {e.compute_s_alone * 1e3:.2f} ms of compute alone -> {e.compute_s_split * 1e3:.2f} ms "
+            f"split (saves {e.saved_s * 1e3:.2f} ms); {e.num_collectives} collectives of "
+            f"{e.message_bytes} B hidden states add {e.collective_s * 1e3:.2f} ms ({link}): the split {verdict}")
 
 
 def _open_model(path: Path) -> tuple[str, ModelConfig, str]:

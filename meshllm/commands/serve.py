@@ -1,7 +1,7 @@
 """`meshllm serve`: a node that also answers OpenAI-compatible HTTP requests.
 
 Takes every `meshllm node` flag, plus the model to serve and the HTTP API's
-settings. With --peer or --stages the model is planned across the fleet's
+settings. With --peer, --stages or --tp the model is planned across the fleet's
 stage nodes (this node is one of them); otherwise it runs whole in this process.
 """
 
@@ -18,6 +18,7 @@ from meshllm.api.config import MIB, APIConfig, add_api_guard_arguments, api_key_
 from meshllm.api.server import APIServer
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
+from meshllm.commands.plan import add_tp_argument
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import default_model_path, open_model
 from meshllm.node import Node, NodeConfig, default_state_dir, run_until_signalled
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, default=None,
                         help="plan the model across this many stage nodes of the fleet (default: in this "
                              "process alone, or the fewest nodes that fit when --peer is given)")
+    add_tp_argument(parser)
     parser.add_argument("--step-timeout", type=float, default=_SERVING.step_timeout_s,
                         help=f"seconds without any reply from the pipeline before it counts as stalled even "
                              f"though every stage answers health checks (default {_SERVING.step_timeout_s:g}; a "
@@ -94,7 +96,8 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
     return ServingOptions(context_length=args.max_context, max_batch=args.max_batch, dtype=args.dtype,
                           batch_invariant=args.batch_invariant, scheduler=scheduler, step_timeout_s=args.step_timeout,
                           failover=FailoverConfig(max_failovers=args.max_failovers),
-                          fallback_local=args.fallback_local, speculative=args.speculative)
+                          fallback_local=args.fallback_local, speculative=args.speculative,
+                          tensor_parallel=args.tp)
 
 
 def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
@@ -103,16 +106,18 @@ def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
         host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),
         model_paths=(*args.models, model_path), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
         ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=args.state_dir or default_state_dir(),
-        tls=node_command.tls_from_args(args), device=args.device, max_memory_bytes=args.max_memory)
+        tls=node_command.tls_from_args(args), device=args.device, max_memory_bytes=args.max_memory,
+        collective_port=args.collective_port)
 
 
 def build_backend(args: argparse.Namespace, node: Node, key: bytes) -> Backend:
     """The model this node serves: across the fleet (cluster mode) or whole in this process."""
     options = serving_options(args)
-    if not args.peer and args.stages is None:
+    if not args.peer and args.stages is None and (args.tp or 1) == 1:
         return build_local_backend(args.model, options, fleet_view=node.registry.snapshot)
     files = open_model(args.model)
-    wait_for_fleet(node.registry.snapshot, files.source.fingerprint(), args.stages or 1, args.fleet_timeout)
+    wait_for_fleet(node.registry.snapshot, files.source.fingerprint(), (args.stages or 1) * (args.tp or 1),
+                   args.fleet_timeout)
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     backend, owner = build_cluster_backend(files, node.registry.snapshot, channels,
                                            replace(options, num_stages=args.stages))
@@ -122,7 +127,8 @@ def build_backend(args: argparse.Namespace, node: Node, key: bytes) -> Backend:
               flush=True)
     else:
         for i, s in enumerate(plan.stages):
-            print(f"meshllm serve: stage {i} on {s.node_id} ({s.address}) holds layers "
+            group = f" with {', '.join(w.node_id for w in s.workers)} (tensor-parallel)" if s.workers else ""
+            print(f"meshllm serve: stage {i} on {s.node_id} ({s.address}){group} holds layers "
                   f"{s.first_layer}-{s.last_layer - 1}", flush=True)
     return backend
 

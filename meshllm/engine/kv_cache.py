@@ -14,6 +14,10 @@ import torch
 from torch import Tensor
 
 SeqId = NewType("SeqId", int)
+# Who holds a sequence's KV on a stage: one leader's Forward stream (stage_forward.py), so the
+# stage frees it when that stream ends. In-process pipelines have a single owner.
+Owner = NewType("Owner", int)
+LOCAL_OWNER = Owner(0)
 
 _MIN_CAPACITY = 64
 
@@ -87,20 +91,33 @@ class SequenceKV:
 
 
 class KVCache:
-    """All sequences of one stage, keyed by sequence id; lifetime set by the leader."""
+    """All sequences of one stage, keyed by sequence id; lifetime set by the leader, and bounded
+    by its stream: each sequence belongs to the owner that last computed it."""
 
     def __init__(self, layout: KVLayout):
         self.layout = layout
         self.sequences: dict[SeqId, SequenceKV] = {}
+        self._owners: dict[SeqId, Owner] = {}
 
-    def get_or_allocate(self, seq_id: SeqId) -> SequenceKV:
+    def get_or_allocate(self, seq_id: SeqId, owner: Owner = LOCAL_OWNER) -> SequenceKV:
         seq = self.sequences.get(seq_id)
         if seq is None:
             seq = self.sequences[seq_id] = SequenceKV(self.layout)
+        self._owners[seq_id] = owner
         return seq
 
-    def release(self, seq_id: SeqId) -> bool:
-        return self.sequences.pop(seq_id, None) is not None
+    def release(self, seq_id: SeqId, owner: Owner | None = None) -> bool:
+        """Free a sequence; with an owner, only if that owner holds it."""
+        if seq_id not in self.sequences or (owner is not None and self._owners[seq_id] != owner):
+            return False
+        del self.sequences[seq_id], self._owners[seq_id]
+        return True
+
+    def owned_by(self, owner: Owner) -> list[SeqId]:
+        return [s for s, o in self._owners.items() if o == owner]
+
+    def owner_of(self, seq_id: SeqId) -> Owner | None:
+        return self._owners.get(seq_id)
 
     def __contains__(self, seq_id: SeqId) -> bool:
         return seq_id in self.sequences

@@ -54,6 +54,17 @@ class PrefixIndex:
         self.num_miss_tokens += num_prompt_tokens - n * self.block_size
         return n
 
+    def hashes(self) -> list[int]:
+        """Every block held, least recently used first."""
+        return list(self._blocks)
+
+    def remove(self, hashes) -> None:
+        """Forget blocks the stages turned out not to hold (pinned ones stay: a sequence will attach them
+        and learn the same)."""
+        for h in hashes:
+            if h not in self._pins:
+                self._blocks.pop(h, None)
+
     def pin(self, hashes: list[int]) -> None:
         for h in hashes:
             self._pins[h] = self._pins.get(h, 0) + 1

@@ -152,6 +152,14 @@ class Scheduler:
         seq.in_flight = False
         seq.num_computed = work.start + work.num_tokens - len(work.draft) + num_accepted
 
+    def recompute(self, seqs) -> None:
+        """The stages lost these sequences' KV (the stream that held it ended): each running one
+        catches up from its first token again, sampling nothing it already committed."""
+        for seq in seqs:
+            if seq.status is SeqStatus.RUNNING:
+                seq.num_computed = 0
+                seq.attach = []
+
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from meshllm.engine.kv_cache import KVCache, SeqId
+from meshllm.engine.kv_cache import LOCAL_OWNER, KVCache, Owner, SeqId
 from meshllm.engine.prefix_store import MissingBlock, PrefixStore
 from meshllm.engine.step import SampledToken, Step
-from meshllm.errors import MalformedMessage, MeshError, ShardCorrupt
+from meshllm.engine.step_limits import DEFAULT_PREFIX_BLOCKS
+from meshllm.errors import MalformedMessage, MeshError, PlanLimitExceeded, ShardCorrupt
 from meshllm.model.decoder import Decoder, SeqSlice
 from meshllm.spec.verify import choose_tokens
 
@@ -26,10 +27,13 @@ class KVMissing(MeshError):
 
 
 class StageRunner:
-    def __init__(self, decoder: Decoder, kv_dtype: torch.dtype | None = None):
+    def __init__(self, decoder: Decoder, kv_dtype: torch.dtype | None = None,
+                 prefix_capacity_blocks: int = DEFAULT_PREFIX_BLOCKS, samples: bool = True):
         self.decoder = decoder
+        # False on the non-zero ranks of a tensor-parallel group: they compute, rank 0 samples.
+        self.samples = samples
         self.cache = KVCache(decoder.kv_layout(kv_dtype))
-        self.prefix = PrefixStore()
+        self.prefix = PrefixStore(prefix_capacity_blocks)  # the leader's index holds no more than this
 
     @property
     def is_first(self) -> bool:
@@ -39,18 +43,32 @@ class StageRunner:
     def is_last(self) -> bool:
         return self.decoder.has_head
 
-    def release(self, seq_ids) -> int:
-        return sum(self.cache.release(s) for s in seq_ids)
+    def release(self, seq_ids, owner: Owner | None = None) -> int:
+        """Free these sequences (with an owner, only the ones it holds); returns how many."""
+        return sum(self.cache.release(s, owner) for s in seq_ids)
 
-    def run(self, step: Step) -> Tensor | list[SampledToken]:
-        """Hidden states [tokens, hidden] for the next stage, or sampled tokens on the last."""
+    def release_owner(self, owner: Owner) -> tuple[int, int]:
+        """Free every sequence and prefix block `owner` holds (its stream ended): (sequences, blocks)."""
+        return self.release(self.cache.owned_by(owner)), self.prefix.drop_owner(owner)
+
+    def run(self, step: Step, owner: Owner = LOCAL_OWNER, max_held: int | None = None) -> Tensor | list[SampledToken]:
+        """Hidden states [tokens, hidden] for the next stage, or sampled tokens on the last.
+
+        `owner` is the stream the step came on: it may release and evict only what it holds, and
+        holds every sequence of the step afterwards; with `max_held` (the plan's batch), a step
+        that would leave it holding more sequences is refused before anything is computed.
+        """
+        # Evictions before publications: the leader's index evicted to make room for them, and
+        # the chores it sends never evict and publish the same block (pipeline/chores.py).
+        self.prefix.evict(step.evict, owner)
         for p in step.publish:  # before release: a sequence may publish and finish in one step
-            if p.seq_id in self.cache:
-                self.prefix.publish(self.cache.get_or_allocate(p.seq_id), p.first_block, p.hashes, step.block_size)
-        self.prefix.evict(step.evict)
-        self.release(step.release)
+            if self.cache.owner_of(p.seq_id) == owner:
+                self.prefix.publish(self.cache.sequences[p.seq_id], p.first_block, p.hashes, step.block_size, owner)
+        self.release(step.release, owner)
         if not step.seqs:
             return [] if self.is_last else step.input
+        if max_held is not None:
+            self._check_held(step, owner, max_held)
         x = self._checked_input(step)
         slices, positions, row = [], [], 0
         context = self.decoder.config.max_position_embeddings
@@ -58,10 +76,10 @@ class StageRunner:
             if work.start + work.num_tokens > context:
                 raise MalformedMessage(f"sequence {work.seq_id} reaches position {work.start + work.num_tokens}, "
                                        f"beyond the model's context of {context}")
-            kv = self.cache.get_or_allocate(work.seq_id)
+            kv = self.cache.get_or_allocate(work.seq_id, owner)
             if work.attach:
                 try:
-                    self.prefix.attach(kv, work.attach)
+                    self.prefix.attach(kv, work.attach, owner)
                 except MissingBlock:
                     raise KVMissing(f"sequence {work.seq_id} attaches a prefix block this stage does not "
                                     f"hold; re-prefill it") from None
@@ -83,7 +101,7 @@ class StageRunner:
         out = self.decoder(x, torch.cat(positions), slices, logit_rows)
         if not self.is_last:
             return out
-        return choose_tokens(out, scored)
+        return choose_tokens(out, scored) if self.samples else []
 
     def _checked_input(self, step: Step) -> Tensor:
         # Everything here came from a peer: check before use (DESIGN.md "Wire protocol").
@@ -101,6 +119,13 @@ class StageRunner:
         if not bool(torch.isfinite(x).all()):
             raise ShardCorrupt("received activations contain NaN or Inf; the previous stage is faulty")
         return x
+
+    def _check_held(self, step: Step, owner: Owner, max_held: int) -> None:
+        held = set(self.cache.owned_by(owner))
+        num_new = sum(1 for w in step.seqs if w.seq_id not in held)
+        if len(held) + num_new > max_held:
+            raise PlanLimitExceeded(f"this stream would hold {len(held) + num_new} sequences on this stage; the "
+                                    f"plan's batch is {max_held}. Release finished sequences first.")
 
     def held_sequences(self) -> list[SeqId]:
         return sorted(self.cache.sequences)

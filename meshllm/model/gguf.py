@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,8 +22,9 @@ import torch
 from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
-from meshllm.errors import CorruptWeights, ModelLoadError, UnsupportedArchitecture
+from meshllm.errors import CorruptWeights, ModelLoadError, TensorParallelUnsplittable, UnsupportedArchitecture
 from meshllm.model.config import ModelConfig, RopeScaling
+from meshllm.model.tensor_slice import TensorSlice
 from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
 _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
@@ -177,13 +178,16 @@ def _tensor_info(path: Path, file_size: int, data_start: int, name: str, shape: 
 
 def dequantize(file: GGUFFile, info: GGUFTensorInfo, dtype: torch.dtype) -> torch.Tensor:
     """One tensor as `dtype`, shape `info.shape`. Float types convert exactly; blocks go through f32."""
-    raw = file.raw(info)
-    if info.ggml_type in _FLOAT_TYPES:
+    return _dequantize_raw(file.raw(info), info.ggml_type, info.shape, dtype)
+
+
+def _dequantize_raw(raw: np.ndarray, ggml_type: GGML, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if ggml_type in _FLOAT_TYPES:
         # copy: the map is read-only and torch wants writable memory
-        tensor = torch.from_numpy(raw.copy()).view(_FLOAT_TYPES[info.ggml_type])
+        tensor = torch.from_numpy(raw.copy()).view(_FLOAT_TYPES[ggml_type])
     else:
-        tensor = torch.from_numpy(quants.dequantize(raw, info.ggml_type))
-    return tensor.reshape(info.shape).to(dtype)
+        tensor = torch.from_numpy(quants.dequantize(raw, ggml_type))
+    return tensor.reshape(shape).to(dtype)
 
 
 # GGUF name pieces -> HF name pieces; the loader asks for HF names.
@@ -243,6 +247,43 @@ class GGUFSource:
                 tensor = _unpermute_rope_rows(tensor, heads)
             out[name] = tensor
             self._bytes_read += info.num_bytes
+        return out
+
+    def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Only the asked rows or columns of each tensor, cut from the stored blocks before dequantizing.
+
+        Rows are whole blocks in every GGUF type, so any row range is exact; a column range must
+        start and end on a block boundary of the tensor's type (32 or 256 columns), else this
+        raises TensorParallelUnsplittable naming the tensor, its type and the cut.
+        """
+        out = {}
+        for name, s in slices.items():
+            info = self._by_hf_name.get(name)
+            if info is None:
+                raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
+            if s.dim >= len(info.shape) or s.stop > info.shape[s.dim]:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has shape {list(info.shape)}; cannot take "
+                                     f"[{s.start}, {s.stop}) of dimension {s.dim}")
+            raw = self.file.raw(info)  # [rows, bytes per row], a view of the map: nothing read yet
+            block_size, block_bytes = GGML_QUANT_SIZES[info.ggml_type]
+            if s.dim == 0 and len(info.shape) > 1:
+                part, shape = raw[s.start:s.stop], (s.stop - s.start, *info.shape[1:])
+            else:
+                if s.start % block_size or s.stop % block_size:
+                    raise TensorParallelUnsplittable(
+                        f"{self.path}: tensor {name!r} is stored as {info.ggml_type.name} in blocks of {block_size} "
+                        f"columns; its tensor-parallel slice [{s.start}, {s.stop}) cuts a block. Use a group size "
+                        f"whose slices are whole blocks, or a GGUF of another type")
+                part = raw[..., s.start // block_size * block_bytes:s.stop // block_size * block_bytes]
+                shape = (*info.shape[:-1], s.stop - s.start)
+            tensor = _dequantize_raw(np.ascontiguousarray(part), info.ggml_type, shape, dtype)
+            if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
+                # Tensor-parallel row slices hold whole heads, and the permutation stays inside a head.
+                total = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
+                assert s.dim == 0 and (s.stop - s.start) * total % info.shape[0] == 0, (name, s)
+                tensor = _unpermute_rope_rows(tensor, (s.stop - s.start) * total // info.shape[0])
+            out[name] = tensor
+            self._bytes_read += part.nbytes
         return out
 
     def fingerprint(self) -> str:

@@ -13,7 +13,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from meshllm.errors import CorruptWeights, ModelLoadError
 from meshllm.model.config import ModelConfig
+from meshllm.model.tensor_slice import TensorSlice
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 # Bumped when the hashed content changes, so cached fingerprints of an older scheme are not reused.
@@ -42,6 +43,8 @@ class TensorSource(Protocol):
     def tensor_names(self) -> list[str]: ...
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
+
+    def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]: ...
 
     def fingerprint(self) -> str: ...
 
@@ -76,19 +79,37 @@ class SafetensorsSource:
         return self._bytes_read
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        return self._read({name: None for name in names}, dtype)
+
+    def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Only the asked rows or columns of each tensor: safetensors reads just those bytes."""
+        return self._read(slices, dtype)
+
+    def _read(self, parts: Mapping[str, TensorSlice | None], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Each named tensor whole (None) or its slice, one open per file."""
         by_file: dict[Path, list[str]] = {}
-        for name in names:
+        for name, s in parts.items():
             entry = self._entries.get(name)
             if entry is None:
                 raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
+            if s is not None and (s.dim >= len(entry.shape) or s.stop > entry.shape[s.dim]):
+                raise ModelLoadError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}; cannot take "
+                                     f"[{s.start}, {s.stop}) of dimension {s.dim} (the checkpoint does not match "
+                                     f"its config)")
             by_file.setdefault(entry.file, []).append(name)
         out = {}
         for file, file_names in by_file.items():
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in file_names:
-                        out[name] = f.get_tensor(name).to(dtype)
-                        self._bytes_read += self._entries[name].end - self._entries[name].begin
+                        s, entry = parts[name], self._entries[name]
+                        if s is None:
+                            out[name] = f.get_tensor(name).to(dtype)
+                            self._bytes_read += entry.end - entry.begin
+                            continue
+                        view = f.get_slice(name)
+                        out[name] = (view[s.start:s.stop] if s.dim == 0 else view[:, s.start:s.stop]).to(dtype)
+                        self._bytes_read += (entry.end - entry.begin) * (s.stop - s.start) // entry.shape[s.dim]
             except SafetensorError as e:
                 raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
         return out

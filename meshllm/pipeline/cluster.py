@@ -16,17 +16,20 @@ from meshllm.cluster.card import Card
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.step_limits import StepLimits
 from meshllm.engine.weight_forms import prepare_for_cpu
 from meshllm.errors import PeerUnreachable, ShardUnavailable
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import ModelFiles
+from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import FailoverConfig, Replanner
 from meshllm.pipeline.leader import Leader
-from meshllm.pipeline.transport import LocalPipeline
+from meshllm.pipeline.transport import LocalPipeline, RemotePipeline
 from meshllm.spec.drafter import SpecConfig
 from meshllm.spec.factory import SpeculativeChoice, build_proposer
 from meshllm.spec.proposer import Proposer
+from meshllm.transport.channels import ChannelPool
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,7 @@ class ServingOptions:
     context_length: int = 4096  # tokens per sequence the plan reserves KV for
     max_batch: int = 16  # sequences decoding at once
     num_stages: int | None = None  # None: the fewest stages that fit
+    tensor_parallel: int | None = None  # nodes per stage: None decides by link speed, 1 never groups (--tp)
     dtype: str = "float32"  # weights and activations on every stage
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8": weight-only int8 linears on every stage
@@ -54,6 +58,12 @@ class ServingOptions:
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+
+    def step_limits(self, max_context: int) -> StepLimits:
+        """What the stages accept per step from a leader with these options (sent when loading)."""
+        s = self.scheduler
+        return StepLimits(max_context=max_context, max_seqs=self.max_batch, max_step_tokens=s.max_batched_tokens,
+                          prefix_block_size=s.prefix_block_size, max_prefix_blocks=s.prefix_cache_blocks)
 
     def scheduler_config(self, max_context: int) -> SchedulerConfig:
         s = self.scheduler
@@ -83,7 +93,7 @@ def local_transport(files: ModelFiles, options: ServingOptions) -> LocalPipeline
     """The whole model as one in-process stage."""
     decoder = load_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
     prepare_for_cpu(decoder, options.quantization, options.batch_invariant)
-    return LocalPipeline([StageRunner(decoder)])
+    return LocalPipeline([StageRunner(decoder, prefix_capacity_blocks=options.scheduler.prefix_cache_blocks)])
 
 
 def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObserver | None = None,
@@ -98,11 +108,33 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
     return PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
                             config=files.config, context_length=context_of(files, options),
                             max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
-                            kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages)
+                            kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
+                            prefix_cache_tokens=options.scheduler.prefix_cache_blocks
+                            * options.scheduler.prefix_block_size, tensor_parallel=options.tensor_parallel)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
     return plan_placement(placement_request(files, options), fleet)
+
+
+def deploy_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions) -> RemotePipeline:
+    """Load `plan`'s stages, limited to what a leader with `options` sends, and open the stream to them."""
+    plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization,
+                     options.step_limits(context_of(files, options)))
+    first = plan.stages[0]
+    return RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages),
+                          stage_names_of(plan))
+
+
+def leader_for_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions,
+                    observer: LeaderObserver | None = None) -> Leader:
+    """A leader on exactly `plan` (no re-planning): tests and benches that place stages by hand."""
+    return new_leader(files, deploy_plan(files, plan, channels, options), options, observer)
+
+
+def stage_names_of(plan: Plan) -> tuple[str, ...]:
+    """How errors name each stage of `plan`: its node and address."""
+    return tuple(f"{s.node_id} ({s.address})" for s in plan.stages)
 
 
 def wait_for_fleet(fetch: Callable[[], list[Card]], fingerprint: str, min_nodes: int,

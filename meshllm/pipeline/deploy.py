@@ -1,20 +1,29 @@
 """Put a plan on the fleet: every stage loads its layer range, in parallel.
 
 Called by the leader when it (re)plans. Loading is idempotent per plan id, so
-two leaders that derive the same plan from the same view share the stages.
+two leaders that derive the same plan from the same view share the stages. Every
+rank of a tensor-parallel stage gets the stage's request with its own rank and a
+group id fresh for this deploy (the rendezvous' key prefix in rank 0's store).
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from meshllm.cluster.placement import Plan
+from meshllm.engine.step_limits import (DEFAULT_PREFIX_BLOCKS, WIRE_MAX_CONTEXT, WIRE_MAX_SEQS,
+                                         WIRE_MAX_STEP_TOKENS, StepLimits)
 from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, ShardUnavailable, WeightsMismatch
+from meshllm.tp.group import RankRole
+from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
+from meshllm.transport.stage_convert import rank_role_to_pb
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 LOAD_TIMEOUT_S = 600.0  # loading gigabytes from a slow disk takes minutes
@@ -28,46 +37,82 @@ class StageUnreachable(PeerUnreachable):
         self.node_id = node_id
 
 
-def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None) -> str:
-    """Same plan on any node -> same id, so stages recognise a plan they already hold."""
-    parts = [plan.fingerprint, dtype, str(batch_invariant), quantization or ""] + [
-        f"{s.node_id}@{s.address}:{s.first_layer}-{s.last_layer}" for s in plan.stages]
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """One node's Load of a plan: a stage, or one rank of a tensor-parallel stage."""
+
+    node_id: str
+    address: str
+    request: stage_pb2.LoadRequest
+
+
+def default_limits(plan: Plan) -> StepLimits:
+    """Step limits from the plan alone (a caller that does not say what its leader sends): positions
+    within its context, its batch of sequences, no step larger than all of them together, any block
+    size and the default prefix budget. leader_for_plan sends the leader's exact limits."""
+    return StepLimits(min(plan.context_length, WIRE_MAX_CONTEXT), min(plan.max_batch, WIRE_MAX_SEQS),
+                      min(plan.context_length * plan.max_batch, WIRE_MAX_STEP_TOKENS), None, DEFAULT_PREFIX_BLOCKS)
+
+
+def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,
+               limits: StepLimits | None = None) -> str:
+    """Same plan on any node -> same id, so stages recognise a plan they already hold. The limits
+    are part of it: leaders with other limits must not share (and so reload) each other's stages."""
+    limits = limits or default_limits(plan)
+    parts = [plan.fingerprint, dtype, str(batch_invariant), quantization or "", repr(limits)] + [
+        f"{'+'.join(s.node_ids)}@{s.address}:{s.first_layer}-{s.last_layer}" for s in plan.stages]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def load_requests(plan: Plan, dtype: str, batch_invariant: bool,
-                  quantization: str | None = None) -> list[stage_pb2.LoadRequest]:
-    plan_id = plan_id_of(plan, dtype, batch_invariant, quantization)
-    return [stage_pb2.LoadRequest(
-        plan_id=plan_id, model_id=plan.model_id, fingerprint=plan.fingerprint, num_layers=plan.num_layers,
-        first_layer=s.first_layer, last_layer=s.last_layer, dtype=dtype,
-        next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
-        next_node_id=plan.stages[i + 1].node_id if i + 1 < len(plan.stages) else "",
-        stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "")
-        for i, s in enumerate(plan.stages)]
+def load_requests(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,
+                  limits: StepLimits | None = None) -> list[NodeLoad]:
+    limits = limits or default_limits(plan)
+    plan_id = plan_id_of(plan, dtype, batch_invariant, quantization, limits)
+    loads = []
+    for i, s in enumerate(plan.stages):
+        request = stage_pb2.LoadRequest(
+            plan_id=plan_id, model_id=plan.model_id, fingerprint=plan.fingerprint, num_layers=plan.num_layers,
+            first_layer=s.first_layer, last_layer=s.last_layer, dtype=dtype,
+            next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
+            next_node_id=plan.stages[i + 1].node_id if i + 1 < len(plan.stages) else "",
+            stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "")
+        stage_convert.limits_to_pb(limits, request)
+        loads.append(NodeLoad(s.node_id, s.address, request))
+        if s.workers:
+            role = RankRole(0, s.tp_size, s.collective_endpoint, f"{plan_id}/{i}/{secrets.token_hex(6)}")
+            request.tp.CopyFrom(rank_role_to_pb(role))
+            for rank, worker in enumerate(s.workers, start=1):
+                rank_request = stage_pb2.LoadRequest()
+                rank_request.CopyFrom(request)
+                rank_request.tp.rank = rank
+                loads.append(NodeLoad(worker.node_id, worker.address, rank_request))
+    return loads
 
 
 def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False,
-           quantization: str | None = None) -> str:
-    """Load every stage of `plan`; returns the plan id. Raises the first stage's error."""
-    requests = load_requests(plan, dtype, batch_invariant, quantization)
+           quantization: str | None = None, limits: StepLimits | None = None) -> str:
+    """Load every stage of `plan` (every rank of a group at once: they meet while loading);
+    returns the plan id. Raises the first node's error.
 
-    def load(index: int) -> None:
-        stage = plan.stages[index]
-        stub = stage_pb2_grpc.StageStub(channels.get(stage.address, stage.node_id))
+    `limits` are what the stages accept per step (the leader's scheduler within the plan); the
+    default suits a leader with the default scheduler settings."""
+    loads = load_requests(plan, dtype, batch_invariant, quantization, limits)
+
+    def load(item: NodeLoad) -> None:
+        stub = stage_pb2_grpc.StageStub(channels.get(item.address, item.node_id))
         for attempt in range(2):  # a connection the peer just closed (GOAWAY) reconnects on a retry
             try:
-                stub.Load(requests[index], timeout=LOAD_TIMEOUT_S)
+                stub.Load(item.request, timeout=LOAD_TIMEOUT_S)
                 return
             except grpc.RpcError as e:
                 if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise _load_error(stage.node_id, stage.address, e) from None
+                    raise _load_error(item.node_id, item.address, e) from None
                 time.sleep(0.2)
 
-    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-        for future in [pool.submit(load, i) for i in range(len(requests))]:
+    with ThreadPoolExecutor(max_workers=len(loads)) as pool:
+        for future in [pool.submit(load, item) for item in loads]:
             future.result()
-    return requests[0].plan_id
+    return loads[0].request.plan_id
 
 
 def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:

@@ -6,6 +6,8 @@ Blame the node at fault, not the one that noticed:
   stage i-1, the sender (stage 0 receives token ids from the leader: nobody to exclude);
 - a reply the leader refuses (`invalid_reply`): the last stage, which produced it;
 - a stage that stopped answering (deadline, then Health.Check): that stage;
+- a tensor-parallel stage whose group failed (`tp_group_failed`, a rank died or hung): that
+  stage; the plan owner leaves out the group's nodes that do not answer;
 - `shard_not_loaded` / `kv_missing`: the node restarted or lost state; re-deploy, exclude nobody.
 Errors that belong to the request itself (a bad parameter) are not failures of any node.
 
@@ -29,7 +31,9 @@ from meshllm.pipeline.transport import StepTransport
 
 log = logging.getLogger(__name__)
 
-_NODE_FAULTS = {"stage_unreachable", "internal", "pipeline_stalled"}
+# tp_group_failed: a rank of a tensor-parallel stage died or hung, so the whole group (one stage)
+# failed; the plan owner works out which of its nodes to leave out.
+_NODE_FAULTS = {"stage_unreachable", "internal", "pipeline_stalled", "tp_group_failed"}
 _REDEPLOY = {"shard_not_loaded", "kv_missing"}
 
 
@@ -37,9 +41,15 @@ _REDEPLOY = {"shard_not_loaded", "kv_missing"}
 class FailoverConfig:
     max_failovers: int = 3  # per request; past it the request ends with pipeline_stalled
     retry_interval_s: float = 2.0  # while no plan fits: how often to try again on the current fleet
+    # While nothing is in flight no step can fail, so the plan's stages are health-checked this
+    # often: /health turns degraded (and a re-plan starts) when a stage dies between requests,
+    # not at the next request. The timeout is generous: an idle false alarm costs a re-plan.
+    idle_probe_interval_s: float = 2.0
+    idle_probe_timeout_s: float = 2.0
 
     def __post_init__(self):
-        if self.max_failovers < 0 or self.retry_interval_s <= 0:
+        if self.max_failovers < 0 or self.retry_interval_s <= 0 or self.idle_probe_interval_s <= 0 \
+                or self.idle_probe_timeout_s <= 0:
             raise ValueError(f"failover settings must be non-negative / positive: {self}")
 
 
@@ -125,6 +135,7 @@ class RecoveryFailed:
 class Probed:
     epoch: int
     unresponsive: tuple[int, ...]
+    idle: bool = False  # a routine check between requests, not a suspected stall
 
 
 class Recovery:
@@ -139,6 +150,8 @@ class Recovery:
         self.epoch = 0  # bumped at each swap of the transport
         self.running = False  # a re-plan is under way
         self.last_attempt = float("-inf")
+        self.probing = False  # a probe's answer is awaited
+        self.last_probe = time.monotonic()
 
     def start(self, failure: StageFailure | None) -> None:
         """Loop thread: begin a re-plan (no-op while one runs)."""
@@ -158,10 +171,17 @@ class Recovery:
             log.exception("re-planning failed")
             self._post(RecoveryFailed(epoch, MeshError(f"re-planning failed: {e}")))
 
-    def probe(self, timeout_s: float) -> None:
+    def probe(self, timeout_s: float, idle: bool = False) -> None:
+        """Loop thread: health-check the plan's stages; the answer arrives as Probed."""
+        self.probing = True
+        self.last_probe = time.monotonic()
         epoch = self.epoch
-        threading.Thread(target=lambda: self._post(Probed(epoch, tuple(self.replanner.probe(timeout_s)))),
+        threading.Thread(target=lambda: self._post(Probed(epoch, tuple(self.replanner.probe(timeout_s)), idle)),
                          daemon=True, name="leader-probe").start()
+
+    def idle_probe_due(self) -> bool:
+        return not self.running and not self.probing and \
+            time.monotonic() - self.last_probe >= self.config.idle_probe_interval_s
 
     def finished(self) -> None:
         """Loop thread: the re-plan's outcome was handled."""

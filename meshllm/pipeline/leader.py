@@ -10,6 +10,13 @@ pipeline that stops answering (deadline.py), makes the loop drop every step in f
 mark every running sequence as having lost its KV (it re-prefills its committed tokens,
 prompt and output, and samples only the token after them), and re-plan on a worker
 thread; new requests wait meanwhile. The new transport is swapped in by a message.
+Without a replanner, a stream that ended (the stages freed all it held: its epoch moved)
+makes the running sequences re-prefill on the next stream.
+
+Supervision (supervision.py): every turn of the loop runs under a LoopSupervisor, so an
+unexpected exception fails the requests that turn touched and the loop keeps serving;
+when it cannot, `failure` says why (/health reports it) and `submit` raises it. Every
+reply is checked (replies.py) before anything is committed, naming the node at fault.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -32,15 +39,19 @@ from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Wor
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
-from meshllm.errors import ContextOverflow, InvalidReply, MeshError, PipelineStalled
+from meshllm.errors import ContextOverflow, InvalidReply, LeaderDown, MeshError
 from meshllm.pipeline.chores import StageChores
 from meshllm.pipeline.deadline import DEFAULT_FLOOR_S, DeadlineConfig, StallWatch
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
 from meshllm.pipeline.failover import (Deployment, FailoverConfig, Probed, Recovered, Recovery, RecoveryFailed,
                                        RecoveryTiming, Replanner, StageFailure, blame, invalid_reply_failure)
+from meshllm.pipeline.leader_failover import LeaderFailover
+from meshllm.pipeline.leader_lifecycle import LeaderLifecycle
+from meshllm.pipeline.leader_messages import Cancel, InFlight, Request, StepDone, Submit, Wake
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
-from meshllm.pipeline.replies import committed_tokens
+from meshllm.pipeline.replies import ReplyCheck
 from meshllm.pipeline.seq_constraints import SeqConstraints
+from meshllm.pipeline.supervision import LoopSupervisor, Turn
 from meshllm.pipeline.transport import StepTransport, next_step_id
 from meshllm.spec.drafter import Drafter, DraftsReady, SpecConfig
 from meshllm.spec.proposer import Proposer
@@ -50,52 +61,7 @@ log = logging.getLogger(__name__)
 Detokenizer = Callable[[int], str]
 
 
-@dataclass
-class _Request:
-    seq: Sequence
-    checker: StopChecker
-    constraints: SeqConstraints
-    on_event: Callable[[GenerationEvent], None]
-    submitted_at: float
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_failovers: int = 0
-
-
-# --- the loop's inbox: one small typed message per kind ------------------------------------------
-@dataclass(frozen=True, slots=True)
-class _Submit:
-    request: _Request
-    user_seeded: bool = False  # the caller chose the seed: output must be reproducible
-    speculative: bool | None = None  # None: the leader's default (draft when it has a proposer)
-    max_draft: int | None = None  # cap on draft tokens per step for this request
-    done: threading.Event = field(default_factory=threading.Event)
-    refused: list[MeshError] = field(default_factory=list)  # set by the loop when admission fails
-
-
-@dataclass(frozen=True, slots=True)
-class _Cancel:
-    seq_id: SeqId
-
-
-@dataclass(frozen=True, slots=True)
-class _StepDone:
-    step_id: int
-    result: StepResult
-
-
-@dataclass(frozen=True, slots=True)
-class _Wake:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class _InFlight:
-    batch: MicroBatch
-    sent_at: float
-
-
-class Leader:
+class Leader(LeaderFailover, LeaderLifecycle):
     """`transport` None: no plan yet (the replanner is asked for one when a request comes)."""
 
     def __init__(self, transport: StepTransport | None, *, eos_token_ids: Collection[int],
@@ -116,11 +82,14 @@ class Leader:
         config = config or SchedulerConfig()
         self.observer = observer or LeaderObserver()
         self._seq_prefix = secrets.randbits(31) << 32  # seq ids (and prefix hashes) stay unique per leader
-        self._chores = StageChores()
-        self.prefix = LeaderPrefixCache(config.prefix_block_size, config.prefix_cache_blocks, self._seq_prefix,
-                                        self._chores, self.observer)
         num_stages = transport.num_stages if transport is not None else 1
-        self.scheduler = Scheduler(replace(config, num_stages=num_stages), on_admit=self.prefix.match)
+        self._config = replace(config, num_stages=num_stages)
+        self._vocab_size = vocab_size
+        self._replies = ReplyCheck(vocab_size, transport.stage_names if transport is not None else ())
+        self._epoch = transport.epoch if transport is not None else 0
+        self._supervisor = LoopSupervisor()
+        self._turn = Turn()
+        self._new_state()
         # Without a replanner nothing can probe a suspect, so only the cap declares a stall.
         floor = step_timeout_s if replanner is None else min(DEFAULT_FLOOR_S, step_timeout_s)
         self._watch = StallWatch(deadline or DeadlineConfig(floor_s=floor, cap_s=step_timeout_s))
@@ -129,8 +98,8 @@ class Leader:
         self._last_failure: StageFailure | None = None  # until the first token after its failover
         self._swapped: tuple[Deployment, float] | None = None  # the failover's deployment and swap time
         self._inbox: queue.Queue = queue.Queue()
-        self._requests: dict[SeqId, _Request] = {}
-        self._in_flight: dict[int, _InFlight] = {}
+        self._requests: dict[SeqId, Request] = {}
+        self._in_flight: dict[int, InFlight] = {}
         self._seq_counter = 0
         self._id_lock = threading.Lock()
         self._closed = threading.Event()
@@ -166,16 +135,25 @@ class Leader:
         seq = Sequence(seq_id, list(prompt_ids), params)
         checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
         constraints = SeqConstraints(params, seq.prompt_ids, grammar)
-        message = _Submit(_Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
+        message = Submit(Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
                           speculative, max_draft)
+        if self.failure is not None:
+            raise self.failure
         self._inbox.put(message)
-        message.done.wait()
+        while not message.done.wait(0.5):  # the loop answers at once, unless it has stopped
+            if self.failure is not None:
+                raise self.failure
         if message.refused:
             raise message.refused[0]
         return seq_id
 
+    @property
+    def failure(self) -> LeaderDown | None:
+        """Why this leader no longer serves (its loop gave up, or it was closed); None while it serves."""
+        return self._supervisor.failure or (LeaderDown("the leader is closed") if self._closed.is_set() else None)
+
     def cancel(self, seq_id: SeqId) -> None:
-        self._inbox.put(_Cancel(seq_id))
+        self._inbox.put(Cancel(seq_id))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams,
                  speculative: bool | None = None) -> Iterator[GenerationEvent]:
@@ -192,8 +170,10 @@ class Leader:
             self.cancel(seq_id)  # no-op when finished; frees KV when the caller stops early
 
     def close(self) -> None:
+        """Cancel what is running, free it on every stage (a last step carries the releases), and
+        close the stream: a stage frees whatever a closed stream still held."""
         self._closed.set()
-        self._inbox.put(_Wake())
+        self._inbox.put(Wake())
         self._thread.join(timeout=10)
         if self.drafter is not None:
             self.drafter.close()
@@ -209,56 +189,86 @@ class Leader:
 
     # --- loop thread -------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._closed.is_set():
-            self._fill_pipeline()
-            try:  # nothing more can be sent until a result or a request arrives
-                message = self._inbox.get(timeout=self._wait_s())
-            except queue.Empty:
-                self._check_progress()
-                continue
-            self._check_progress()
-            self._handle(message)
-            while True:  # drain whatever else arrived before scheduling again
+        try:
+            while not self._closed.is_set():
                 try:
-                    self._handle(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+                    self._serve_turn()
+                except Exception as e:  # noqa: BLE001 - supervised: fail what the turn touched, keep serving
+                    if not self._supervisor.survive(e, self._recover):
+                        break
+        finally:
+            if self._closed.is_set():
+                self._release_all(MeshError("the server is shutting down"))
+            else:
+                self._abandon_all(self._supervisor.give_up("its loop thread ended"))
+
+    def _serve_turn(self) -> None:
+        self._turn = Turn()  # scheduling and failover: any running sequence may be affected
+        self._fill_pipeline()
+        try:  # nothing more can be sent until a result or a request arrives
+            message = self._inbox.get(timeout=self._wait_s())
+        except queue.Empty:
+            self._check_progress()
+            return
+        self._check_progress()
+        self._handle(message)
+        while True:  # drain whatever else arrived before scheduling again
+            try:
+                self._handle(self._inbox.get_nowait())
+            except queue.Empty:
+                break
 
     def _handle(self, message) -> None:
+        self._turn = Turn(())
         match message:
-            case _Submit(request=request):
+            case Submit(request=request):
+                self._turn = Turn((request.seq.seq_id,), message.refuse)
                 try:
                     self.scheduler.add(request.seq)
                     self._requests[request.seq.seq_id] = request
                     if self.drafter is not None and message.speculative is not False:
                         self.drafter.admit(request.seq, request.seq.params, message.user_seeded, message.max_draft)
                 except MeshError as e:
-                    message.refused.append(e)
+                    message.refuse(e)
                 message.done.set()
                 if self.transport is None and not message.refused:
                     self._recovery.start(None)  # no plan now: this request asks for one
-            case _Cancel(seq_id=seq_id):
+            case Cancel(seq_id=seq_id):
+                self._turn = Turn((seq_id,))
                 request = self._requests.get(seq_id)
                 if request is not None:
                     self._finish(request, "cancelled")
-            case _StepDone(step_id=step_id, result=result):
+            case StepDone(step_id=step_id, result=result):
                 flight = self._in_flight.pop(step_id, None)
                 if flight is None:
                     return  # given up as stalled, or sent through a transport since replaced
+                self._turn = Turn(tuple(w.seq.seq_id for w in flight.batch.works))
                 seconds = time.perf_counter() - flight.sent_at
                 self._watch.done(flight.batch.num_tokens, seconds if result.ok else None)
                 self.observer.on_step(flight.batch, result, seconds)
                 if self.drafter is not None and result.ok:
                     self.drafter.step_done(flight.batch, seconds)
                 self._apply(flight.batch, result)
+                if flight.epoch != self._epoch:  # its stream ended since: the stages no longer hold its KV
+                    self.scheduler.recompute(w.seq for w in flight.batch.works)
             case DraftsReady():
+                self._turn = Turn(tuple(r.seq_id for r in message.requests))
                 if self.drafter is not None:
                     self.drafter.arrived(message)
             case Recovered() | RecoveryFailed() | Probed():
+                self._turn = Turn()  # a failover touches every running sequence
                 self._on_recovery(message)
-            case _Wake():
+            case Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))
+
+    # --- loop-thread state ---------------------------------------------------------------------------
+    def _new_state(self) -> None:
+        self._chores = StageChores()
+        c = self._config
+        self.prefix = LeaderPrefixCache(c.prefix_block_size, c.prefix_cache_blocks, self._seq_prefix,
+                                        self._chores, self.observer)
+        self.scheduler = Scheduler(c, on_admit=self.prefix.match)
 
     def _wait_s(self) -> float:
         now = time.perf_counter()
@@ -269,33 +279,13 @@ class Leader:
             return wait
         return max(0.0005, min(wait, max(0.01, left)))
 
-    def _check_progress(self) -> None:
-        """No reply within the deadline: probe the stages (with a replanner), else give up on
-        the steps in flight so a stalled stage gives clear errors instead of hanging requests."""
-        if self.transport is None:
-            # No plan fits: try again now and then, so the service recovers on its own when a node joins.
-            if self._recovery is not None and not self._recovery.running and \
-                    time.monotonic() - self._recovery.last_attempt >= self._recovery.config.retry_interval_s:
-                self._recovery.start(None)
-            return
-        if not self._watch.due():
-            return
-        if self._recovery is not None:
-            self._watch.start_probe()
-            self._recovery.probe(self._watch.config.probe_timeout_s)
-            return
-        stalled_s = self._watch.stalled_for()
-        self._watch.reset()
-        for step_id, flight in list(self._in_flight.items()):
-            del self._in_flight[step_id]
-            log.warning("step %d stalled for %.1fs; failing its %d sequences", step_id, stalled_s,
-                        len(flight.batch.works))
-            self._apply(flight.batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
-                                                 error_message=f"no answer within {stalled_s:.1f}s"))
-
     def _fill_pipeline(self) -> None:
         if self.transport is None:
             return  # waiting for a plan
+        if self.transport.epoch != self._epoch:  # a stream ended: the stages freed all it held
+            self._epoch = self.transport.epoch
+            self.prefix.reset()
+            self.scheduler.recompute([s for s in self.scheduler.running if not s.in_flight])
         if self.drafter is not None and self.drafter.holding(time.perf_counter()):
             return  # a draft is about to arrive for a sequence that would go out without one
         while len(self._in_flight) < self.transport.num_stages:
@@ -332,10 +322,10 @@ class Leader:
         release, publish, evict = self._chores.take()
         step = Step(step_id, tuple(works), torch.tensor(ids, dtype=torch.int64), release, (), publish, evict,
                     self.prefix.block_size)
-        self._in_flight[step_id] = _InFlight(batch, time.perf_counter())
+        self._in_flight[step_id] = InFlight(batch, time.perf_counter(), self._epoch)
         self._watch.sent(batch.num_tokens)
         future = self.transport.submit(step)
-        future.add_done_callback(lambda f, sid=step_id: self._inbox.put(_StepDone(sid, f.result())))
+        future.add_done_callback(lambda f, sid=step_id: self._inbox.put(StepDone(sid, f.result())))
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
         if not result.ok:
@@ -343,13 +333,15 @@ class Leader:
             if failure is not None:
                 self._fail_over(failure, batch)
                 return
-            where = "the pipeline" if result.failed_stage is None else f"stage {result.failed_stage}"
-            self._fail(batch.works, PipelineStalled(f"{where} failed: [{result.error_code}] {result.error_message}"))
-            log.warning("step %d failed at stage %s: %s", result.step_id, result.failed_stage, result.error_code)
+            error = self._replies.failure(result)  # names the stage's node
+            if result.error_code == "kv_missing":
+                self.prefix.drop_attached(batch.works)  # a stage no longer holds them: stop attaching them
+            self._fail(batch.works, error)
+            log.warning("step %d failed: %s", result.step_id, error)
             return
         try:
-            committed = committed_tokens(batch.works, result.tokens)
-        except MeshError as e:  # the last stage answered something other than what was asked
+            committed = self._replies.committed(batch.works, result)
+        except MeshError as e:  # a stage answered something other than what was asked
             log.warning("step %d: %s", result.step_id, e)
             if isinstance(e, InvalidReply) and self._recovery is not None:
                 self._fail_over(invalid_reply_failure(e, self.transport.num_stages), batch)
@@ -385,72 +377,6 @@ class Leader:
             if self.drafter is not None and w.seq.status is not SeqStatus.FINISHED:
                 self.drafter.committed(w.seq)
 
-    # --- failover (loop thread) ---------------------------------------------------------------------
-    def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
-        """Stop using the transport, mark every running sequence for a rebuild of its KV, and
-        re-plan off the loop. Sequences past their failover limit end with pipeline_stalled."""
-        log.warning("failing over: stage %s [%s] %s", failure.stage_index, failure.code, failure.message)
-        self.observer.on_failure(failure)
-        self._last_failure = self._last_failure or failure  # a second failure is part of the same recovery
-        in_flight = set()
-        batches = [f.batch for f in self._in_flight.values()] + ([failed] if failed is not None else [])
-        for batch in batches:
-            for w in batch.works:
-                w.seq.in_flight = False
-                in_flight.add(w.seq.seq_id)
-        self._in_flight.clear()
-        self._watch.reset()
-        self.transport.close()
-        self.transport = None
-        self._chores.take()  # the new plan's stages hold none of those sequences or blocks
-        limit = self._recovery.config.max_failovers
-        for seq in list(self.scheduler.running):
-            if not seq.num_computed and seq.seq_id not in in_flight:
-                continue  # admitted but never sent: nothing to rebuild
-            request = self._requests[seq.seq_id]
-            request.num_failovers += 1
-            if request.num_failovers > limit:
-                self._finish(request, "error", PipelineStalled(
-                    f"gave up after {limit} failovers; the last: stage {failure.stage_index} "
-                    f"[{failure.code}] {failure.message}"))
-                continue
-            self.prefix.forget(seq)
-            seq.num_computed = 0  # re-prefill prompt and output; sample only the token after them
-        self._recovery.start(failure)
-
-    def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
-        if message.epoch != self._recovery.epoch:
-            return  # about a transport that has been replaced since
-        match message:
-            case Probed(unresponsive=unresponsive):
-                if self.transport is None:
-                    return
-                stalled_s = self._watch.stalled_for()
-                if unresponsive:
-                    self.observer.on_stall()
-                    i = unresponsive[0]
-                    self._fail_over(StageFailure(i, "pipeline_stalled", f"stage {i} stopped answering: no reply "
-                                                 f"for {stalled_s:.1f}s and no answer to a health check",
-                                                 detect_s=stalled_s))
-                elif self._watch.probed():
-                    self.observer.on_stall()
-                    self._fail_over(StageFailure(None, "pipeline_stalled", f"no reply for {stalled_s:.1f}s "
-                                                 f"although every stage answers health checks",
-                                                 detect_s=stalled_s))
-            case Recovered(deployment=deployment):
-                self._recovery.finished()
-                self.transport = deployment.transport
-                self.scheduler.config = replace(self.scheduler.config, num_stages=deployment.transport.num_stages)
-                self.prefix.reset()
-                self._swapped = (deployment, time.perf_counter()) if self._last_failure else None
-                log.info("serving through %s", deployment.description or "a new plan")
-            case RecoveryFailed(error=error):
-                self._recovery.finished()
-                self._last_failure = None
-                log.warning("no plan: [%s] %s", error.code, error)
-                for request in list(self._requests.values()):
-                    self._finish(request, "error", error)
-
     def _fail(self, works: tuple[Work, ...], error: MeshError) -> None:
         for w in works:
             w.seq.in_flight = False
@@ -458,7 +384,7 @@ class Leader:
             if request is not None:
                 self._finish(request, "error", error)
 
-    def _deliver(self, request: _Request, token: SampledToken, now: float) -> None:
+    def _deliver(self, request: Request, token: SampledToken, now: float) -> None:
         seq = request.seq
         text = request.checker.feed(token.token_id)
         first = request.first_token_at is None
@@ -479,7 +405,7 @@ class Leader:
                                          num_prompt_tokens=seq.num_prompt_tokens,
                                          num_cached_tokens=seq.num_cached))
 
-    def _finish(self, request: _Request, reason: str, error: MeshError | None = None,
+    def _finish(self, request: Request, reason: str, error: MeshError | None = None,
                 notify: bool = True) -> None:
         seq = request.seq
         self.prefix.forget(seq)

@@ -54,14 +54,22 @@ class LeaderPrefixCache:
         if not seq.block_hashes or not work.start < seq.num_prompt_tokens <= work.start + work.num_tokens:
             return
         new, evicted = self.index.insert(seq.block_hashes)
-        self._chores.evict.extend(evicted)
+        self._chores.drop(evicted)
         position = {h: i for i, h in enumerate(seq.block_hashes)}
         for h in new:
-            self._chores.publish.append(Publish(seq.seq_id, position[h], (h,)))
+            self._chores.keep(Publish(seq.seq_id, position[h], (h,)))
+
+    def drop_attached(self, works) -> None:
+        """A stage answered kv_missing: it lost blocks these works attached (dropped by its LRU when
+        leaders share it, or a stream that ended). Stop offering them, so the next request re-prefills."""
+        self.index.remove([h for w in works for h in w.attach])
 
     def reset(self) -> None:
-        """A new plan: its stages hold no cached blocks yet."""
+        """The stages hold no cached block (the stream that published them ended, or a new plan):
+        start empty, and drop publish/evict chores about blocks no stage has."""
         self.index = PrefixIndex(self.index.block_size, self.index.capacity_blocks)
+        self._chores.publish.clear()
+        self._chores.evict.clear()
 
     def forget(self, seq: Sequence) -> None:
         """The sequence ends: unpin blocks it was admitted with but never sent."""

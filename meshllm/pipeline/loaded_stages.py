@@ -4,7 +4,8 @@ A re-plan after a failure gives the survivors a new plan id for layers they alre
 hold. Weights are keyed by what makes them identical (model fingerprint, layer range,
 dtype, quantization, batch invariance), so the new plan reuses them and only gets its
 own runner (KV cache, prefix blocks, next stage); Unload of the last plan using a
-range drops its weights.
+range drops its weights. A tensor-parallel rank's slices are bound to its group's
+collectives (tp/layers.py), so their key names the group and no other plan shares them.
 
 Thread-safe: gRPC runs every call on its own pool thread, and the gossip thread reads
 the list for the node's card. Each plan's stage has its own compute lock, so its
@@ -17,7 +18,9 @@ import threading
 from dataclasses import dataclass, field
 
 from meshllm.engine.stage_runner import StageRunner
+from meshllm.engine.step_limits import StepLimits
 from meshllm.model.decoder import Decoder
+from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
 
@@ -29,11 +32,13 @@ class WeightKey:
     dtype: str
     quantization: str
     batch_invariant: bool
+    tp_group: str = ""  # "<group id>/<rank>" for a tensor-parallel rank's slices
 
     @classmethod
     def of(cls, request: stage_pb2.LoadRequest) -> WeightKey:
+        tp_group = f"{request.tp.group_id}/{request.tp.rank}" if request.HasField("tp") else ""
         return cls(request.fingerprint, request.first_layer, request.last_layer, request.dtype,
-                   request.quantization, request.batch_invariant)
+                   request.quantization, request.batch_invariant, tp_group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +50,19 @@ class SharedWeights:
 
 @dataclass
 class LoadedStage:
+    """A layer range loaded for one plan. Its limits come with the plan (LoadRequest): every
+    step is checked against them, and the prefix store keeps at most the plan's blocks."""
+
     request: stage_pb2.LoadRequest
+    # A StageRunner, or for a tensor-parallel rank one of tp/'s (same interface, plus close()).
     runner: StageRunner
     weights: SharedWeights
     lock: threading.Lock = field(default_factory=threading.Lock)
+    limits: StepLimits = field(init=False)
+
+    def __post_init__(self):
+        self.limits = stage_convert.limits_from_pb(self.request)
+        self.runner.prefix.set_capacity(self.limits.max_prefix_blocks)
 
     @property
     def index(self) -> int:
@@ -74,16 +88,18 @@ class LoadedStages:
         with self._lock:
             return self._weights.get(key)
 
-    def put(self, plan_id: str, request: stage_pb2.LoadRequest, weights: SharedWeights) -> LoadedStage:
-        """Give `plan_id` its own runner over `weights` (replacing what the plan had)."""
-        stage = LoadedStage(request, StageRunner(weights.decoder), weights)
+    def put(self, plan_id: str, request: stage_pb2.LoadRequest, weights: SharedWeights,
+            runner: StageRunner | None = None) -> LoadedStage | None:
+        """Give `plan_id` its own runner over `weights` (a tensor-parallel rank brings its own),
+        replacing what the plan had; returns the replaced stage (the caller closes it)."""
+        stage = LoadedStage(request, runner if runner is not None else StageRunner(weights.decoder), weights)
         with self._lock:
             self._weights.setdefault(weights.key, weights)
             previous = self._stages.get(plan_id)
             self._stages[plan_id] = stage
             if previous is not None:
                 self._drop_unused(previous.weights.key)
-        return stage
+        return previous
 
     def pop(self, plan_id: str) -> tuple[LoadedStage | None, int]:
         """Remove a plan; returns its stage and the weight bytes freed (0 while shared)."""
@@ -91,6 +107,16 @@ class LoadedStages:
             stage = self._stages.pop(plan_id, None)
             freed = self._drop_unused(stage.weights.key) if stage is not None else 0
         return stage, freed
+
+    def pop_runner(self, plan_id: str, runner) -> LoadedStage | None:
+        """Drop `plan_id` only while `runner` still serves it (not a stage loaded since)."""
+        with self._lock:
+            stage = self._stages.get(plan_id)
+            if stage is None or stage.runner is not runner:
+                return None
+            del self._stages[plan_id]
+            self._drop_unused(stage.weights.key)
+            return stage
 
     def _drop_unused(self, key: WeightKey) -> int:
         if any(s.weights.key == key for s in self._stages.values()):

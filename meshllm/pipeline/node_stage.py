@@ -23,13 +23,19 @@ def attach_stage_service(node, key: bytes) -> StageService:
 
     channels = ChannelPool(ChannelConfig(node.node_id, key, node.config.tls))
     # A loaded shard shows in the node's card at once, not at the next gossip round.
-    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()))
+    service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
+                           max_streams=node.server.config.max_streams, collective=node.collective)
 
     def shards() -> tuple[LoadedShard, ...]:
-        # One entry per range held, however many plans share its weights.
-        return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer)
+        # One entry per range held, however many plans share its weights. Streams are a node-wide
+        # budget: every shard shows the node's open streams and its maximum.
+        streams = service.forward
+        return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
+                                               queue_depth=streams.num_open, max_streams=streams.max_streams,
+                                               tp_size=max(r.tp.size, 1))
                                    for r in service.loaded()))
 
     node.card.set_shards_source(shards)
     node.server.add(stage_pb2_grpc.add_StageServicer_to_server, service)
+    node.add_service(service)  # stopped first: its tensor-parallel groups are told to stop
     return service

@@ -4,7 +4,9 @@ builds its Leader here.
 
 Re-planning (`recover`, called by the leader on a worker thread):
 1. exclude the failed node: until it answers a health check again (dead or hung), or for
-   `quarantine_s` (it sent corrupt activations: it answers health checks fine);
+   `quarantine_s` (it sent corrupt activations: it answers health checks fine). A failed
+   tensor-parallel stage is a group of nodes: those that do not answer are excluded (a
+   killed or hung rank), or the whole group when all of them answer (its collectives broke);
 2. move the failed stage to a spare that can hold it, so the survivors keep their ranges
    and reuse the weights they hold (cluster/repair.py); else plan again on the survivors,
    with the same number of stages, else the fewest that fit; else, with --fallback-local,
@@ -29,11 +31,12 @@ import grpc
 import psutil
 
 from meshllm.cluster.card import Card, ModelOnDisk, NodeId
-from meshllm.cluster.placement import Plan
+from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.cluster.repair import replace_failed_stage
 from meshllm.errors import MeshError, ShardUnavailable
 from meshllm.model.source import ModelFiles
-from meshllm.pipeline.cluster import ServingOptions, local_transport, new_leader, placement_request, plan_for
+from meshllm.pipeline.cluster import (ServingOptions, context_of, local_transport, new_leader, placement_request,
+                                      plan_for, stage_names_of)
 from meshllm.pipeline.deploy import StageUnreachable, deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import Deployment, StageFailure
@@ -105,7 +108,7 @@ class PlanOwner:
         if self.options.speculative is None:
             return None
         plan = self.plan
-        verifiers = frozenset(s.node_id for s in plan.stages) if plan is not None else frozenset()
+        verifiers = frozenset(n for s in plan.stages for n in s.node_ids) if plan is not None else frozenset()
         return build_proposer(SpeculativeChoice.parse(self.options.speculative), self.files,
                               fleet_view=self.fleet_view, channels=self.channels, verifier_nodes=verifiers)
 
@@ -138,21 +141,34 @@ class PlanOwner:
         current = self._current
         if current is None or current.plan is None:
             return []
-        stages = current.plan.stages
-        with ThreadPoolExecutor(max_workers=len(stages)) as pool:
-            alive = list(pool.map(lambda s: self._answers(s.address, timeout_s), stages))
-        return [i for i, ok in enumerate(alive) if not ok]
+        # A group's stage is alive while all its ranks are: a hung worker stalls rank 0's collectives.
+        members = [(i, address) for i, s in enumerate(current.plan.stages) for address in _addresses(s)]
+        with ThreadPoolExecutor(max_workers=len(members)) as pool:
+            alive = list(pool.map(lambda m: self._answers(m[1], timeout_s), members))
+        return sorted({i for (i, _), ok in zip(members, alive) if not ok})
 
     # --- under the lock ----------------------------------------------------------------------------
     def _exclude_failed(self, failure: StageFailure | None) -> NodeId | None:
         current = self._current
         if failure is None or failure.stage_index is None or current is None or current.plan is None:
             return None
-        node = current.plan.stages[failure.stage_index].node_id
+        stage = current.plan.stages[failure.stage_index]
         corrupt = failure.code in ("shard_corrupt", "invalid_reply")
-        self._excluded[node] = _Exclusion(f"[{failure.code}] {failure.message}",
-                                          time.monotonic() + QUARANTINE_S if corrupt else None)
-        return node
+        exclusion = _Exclusion(f"[{failure.code}] {failure.message}",
+                               time.monotonic() + QUARANTINE_S if corrupt else None)
+        nodes = self._failed_members(stage) if stage.workers else [stage.node_id]
+        for node in nodes:
+            self._excluded[node] = exclusion
+        return nodes[0]
+
+    def _failed_members(self, stage: StageAssignment) -> list[NodeId]:
+        """The ranks of a failed group that do not answer Health.Check (a killed or hung node),
+        or every rank when all answer (the group's own links failed: none of it is trusted)."""
+        members = list(zip(stage.node_ids, _addresses(stage)))
+        with ThreadPoolExecutor(max_workers=len(members)) as pool:
+            alive = list(pool.map(lambda m: self._answers(m[1], READMIT_PROBE_S), members))
+        silent = [node for (node, _), ok in zip(members, alive) if not ok]
+        return silent or [node for node, _ in members]
 
     def _readmit(self) -> None:
         """Forgive excluded nodes that answer again (a SIGCONTed or restarted node); corrupt ones
@@ -179,7 +195,8 @@ class PlanOwner:
             plan_s = time.perf_counter() - started
             try:
                 plan_id = deploy(plan, self.channels, self.options.dtype, self.options.batch_invariant,
-                                 self.options.quantization)
+                                 self.options.quantization, self.options.step_limits(context_of(self.files,
+                                                                                                self.options)))
                 break
             except StageUnreachable as e:
                 log.warning("%s; planning without it", e)
@@ -187,22 +204,26 @@ class PlanOwner:
         load_s = time.perf_counter() - started - plan_s
         self._current = _Current(plan, plan_id)
         if previous is not None and previous.plan is not None and previous.plan_id != plan_id:
-            self._stale.update((s.address, s.node_id, previous.plan_id) for s in previous.plan.stages)
-        self._stale -= {(s.address, s.node_id, plan_id) for s in plan.stages}
+            self._stale.update((a, n, previous.plan_id) for s in previous.plan.stages for n, a in _members(s))
+        self._stale -= {(a, n, plan_id) for s in plan.stages for n, a in _members(s)}
         threading.Thread(target=self._unload_stale, daemon=True, name="unload-stale").start()
-        description = " ".join(f"{s.node_id}[{s.first_layer},{s.last_layer})" for s in plan.stages)
+        description = " ".join(f"{'+'.join(s.node_ids)}[{s.first_layer},{s.last_layer})" for s in plan.stages)
         self._set_health(HealthStatus.OK, None, stages=tuple(
             StageSummary(s.node_id, s.address, s.first_layer, s.last_layer) for s in plan.stages))
         log.info("plan %s for %s: %s (planned in %.2fs, loaded in %.2fs)", plan_id, self.files.model_id,
                  description, plan_s, load_s)
         first = plan.stages[0]
-        transport = RemotePipeline(self.channels.get(first.address, first.node_id), plan_id, len(plan.stages))
+        transport = RemotePipeline(self.channels.get(first.address, first.node_id), plan_id, len(plan.stages),
+                                   stage_names_of(plan))
         return Deployment(transport, plan_s, load_s, description)
 
     def _choose_plan(self, previous: Plan | None, failed: NodeId | None) -> Plan:
         fleet = [c for c in self.fleet_view() if c.node_id not in self._excluded]
         exclude = frozenset(self._excluded)
-        if previous is not None and failed is not None:
+        # Repair moves one node's part; when more of the plan's nodes are excluded (a group whose
+        # ranks all failed), plan again.
+        if previous is not None and failed is not None and not (
+                {n for st in previous.stages for n in st.node_ids if n != failed} & exclude):
             request = replace(placement_request(self.files, self.options), exclude=exclude)
             repaired = replace_failed_stage(previous, failed, request, fleet)
             if repaired is not None:
@@ -263,3 +284,12 @@ class PlanOwner:
                 continue
             with self._lock:
                 self._stale.discard((address, node_id, plan_id))
+
+
+def _members(stage: StageAssignment) -> list[tuple[NodeId, str]]:
+    """(node id, address) of every node of a stage: one, or each rank of a group, rank 0 first."""
+    return [(stage.node_id, stage.address), *((w.node_id, w.address) for w in stage.workers)]
+
+
+def _addresses(stage: StageAssignment) -> list[str]:
+    return [address for _, address in _members(stage)]

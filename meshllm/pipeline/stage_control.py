@@ -1,6 +1,10 @@
 """The stage's control plane: load a layer range for a plan, unload a plan, release
 sequences, report state.
 
+A Load carrying a `tp` part makes this node one rank of a tensor-parallel stage (tp/stage.py);
+its slices are bound to its group, so they are never shared with another plan, and the stage
+goes when its group ends (a rank failed, an Unload, a node shutdown).
+
 Called by the gRPC servicer (stage_service.py) on pool threads; raises MeshErrors that
 the servicer maps to status codes. A plan whose layers this node already holds for
 another plan shares their weights (loaded_stages.py): a re-plan after a failure costs the
@@ -19,11 +23,16 @@ import psutil
 import torch
 
 from meshllm.engine.weight_forms import prepare_for_cpu
-from meshllm.errors import ModelLoadError, ShardUnavailable, WeightsMismatch
+from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.config import ModelConfig
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
-from meshllm.pipeline.loaded_stages import LoadedStages, SharedWeights, WeightKey, decoder_bytes
+from meshllm.model.source import ModelFiles
+from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey, decoder_bytes
+from meshllm.tp.group import RankRole
+from meshllm.tp.node_collective import NodeCollective
+from meshllm.tp.stage import open_rank
+from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -34,24 +43,28 @@ ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> 
 
 class StageControl:
     def __init__(self, stages: LoadedStages, resolve_model: ModelResolver,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, collective: NodeCollective | None = None):
         self._stages = stages
         self._resolve_model = resolve_model
         self._on_change = on_change  # the node refreshes its card's shard list
+        self._collective = collective  # the node's part in tensor parallelism, when it takes one
         self._load_lock = threading.Lock()  # one load at a time: loads are memory-heavy
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
+        stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._load_lock:
             existing = self._stages.get(request.plan_id)
-            if existing is not None and existing.request == request:
+            if existing is not None and same_load(existing, request):
                 return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
             key = WeightKey.of(request)
             weights = self._stages.weights(key)
-            num_bytes_read = 0
-            if weights is None:
+            num_bytes_read, runner = 0, None
+            if request.HasField("tp"):
+                weights, runner, num_bytes_read = self._open_rank(request, key)
+            elif weights is None:
                 weights, num_bytes_read = self._load_weights(request, key)
-            self._stages.put(request.plan_id, request, weights)
+            close_runner(self._stages.put(request.plan_id, request, weights, runner))
             seconds = time.perf_counter() - started
             log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
                      request.first_layer, request.last_layer, request.stage_index,
@@ -60,7 +73,7 @@ class StageControl:
         return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=num_bytes_read, load_seconds=seconds,
                                    reused_weights=not num_bytes_read)
 
-    def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
+    def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, torch.dtype]:
         path = self._resolve_model(request.model_id, request.fingerprint)
         if path is None:
             raise ModelLoadError(f"this node has no model {request.model_id!r} with fingerprint "
@@ -73,13 +86,45 @@ class StageControl:
         if files.config.num_hidden_layers != request.num_layers:
             raise WeightsMismatch(f"{path} has {files.config.num_hidden_layers} layers, the plan "
                                   f"expects {request.num_layers}")
+        if not 0 <= request.first_layer < request.last_layer <= request.num_layers:
+            raise BadRequest(f"layer range [{request.first_layer}, {request.last_layer}) is not inside the model's "
+                             f"{request.num_layers} layers")
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
         _check_memory(files.config, request, dtype.itemsize)
+        return files, dtype
+
+    def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
+        files, dtype = self._open_files(request)
         decoder = load_decoder(files.source, files.config, request.first_layer, request.last_layer, dtype)
         prepare_for_cpu(decoder, request.quantization or None, request.batch_invariant)
         return SharedWeights(key, decoder, decoder_bytes(decoder)), files.source.num_bytes_read()
+
+    def _open_rank(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, object, int]:
+        role: RankRole = stage_convert.rank_role_from_pb(request)
+        files, dtype = self._open_files(request)
+        runners = []
+
+        def gone(reason: str) -> None:
+            # The group ended without an Unload (a rank failed, rank 0 went away): drop the stage
+            # now, so no rank outlives its group and the card stops advertising it.
+            if runners and self._stages.pop_runner(request.plan_id, runners[0]) is not None:
+                log.warning("plan %s: tensor-parallel rank %d of %d dropped: %s", request.plan_id, role.rank,
+                            role.size, reason)
+                self._on_change()
+
+        runner = open_rank(files, role, self._collective, request.first_layer, request.last_layer, dtype,
+                           request.quantization or None, request.batch_invariant, gone)
+        runners.append(runner)
+        weights = SharedWeights(key, runner.decoder, decoder_bytes(runner.decoder))
+        return weights, runner, files.source.num_bytes_read()
+
+    def close(self) -> None:
+        """Node shutdown: tensor-parallel groups are told to stop, not left to time out."""
+        for plan_id, _ in self._stages.items():
+            stage, _ = self._stages.pop(plan_id)
+            close_runner(stage)
 
     def unload(self, request: stage_pb2.UnloadRequest) -> stage_pb2.UnloadReply:
         """Forget a plan: its KV goes now, its weights once no other plan uses them."""
@@ -89,6 +134,8 @@ class StageControl:
             return stage_pb2.UnloadReply(was_loaded=False)
         with stage.lock:  # a step of that plan still running finishes first
             stage.runner.release(stage.runner.held_sequences())
+            stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
+        close_runner(stage)  # a tensor-parallel rank ends its group (rank 0 tells the workers)
         log.info("plan %s unloaded (%d weight bytes freed)", request.plan_id, freed)
         self._on_change()
         return stage_pb2.UnloadReply(was_loaded=True, weight_bytes_freed=freed)
@@ -110,22 +157,48 @@ class StageControl:
                     plan_id=plan_id, model_id=s.request.model_id, first_layer=s.request.first_layer,
                     last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
                     kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix),
-                    weight_bytes=s.weights.num_bytes))
+                    weight_bytes=s.weights.num_bytes, prefix_bytes=s.runner.prefix.num_bytes,
+                    tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
         return stage_pb2.StageInfoReply(shards=shards)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return [s.request for _, s in self._stages.items()]
 
 
+def same_load(existing: LoadedStage, request: stage_pb2.LoadRequest) -> bool:
+    """A Load of what this node already serves. A tensor-parallel rank compares all but its
+    group id (fresh per deploy), and only while its group is alive: a second leader deploying
+    the same plan reuses the group, a redeploy after a failure forms a new one."""
+    if not request.HasField("tp"):
+        return existing.request == request
+    if getattr(existing.runner, "failed", False):
+        return False
+    mine, theirs = stage_pb2.LoadRequest(), stage_pb2.LoadRequest()
+    mine.CopyFrom(existing.request)
+    theirs.CopyFrom(request)
+    mine.tp.group_id = theirs.tp.group_id = ""
+    return mine == theirs
+
+
+def close_runner(stage: LoadedStage | None) -> None:
+    """Close a tensor-parallel stage's group (a plain stage has nothing to close)."""
+    close = getattr(stage.runner, "close", None) if stage is not None else None
+    if close is not None:
+        with stage.lock:  # a step still running finishes first
+            close()
+
+
 def _check_memory(config: ModelConfig, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:
     """Refuse a range whose weights cannot fit in what the OS has free now, before reading it: a
-    leader that planned on a stale card gets a clear error instead of this node swapping."""
+    leader that planned on a stale card gets a clear error instead of this node swapping. A
+    tensor-parallel rank holds about 1/size of it."""
     num_layers = request.last_layer - request.first_layer
     need = num_layers * config.layer_parameters() * dtype_bytes
     if request.first_layer == 0:
         need += config.vocab_size * config.hidden_size * dtype_bytes
     if request.last_layer == config.num_hidden_layers:
         need += config.vocab_size * config.hidden_size * dtype_bytes
+    need //= max(request.tp.size, 1)
     available = psutil.virtual_memory().available
     if need > available:
         raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) need {need} bytes of weights; "

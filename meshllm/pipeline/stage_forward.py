@@ -5,10 +5,20 @@ stage's lock, and passes the hidden states on to the next stage over its own str
 (stage_relay.py), or on the last stage puts the sampled tokens in the reply queue;
 the gRPC thread yields replies (ours and those relayed back from downstream) in
 arrival order.
+
+Resources: a stream owns the KV of every sequence it computed and the prefix blocks it
+published, and frees them when it ends, however it ends (the leader closed it, crashed,
+or the connection broke: gRPC cancels the stream and the pump sees it). When the stream
+to the next stage breaks, that stage has freed this stream's share, so this stream ends
+too: the leader sees its stream end and starts over on a fresh chain, never half of one. Each open stream
+holds one of the server's threads for its life, so at most `max_streams` are accepted
+(what the node advertises); one more is refused with RESOURCE_EXHAUSTED instead of
+starving gossip, health and the control plane of threads.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -17,10 +27,11 @@ from collections.abc import Iterator
 
 import grpc
 
+from meshllm.engine.kv_cache import Owner
 from meshllm.engine.step import StageTiming
 from meshllm.errors import MeshError
 from meshllm.pipeline.fault_injection import FaultInjector
-from meshllm.pipeline.loaded_stages import LoadedStages
+from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
 from meshllm.pipeline.stage_relay import Downstream
 from meshllm.transport import codec, stage_convert
 from meshllm.transport.channels import ChannelPool
@@ -28,27 +39,54 @@ from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
 
+_owners = itertools.count(1)  # 0 is the in-process pipeline's owner
+
 
 class ForwardStreams:
-    def __init__(self, stages: LoadedStages, channels: ChannelPool, faults: FaultInjector | None = None):
+    def __init__(self, stages: LoadedStages, channels: ChannelPool, max_streams: int,
+                 faults: FaultInjector | None = None):
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be at least 1, got {max_streams}")
         self._stages = stages
         self._channels = channels
+        self.max_streams = max_streams
         self._faults = faults or FaultInjector(None)  # tests only: see fault_injection.py
+        self._lock = threading.Lock()
+        self._num_open = 0
 
-    def serve(self, request_iterator) -> Iterator[stage_pb2.StepReply]:
+    @property
+    def num_open(self) -> int:
+        with self._lock:
+            return self._num_open
+
+    def serve(self, request_iterator, context) -> Iterator[stage_pb2.StepReply]:
         """Runs on a gRPC thread for the stream's life."""
-        replies: queue.Queue = queue.Queue()
-        pump = threading.Thread(target=self._pump, args=(request_iterator, replies), daemon=True,
-                                name="stage-pump")
-        pump.start()
-        while True:
-            item = replies.get()
-            if item is None:
-                return
-            yield item
+        with self._lock:
+            full = self._num_open >= self.max_streams
+            if not full:
+                self._num_open += 1
+        if full:
+            log.warning("refused a Forward stream: %d already open", self.max_streams)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"[plan_limit_exceeded] this node already serves {self.max_streams} Forward streams, the "
+                          f"most it advertises; close an idle one or plan on another node")
+        try:
+            replies: queue.Queue = queue.Queue()
+            pump = threading.Thread(target=self._pump, args=(request_iterator, replies, Owner(next(_owners))),
+                                    daemon=True, name="stage-pump")
+            pump.start()
+            while True:
+                item = replies.get()
+                if item is None:
+                    return
+                yield item
+        finally:
+            with self._lock:
+                self._num_open -= 1
 
-    def _pump(self, request_iterator, replies: queue.Queue) -> None:
+    def _pump(self, request_iterator, replies: queue.Queue, owner: Owner) -> None:
         downstream: Downstream | None = None
+        touched: dict[str, LoadedStage] = {}  # plans this stream computed on: freed when it ends
         try:
             for request in request_iterator:
                 received_at = time.time()
@@ -57,11 +95,12 @@ class ForwardStreams:
                     replies.put(stage_convert.error_reply(request.step_id, "shard_not_loaded",
                                                           f"plan {request.plan_id} is not loaded here", -1))
                     continue
+                touched[request.plan_id] = stage
                 try:
-                    step = stage_convert.step_from_pb(request)
+                    step = stage_convert.step_from_pb(request, stage.limits)
                     started = time.perf_counter()
                     with stage.lock:
-                        out = stage.runner.run(step)
+                        out = stage.runner.run(step, owner, max_held=stage.limits.max_seqs)
                     compute_s = time.perf_counter() - started
                     if step.seqs:
                         out = self._faults.after_compute(out)
@@ -69,13 +108,21 @@ class ForwardStreams:
                     log.warning("stage %d step %d failed: %s", stage.index, request.step_id, e.code)
                     replies.put(stage_convert.error_reply(request.step_id, e.code, str(e), stage.index))
                     continue
+                except Exception as e:  # noqa: BLE001 - a bug on one step must not end the stream of every sequence
+                    log.exception("stage %d step %d failed unexpectedly", stage.index, request.step_id)
+                    replies.put(stage_convert.error_reply(request.step_id, "internal",
+                                                          f"internal error on this stage: {type(e).__name__}",
+                                                          stage.index))
+                    continue
                 timings = list(request.timings) + [
                     stage_convert.timing_to_pb(StageTiming(stage.index, compute_s, received_at, time.time()))]
                 if stage.runner.is_last:
                     replies.put(stage_pb2.StepReply(step_id=request.step_id, timings=timings,
                                                     tokens=stage_convert.tokens_to_pb(out)))
                     continue
-                if downstream is None or downstream.broken:
+                if downstream is not None and downstream.broken:
+                    break  # the hop below lost this stream's state: the whole chain ends (see Downstream)
+                if downstream is None:
                     next_stage = self._channels.get(stage.request.next_address, stage.request.next_node_id)
                     downstream = Downstream(next_stage, replies, stage.index + 1)
                 # The same step onward, our output in place of our input (fields listed, not
@@ -85,8 +132,14 @@ class ForwardStreams:
                     release=request.release, timings=timings, publish=request.publish, evict=request.evict,
                     block_size=request.block_size))
         except grpc.RpcError:
-            pass  # upstream went away; the leader re-plans
+            pass  # upstream went away (closed, crashed or cut off): free what it held below
         finally:
             if downstream is not None:
-                downstream.close()
+                downstream.close()  # the next stage frees this stream's share there
+            for plan_id, stage in touched.items():
+                with stage.lock:
+                    num_seqs, num_blocks = stage.runner.release_owner(owner)
+                if num_seqs or num_blocks:
+                    log.info("stream ended: plan %s freed %d sequences and %d prefix blocks", plan_id, num_seqs,
+                             num_blocks)
             replies.put(None)

@@ -1,6 +1,7 @@
 """A stage's stream to the next stage: requests out, the next stage's replies straight into
 the upstream reply queue. A broken stream answers every pending and later step with
-`stage_unreachable` naming the next stage, so the leader learns which hop failed."""
+`stage_unreachable` naming the next stage, so the leader learns which hop failed, and then
+ends the upstream stream (None in the reply queue): the next stage freed what this chain held."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class Downstream:
         self._pending: set[int] = set()
         self._lock = threading.Lock()
         self.broken = False
+        self._closing = False
+        self._why = "stream closed"
         call = stage_pb2_grpc.StageStub(channel).Forward(iter(self._requests.get, None))
         self._reader = threading.Thread(target=self._read, args=(call,), daemon=True, name="stage-relay")
         self._reader.start()
@@ -37,6 +40,7 @@ class Downstream:
         self._requests.put(request)
 
     def close(self) -> None:
+        self._closing = True
         self._requests.put(None)
         self._reader.join(timeout=30)
 
@@ -46,15 +50,21 @@ class Downstream:
                 with self._lock:
                     self._pending.discard(reply.step_id)
                 self._replies.put(reply)
+            if self._closing:
+                return
+            why = "it ended the stream (a stage after it failed)"
         except grpc.RpcError as e:
-            log.warning("stage %d unreachable: %s", self._next_index, e.code())
-            with self._lock:
-                self.broken = True
-                pending, self._pending = self._pending, set()
-            for step_id in sorted(pending):
-                self._fail(step_id)
+            why = f"{e.code().name}: {e.details()}"
+        log.warning("stage %d unreachable: %s", self._next_index, why)
+        with self._lock:
+            self.broken = True
+            self._why = why
+            pending, self._pending = self._pending, set()
+        for step_id in sorted(pending):
+            self._fail(step_id)
+        self._replies.put(None)
 
     def _fail(self, step_id: int) -> None:
         self._replies.put(stage_convert.error_reply(step_id, "stage_unreachable",
-                                                    f"stage {self._next_index} is unreachable",
+                                                    f"stage {self._next_index} is unreachable ({self._why})",
                                                     self._next_index))

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 class StepTransport(Protocol):
     num_stages: int
+    stage_names: tuple[str, ...]  # how errors name stage i (its node and address), one per stage
+    epoch: int  # counts the streams that ended: the stages freed the sequences and blocks each one held
 
     def submit(self, step: Step) -> Future: ...
 
@@ -37,13 +39,16 @@ class StepTransport(Protocol):
 class RemotePipeline:
     """One long-lived Forward stream to stage 0 of a plan; stage 0 relays onward."""
 
-    def __init__(self, channel: grpc.Channel, plan_id: str, num_stages: int):
+    def __init__(self, channel: grpc.Channel, plan_id: str, num_stages: int, stage_names: tuple[str, ...] = ()):
         self.plan_id = plan_id
         self.num_stages = num_stages
+        self.stage_names = stage_names or tuple(f"stage {i}" for i in range(num_stages))
         self._stub = stage_pb2_grpc.StageStub(channel)
         self._lock = threading.Lock()
         self._pending: dict[int, Future] = {}
         self._requests: queue.Queue | None = None
+        self._reader: threading.Thread | None = None
+        self.epoch = 0
 
     def submit(self, step: Step) -> Future:
         future: Future = Future()
@@ -59,7 +64,8 @@ class RemotePipeline:
         requests: queue.Queue = queue.Queue()
         call = self._stub.Forward(iter(requests.get, None))
         self._requests = requests
-        threading.Thread(target=self._read, args=(call, requests), daemon=True, name="leader-stream").start()
+        self._reader = threading.Thread(target=self._read, args=(call, requests), daemon=True, name="leader-stream")
+        self._reader.start()
 
     def _read(self, call, requests: queue.Queue) -> None:
         error = "stream closed"
@@ -76,15 +82,22 @@ class RemotePipeline:
             if self._requests is requests:
                 self._requests = None  # the next submit opens a fresh stream
             pending, self._pending = self._pending, {}
+            self.epoch += 1
         for step_id, future in pending.items():
             future.set_result(StepResult(step_id, error_code="stage_unreachable",
                                          error_message=f"stage 0 stream ended: {error}", failed_stage=0))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the stream and wait (up to `timeout_s`) until stage 0 has answered everything sent.
+        Each stage ends its stream to the next before its own, after freeing what the stream held:
+        when this returns, no stage holds KV of this leader."""
         with self._lock:
             if self._requests is not None:
                 self._requests.put(None)
                 self._requests = None
+            reader = self._reader
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout_s)
 
 
 class LocalPipeline:
@@ -97,6 +110,8 @@ class LocalPipeline:
     def __init__(self, runners: list[StageRunner]):
         self.runners = runners
         self.num_stages = 1  # one thread computes: nothing to overlap
+        self.stage_names = tuple(f"in-process stage {i}" for i in range(len(runners)))
+        self.epoch = 0  # the runners never lose what they hold
         self._work: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="local-pipeline")
         self._thread.start()

@@ -18,7 +18,7 @@ from meshllm.cluster.card import Card, NodeId
 from meshllm.engine.kv_cache import SeqId
 from meshllm.errors import MalformedMessage
 from meshllm.spec.placement import ProposerPlacement, ProposerUnavailable, ProposerWant, place_proposer
-from meshllm.spec.proposer import Draft, Proposer, ProposeRequest, ProposerError
+from meshllm.spec.proposer import Draft, ProposeRequest, ProposerError
 from meshllm.transport import spec_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import proposer_pb2_grpc

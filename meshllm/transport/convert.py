@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer
+from meshllm.cluster.card import Card, LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer
 from meshllm.errors import InvalidCard, MalformedMessage
 from meshllm.transport.protos import cluster_pb2
 
@@ -24,7 +24,8 @@ MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
 MAX_BANDWIDTH_GBPS = 1e5
 MAX_GFLOPS = 1e7
 MAX_LAYERS = 100_000
-MAX_ENTRIES = 64  # models or shards per card
+MAX_ENTRIES = 64  # models, shards or links per card
+MAX_LINK_LATENCY_S = 10.0
 MAX_ID_CHARS = 128  # node ids, fingerprints
 MAX_TEXT_CHARS = 256  # addresses, model ids, paths, platform, device
 
@@ -45,7 +46,12 @@ def model_to_pb(m: ModelOnDisk) -> cluster_pb2.ModelOnDisk:
 
 def shard_to_pb(s: LoadedShard) -> cluster_pb2.LoadedShard:
     return cluster_pb2.LoadedShard(model_id=s.model_id, fingerprint=s.fingerprint, first_layer=s.first_layer,
-                                   last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams)
+                                   last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams,
+                                   tp_size=s.tp_size)
+
+
+def link_to_pb(link: LinkProbe) -> cluster_pb2.LinkProbe:
+    return cluster_pb2.LinkProbe(peer=link.peer, latency_s=link.latency_s, bandwidth_gbps=link.bandwidth_gbps)
 
 
 def offer_to_pb(o: RoleOffer) -> cluster_pb2.RoleOffer:
@@ -61,7 +67,7 @@ def card_to_pb(card: Card) -> cluster_pb2.Card:
         models=[model_to_pb(m) for m in card.models], shards=[shard_to_pb(s) for s in card.shards],
         roles=[_ROLE_TO_PB[r] for r in card.roles],
         announced_at=card.announced_at, ttl_seconds=card.ttl_seconds,
-        offers=[offer_to_pb(o) for o in card.offers])
+        offers=[offer_to_pb(o) for o in card.offers], links=[link_to_pb(k) for k in card.links])
     if card.collective_endpoint is not None:
         msg.collective_endpoint = card.collective_endpoint
     if card.api_address is not None:
@@ -112,7 +118,14 @@ def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
         fingerprint=_text(s.fingerprint, "shard fingerprint", MAX_ID_CHARS),
         first_layer=first, last_layer=last,
         queue_depth=int(_bounded(s.queue_depth, "queue_depth", 0, 1 << 20)),
-        max_streams=int(_bounded(s.max_streams, "max_streams", 1, 1 << 20)))
+        max_streams=int(_bounded(s.max_streams, "max_streams", 1, 1 << 20)),
+        tp_size=int(_bounded(max(s.tp_size, 1), "tp_size", 1, 1024)))
+
+
+def link_from_pb(k: cluster_pb2.LinkProbe) -> LinkProbe:
+    return LinkProbe(peer=NodeId(_text(k.peer, "link peer", MAX_ID_CHARS)),
+                     latency_s=_bounded(k.latency_s, "link latency_s", 1e-9, MAX_LINK_LATENCY_S),
+                     bandwidth_gbps=_bounded(k.bandwidth_gbps, "link bandwidth_gbps", 1e-6, MAX_BANDWIDTH_GBPS))
 
 
 def offer_from_pb(o: cluster_pb2.RoleOffer) -> RoleOffer:
@@ -132,8 +145,8 @@ def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
         raise InvalidCard(f"node_id {node_id!r} contains whitespace")
     total = int(_bounded(msg.memory_total_bytes, "memory_total_bytes", 0, MAX_MEMORY_BYTES))
     free = int(_bounded(msg.memory_free_bytes, "memory_free_bytes", 0, total))
-    if len(msg.models) > MAX_ENTRIES or len(msg.shards) > MAX_ENTRIES or len(msg.offers) > MAX_ENTRIES:
-        raise InvalidCard(f"card lists more than {MAX_ENTRIES} models, shards or offers")
+    if max(len(msg.models), len(msg.shards), len(msg.offers), len(msg.links)) > MAX_ENTRIES:
+        raise InvalidCard(f"card lists more than {MAX_ENTRIES} models, shards, offers or links")
     unknown_roles = [r for r in msg.roles if r not in _PB_TO_ROLE]
     if unknown_roles or len(set(msg.roles)) != len(msg.roles):
         raise InvalidCard(f"card has unknown or repeated roles {list(msg.roles)}")
@@ -158,7 +171,8 @@ def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
         api_address=_address(msg.api_address, "api_address") if msg.HasField("api_address") else None,
         announced_at=announced_at,
         ttl_seconds=_bounded(msg.ttl_seconds, "ttl_seconds", 0.001, MAX_TTL_S),
-        offers=tuple(offer_from_pb(o) for o in msg.offers))
+        offers=tuple(offer_from_pb(o) for o in msg.offers),
+        links=tuple(link_from_pb(k) for k in msg.links))
 
 
 def cards_from_pb(messages, now: float) -> tuple[list[Card], list[InvalidCard]]:

@@ -25,6 +25,11 @@ from meshllm.transport.tls import TlsMode, server_credentials
 log = logging.getLogger(__name__)
 
 
+UNARY_WORKERS = 8  # server threads kept free of streams: gossip, health, Load/Info/Release
+DEFAULT_MAX_WORKERS = 32
+DEFAULT_MAX_STREAMS = DEFAULT_MAX_WORKERS - UNARY_WORKERS
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -37,15 +42,21 @@ class ServerConfig:
     node_id: str | None = None  # calls must be addressed to it; default <hostname>-<port>
     tls: TlsMode = None  # None: certificates derived from `key` (the default)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # Each open stream (a pipeline Forward stream) holds one thread for its life.
-    max_workers: int = 32
+    # Each open stream (a pipeline Forward stream) holds one thread for its life; `max_streams`
+    # leaves the rest to short calls, so open streams never starve gossip, health or Load.
+    max_workers: int = DEFAULT_MAX_WORKERS
     keepalive: KeepalivePolicy = field(default_factory=KeepalivePolicy)  # the same as the clients'
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port {self.port} is not in 0..65535")
-        if self.max_workers < 1:
-            raise ValueError("max_workers must be at least 1")
+        if self.max_workers <= UNARY_WORKERS:
+            raise ValueError(f"max_workers must exceed the {UNARY_WORKERS} threads kept for short calls")
+
+    @property
+    def max_streams(self) -> int:
+        """Long-lived streams accepted at once (the Stage service refuses more; cards advertise it)."""
+        return self.max_workers - UNARY_WORKERS
 
 
 class NodeServer:

@@ -11,15 +11,14 @@ from meshllm.engine.logit_processors import PenaltyCounts
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 from meshllm.engine.step import (MAX_DRAFT_SUPPORT, DraftDist, Publish, SampledToken, SeqWork, StageTiming, Step,
                                  StepResult)
-from meshllm.errors import BadRequest, MalformedMessage
+from meshllm.engine.step_limits import WIRE_LIMITS, WIRE_MAX_BLOCK_SIZE, WIRE_MAX_LIST, StepLimits
+from meshllm.errors import BadRequest, MalformedMessage, PlanLimitExceeded
+from meshllm.tp.group import DEFAULT_TIMEOUT_S, RankRole
 from meshllm.transport import codec
 from meshllm.transport.protos import stage_pb2
 from meshllm.transport.token_mask import mask_from_bytes, mask_to_bytes
 
-MAX_SEQS_PER_STEP = 4096
-MAX_TOKENS_PER_STEP = 1 << 20
-MAX_POSITION = 1 << 24
-MAX_BLOCK_SIZE = 1 << 16
+MAX_TP_SIZE = 64  # ranks of one tensor-parallel group
 MAX_DRAFT_TOKENS = 64  # a verification step scores at most this many proposed tokens per sequence
 
 
@@ -56,8 +55,9 @@ def sampling_from_pb(m: stage_pb2.SamplingParams) -> SamplingParams:
         raise MalformedMessage(f"bad sampling parameters from peer: {e}") from None
 
 
-def _penalties_from_pb(e: stage_pb2.SeqEntry) -> PenaltyCounts:
-    if len(e.penalty_ids) != len(e.penalty_counts) or len(e.penalty_ids) > MAX_TOKENS_PER_STEP:
+def _penalties_from_pb(e: stage_pb2.SeqEntry, limits: StepLimits) -> PenaltyCounts:
+    # A sequence has at most as many distinct tokens as positions.
+    if len(e.penalty_ids) != len(e.penalty_counts) or len(e.penalty_ids) > limits.max_context:
         raise MalformedMessage(f"sequence {e.seq_id}: {len(e.penalty_ids)} penalty ids, {len(e.penalty_counts)} "
                                f"counts")
     if any(t < 0 for t in e.penalty_ids) or any(c < 0 for c in e.penalty_counts) \
@@ -83,44 +83,77 @@ def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
         evict=step.evict, block_size=step.block_size)
 
 
-def step_from_pb(msg: stage_pb2.StepRequest) -> Step:
-    if len(msg.seqs) > MAX_SEQS_PER_STEP:
-        raise MalformedMessage(f"step carries {len(msg.seqs)} sequences; the limit is {MAX_SEQS_PER_STEP}")
+def step_from_pb(msg: stage_pb2.StepRequest, limits: StepLimits = WIRE_LIMITS) -> Step:
+    """The step `msg` carries, checked against the limits of the plan it names (see step_limits.py)."""
+    if len(msg.seqs) > limits.max_seqs:
+        raise PlanLimitExceeded(f"step carries {len(msg.seqs)} sequences; the plan's batch is {limits.max_seqs}")
+    if len(msg.release) > WIRE_MAX_LIST or len(msg.evict) > WIRE_MAX_LIST:
+        raise MalformedMessage(f"step releases {len(msg.release)} sequences and evicts {len(msg.evict)} blocks; "
+                               f"at most {WIRE_MAX_LIST} each")
+    if not 0 <= msg.block_size <= WIRE_MAX_BLOCK_SIZE or (
+            msg.block_size and limits.prefix_block_size not in (None, msg.block_size)):
+        raise MalformedMessage(f"block_size {msg.block_size} is not the plan's prefix-cache block size "
+                               f"{limits.prefix_block_size}")
     seqs, seen, total = [], set(), 0
     for e in msg.seqs:
         if e.seq_id in seen:
             raise MalformedMessage(f"sequence {e.seq_id} appears twice in step {msg.step_id}")
-        if not (0 <= e.start < MAX_POSITION and 1 <= e.num_tokens <= MAX_TOKENS_PER_STEP):
+        if not (0 <= e.start and 1 <= e.num_tokens):
             raise MalformedMessage(f"sequence {e.seq_id}: start {e.start} / num_tokens {e.num_tokens} out of range")
+        if e.start + e.num_tokens > limits.max_context:
+            raise PlanLimitExceeded(f"sequence {e.seq_id} reaches position {e.start + e.num_tokens}, beyond the "
+                                    f"plan's context of {limits.max_context}")
         seen.add(e.seq_id)
         total += e.num_tokens
+        if total > limits.max_step_tokens:
+            raise PlanLimitExceeded(f"step carries more than {limits.max_step_tokens} tokens, the plan's step limit")
         if len(e.draft) > MAX_DRAFT_TOKENS or not scored_rows_fit(e.num_scored, len(e.draft), e.num_tokens):
             raise MalformedMessage(f"sequence {e.seq_id}: {e.num_scored} scored rows for {len(e.draft)} draft tokens "
                                    f"in {e.num_tokens} rows (at most {MAX_DRAFT_TOKENS} drafts; scored must be 0 or "
                                    f"drafts + 1)")
         sampling = sampling_from_pb(e.sampling) if e.num_scored else None
-        if e.attach and len(e.attach) * msg.block_size != e.start:
+        if e.attach and (len(e.attach) * msg.block_size != e.start or len(e.attach) > limits.max_prefix_blocks):
             raise MalformedMessage(f"sequence {e.seq_id} attaches {len(e.attach)} blocks of {msg.block_size} "
-                                   f"tokens but starts at {e.start}")
+                                   f"tokens but starts at {e.start} (the plan keeps {limits.max_prefix_blocks} "
+                                   f"blocks)")
         if e.allowed and len(e.allowed) != e.num_scored:
             raise MalformedMessage(f"sequence {e.seq_id}: {len(e.allowed)} allowed-token masks for {e.num_scored} "
                                    f"scored rows")
         seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.num_scored, sampling, tuple(e.attach),
-                            tuple(e.draft), _penalties_from_pb(e), tuple(mask_from_bytes(m) for m in e.allowed),
+                            tuple(e.draft), _penalties_from_pb(e, limits), tuple(mask_from_bytes(m) for m in e.allowed),
                             _dists_from_pb(e)))
-    if total > MAX_TOKENS_PER_STEP:
-        raise MalformedMessage(f"step carries {total} tokens; the limit is {MAX_TOKENS_PER_STEP}")
     x = codec.from_pb(msg.input) if msg.HasField("input") else None
-    if x is None or x.shape[0] != total:
-        raise MalformedMessage(f"step {msg.step_id} input has {None if x is None else x.shape[0]} rows "
-                               f"for {total} tokens")
-    if not 0 <= msg.block_size <= MAX_BLOCK_SIZE:
-        raise MalformedMessage(f"block_size {msg.block_size} out of range")
+    if x is None or x.dim() == 0 or x.shape[0] != total:
+        raise MalformedMessage(f"step {msg.step_id} input has {None if x is None or x.dim() == 0 else x.shape[0]} "
+                               f"rows for {total} tokens")
     publish = tuple(Publish(SeqId(p.seq_id), p.first_block, tuple(p.hashes)) for p in msg.publish)
-    if any(p.first_block < 0 for p in publish) or (publish and msg.block_size == 0):
-        raise MalformedMessage("publish entries need a block_size and non-negative first_block")
+    num_published = sum(len(p.hashes) for p in publish)
+    if any(p.first_block < 0 for p in publish) or (publish and msg.block_size == 0) \
+            or num_published > max(limits.max_prefix_blocks, 0):
+        raise MalformedMessage(f"publish entries need a block_size, non-negative first_block and at most "
+                               f"{limits.max_prefix_blocks} blocks in all (got {num_published})")
     return Step(msg.step_id, tuple(seqs), x, tuple(SeqId(s) for s in msg.release),
                 tuple(timing_from_pb(t) for t in msg.timings), publish, tuple(msg.evict), msg.block_size)
+
+
+def limits_to_pb(limits: StepLimits, request: stage_pb2.LoadRequest) -> None:
+    """Write `limits` into a LoadRequest."""
+    request.max_context = limits.max_context
+    request.max_seqs = limits.max_seqs
+    request.max_step_tokens = limits.max_step_tokens
+    request.prefix_block_size = limits.prefix_block_size or 0
+    request.max_prefix_blocks = limits.max_prefix_blocks
+
+
+def limits_from_pb(request: stage_pb2.LoadRequest) -> StepLimits:
+    """The plan's limits from a LoadRequest; the wire's own for one that sets none (an older leader)."""
+    if not request.max_context:
+        return WIRE_LIMITS
+    try:
+        return StepLimits(request.max_context, request.max_seqs, request.max_step_tokens,
+                          request.prefix_block_size or None, request.max_prefix_blocks)
+    except ValueError as e:
+        raise BadRequest(f"the plan's step limits are invalid: {e}") from None
 
 
 def _dists_from_pb(e: stage_pb2.SeqEntry) -> tuple[DraftDist, ...] | None:
@@ -179,3 +212,22 @@ def error_reply(step_id: int, code: str, message: str, stage_index: int,
                 timings=()) -> stage_pb2.StepReply:
     return stage_pb2.StepReply(step_id=step_id, error_code=code, error_message=message,
                                failed_stage=stage_index, timings=list(timings))
+
+
+def rank_role_from_pb(request: stage_pb2.LoadRequest) -> RankRole | None:
+    """This node's rank of a tensor-parallel stage, or None for a stage of its own."""
+    if not request.HasField("tp"):
+        return None
+    tp = request.tp
+    if not 2 <= tp.size <= MAX_TP_SIZE or len(tp.group_id) > 128 or not tp.timeout_s >= 0:
+        raise BadRequest(f"tensor-parallel group of {tp.size} (group id of {len(tp.group_id)} characters, "
+                         f"timeout {tp.timeout_s}) is out of range: 2..{MAX_TP_SIZE} ranks")
+    host, sep, port = tp.store_address.rpartition(":")
+    if not (sep and host and port.isdigit()):
+        raise BadRequest(f"tensor-parallel store address {tp.store_address!r} is not host:port")
+    return RankRole(tp.rank, tp.size, tp.store_address, tp.group_id, tp.timeout_s or DEFAULT_TIMEOUT_S)
+
+
+def rank_role_to_pb(role: RankRole) -> stage_pb2.TensorParallel:
+    return stage_pb2.TensorParallel(rank=role.rank, size=role.size, store_address=role.store_address,
+                                    group_id=role.group_id, timeout_s=role.timeout_s)

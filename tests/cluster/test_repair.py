@@ -34,3 +34,28 @@ def test_no_repair_without_a_spare_that_can_hold_the_range_or_has_the_weights():
     assert replace_failed_stage(plan, NodeId("not-in-plan"), req, fleet + [card("e", 8 * GIB, num_layers=16)]) is None
     excluded = replace(req, exclude=frozenset({"e"}))
     assert replace_failed_stage(plan, failed, excluded, fleet + [card("e", 8 * GIB, num_layers=16)]) is None
+
+
+def test_a_failed_rank_of_a_group_is_replaced_by_a_spare_that_takes_part_in_tensor_parallelism():
+    from tests.cluster.test_placement_tp import node, request as tp_request
+
+    req = tp_request(tensor_parallel=2)
+    plan = plan_placement(req, [node("a"), node("b")])
+    [stage] = plan.stages
+    assert stage.node_ids == ("a", "b")
+    no_endpoint, spare = node("c", endpoint=False), node("d")
+    # A worker fails: the spare becomes that rank; rank 0 and its store stay.
+    repaired = replace_failed_stage(plan, NodeId("b"), replace(req, exclude=frozenset({"b"})),
+                                    [node("a"), no_endpoint, spare])
+    [fixed] = repaired.stages
+    assert fixed.node_ids == ("a", "d") and fixed.collective_endpoint == "a.lan:29500"
+    assert (fixed.first_layer, fixed.last_layer, fixed.budget_bytes) == \
+        (stage.first_layer, stage.last_layer, stage.budget_bytes)
+    # Rank 0 fails: the spare is rank 0, and its store is the group's rendezvous point.
+    repaired = replace_failed_stage(plan, NodeId("a"), replace(req, exclude=frozenset({"a"})),
+                                    [node("b"), spare])
+    [fixed] = repaired.stages
+    assert fixed.node_ids == ("d", "b") and fixed.address == "d.lan:7070"
+    assert fixed.collective_endpoint == "d.lan:29500"
+    # A spare that takes no part in tensor parallelism cannot join the group.
+    assert replace_failed_stage(plan, NodeId("b"), req, [node("a"), no_endpoint]) is None

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from meshllm.cli import main
-from meshllm.cluster.card import Card, ModelOnDisk, NodeId
+from meshllm.cluster.card import Card, LinkProbe, ModelOnDisk, NodeId
 from meshllm.cluster.gossip import ClusterServicer, HealthServicer
 from meshllm.cluster.registry import Registry
 from meshllm.model.weights import fingerprint
@@ -65,10 +65,13 @@ def test_peer_without_key_file_is_a_clear_error(capsys, aidreams_path):
     assert rc == 2 and "--key-file" in err
 
 
-def _card(node_id: str, free_bytes: int, models: tuple[ModelOnDisk, ...], bandwidth: float = 20.0) -> Card:
-    return Card(node_id=NodeId(node_id), grpc_address=f"127.0.0.1:{7000 + ord(node_id[-1])}", platform="linux-x86_64",
+def _card(node_id: str, free_bytes: int, models: tuple[ModelOnDisk, ...], bandwidth: float = 20.0,
+          links: tuple[LinkProbe, ...] = ()) -> Card:
+    port = 7000 + ord(node_id[-1])
+    return Card(node_id=NodeId(node_id), grpc_address=f"127.0.0.1:{port}", platform="linux-x86_64",
                 device="cpu", memory_total_bytes=4 * free_bytes, memory_free_bytes=free_bytes,
-                memory_bandwidth_gbps=bandwidth, matmul_gflops=50.0, models=models, ttl_seconds=300.0)
+                memory_bandwidth_gbps=bandwidth, matmul_gflops=50.0, models=models, ttl_seconds=300.0,
+                collective_endpoint=f"127.0.0.1:{port + 1000}", links=links)
 
 
 @pytest.fixture
@@ -78,7 +81,9 @@ def peer_with_fleet(tmp_path, aidreams_path):
     key = generate_key()
     write_key(tmp_path / "cluster.key", key)
     weights = ModelOnDisk("aidreams-260k", fingerprint(aidreams_path), 4)
-    registry = Registry(_card("node-a", 64 * MIB, (weights,), bandwidth=40.0))
+    # node-a measured a 40 us, 2 GB/s link to node-b.
+    registry = Registry(_card("node-a", 64 * MIB, (weights,), bandwidth=40.0,
+                              links=(LinkProbe(NodeId("node-b"), 40e-6, 2.0),)))
     registry.merge([_card("node-b", 32 * MIB, (weights,)),
                     _card("node-c", 512 * MIB, (ModelOnDisk("aidreams-260k", "0" * 64, 4),))])
     server = NodeServer(ServerConfig(host="127.0.0.1", port=0, key=key, node_id="node-a"))
@@ -109,3 +114,35 @@ def test_peer_plan_with_the_wrong_key_is_refused(capsys, tmp_path, aidreams_path
     rc, _, err = run_plan(capsys, "--model", str(aidreams_path), "--peer", address,
                           "--key-file", str(tmp_path / "other.key"))
     assert rc == 2 and "error [unauthenticated]" in err
+
+
+def test_peer_plan_with_tp_prints_the_groups_prediction(capsys, aidreams_path, peer_with_fleet):
+    address, key_file = peer_with_fleet
+    argv = ("--model", str(aidreams_path), "--context", "128", "--peer", address, "--key-file", str(key_file))
+    rc, out, err = run_plan(capsys, *argv, "--tp", "2", "--json")
+    assert rc == 0, err
+    [stage] = json.loads(out)["stages"]
+    assert (stage["node_id"], [w["node_id"] for w in stage["workers"]]) == ("node-a", ["node-b"])
+    assert stage["collective_endpoint"] == "127.0.0.1:8097"
+    tp = stage["tp"]
+    assert tp["size"] == 2 and tp["link"] == {"latency_s": 40e-6, "bandwidth_gbps": 2.0, "measured": True}
+    # 4 layers: 2 all-reduces each, the embedding's, the step command and the logits' gather.
+    assert tp["num_collectives"] == 11 and tp["collective_s"] > 11 * 40e-6
+    rc, out, err = run_plan(capsys, *argv, "--tp", "2")
+    assert rc == 0, err
+    assert "stage 0 is a tensor-parallel group of 2: node-a, node-b (rank 0 node-a" in out
+    assert "per token:" in out and "measured all-reduce 40 us, 2.00 GB/s" in out and "does not pay" in out
+
+
+def test_peer_plan_by_link_speed_says_why_it_did_not_group(capsys, aidreams_path, peer_with_fleet):
+    # aidreams is 1 MB: 40 us all-reduces cost far more than halving its 0.05 ms of compute.
+    address, key_file = peer_with_fleet
+    rc, out, err = run_plan(capsys, "--model", str(aidreams_path), "--context", "128", "--peer", address,
+                            "--key-file", str(key_file))
+    assert rc == 0, err
+    assert "tensor parallelism not used: a group of 2 (node-a, node-b)" in out and "does not pay" in out
+
+
+def test_tp_that_cannot_split_the_model_names_the_counts(capsys, aidreams_path):
+    rc, _, err = run_plan(capsys, "--model", str(aidreams_path), "--tp", "3")
+    assert rc == 2 and "error [tp_unsplittable]" in err and "4 attention heads do not divide by 3" in err

@@ -1,4 +1,4 @@
-"""A 3-node cluster of real `meshllm node` processes on loopback, shared by a test module,
+"""A 3-node cluster of real `meshllm node` processes on loopback, shared by the package's tests,
 and helpers to run a hand-placed plan on it."""
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ from meshllm.cluster.gossip import fetch_view
 from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import ModelFiles, open_model
-from meshllm.pipeline.cluster import ServingOptions, new_leader, wait_for_fleet
-from meshllm.pipeline.deploy import deploy
+from meshllm.pipeline.cluster import ServingOptions, leader_for_plan, wait_for_fleet
 from meshllm.pipeline.leader import Leader
 from meshllm.pipeline.local_cluster import LocalCluster
-from meshllm.pipeline.transport import RemotePipeline
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 
@@ -25,7 +23,7 @@ OPTIONS = ServingOptions(context_length=128, max_batch=16, dtype="float32", batc
                          scheduler=SchedulerConfig(max_batched_tokens=64, prefill_chunk=32, prefix_block_size=16))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def pipeline_models(aidreams_path, tiny_model_dir) -> dict[str, Path]:
     """aidreams (real) and two random-weight models sharing its 512-token tokenizer."""
     models = {"aidreams": aidreams_path}
@@ -52,12 +50,10 @@ class Cluster:
                        for i, (a, b) in enumerate(ranges))
         plan = Plan(files.model_id, files.source.fingerprint(), files.config.num_hidden_layers,
                     options.context_length, options.max_batch, 4, 4, stages, 0.0, False)
-        plan_id = deploy(plan, self.channels, options.dtype, options.batch_invariant)
-        transport = RemotePipeline(self.channels.get(stages[0].address, stages[0].node_id), plan_id, len(stages))
-        return new_leader(files, transport, options)
+        return leader_for_plan(files, plan, self.channels, options)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def cluster(pipeline_models, tmp_path_factory):
     local = LocalCluster(3, list(pipeline_models.values()), tmp_path_factory.mktemp("cluster"),
                          extra_args=("--gossip-interval", "0.3"), threads_per_node=1)
@@ -68,6 +64,6 @@ def cluster(pipeline_models, tmp_path_factory):
         local.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def model_files(pipeline_models) -> dict[str, ModelFiles]:
     return {name: open_model(path) for name, path in pipeline_models.items()}

@@ -17,9 +17,7 @@ from meshllm.cluster.gossip import fetch_view
 from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.source import open_model
-from meshllm.pipeline.cluster import new_leader
-from meshllm.pipeline.deploy import deploy
-from meshllm.pipeline.transport import RemotePipeline
+from meshllm.pipeline.cluster import leader_for_plan
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from tests.pipeline.conftest import OPTIONS
@@ -39,8 +37,7 @@ def main(model: str, key_file: str, stage0: str, stage1: str, split: int, max_to
     n = files.config.num_hidden_layers
     stages = (StageAssignment("a", stage0, 0, split, 0, 0, 0), StageAssignment("b", stage1, split, n, 0, 0, 0))
     plan = Plan(files.model_id, fingerprint, n, OPTIONS.context_length, OPTIONS.max_batch, 4, 4, stages, 0.0, False)
-    plan_id = deploy(plan, channels, OPTIONS.dtype, OPTIONS.batch_invariant)
-    leader = new_leader(files, RemotePipeline(channels.get(stage0, "a"), plan_id, 2), OPTIONS)
+    leader = leader_for_plan(files, plan, channels, OPTIONS)
     started = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     tokens = [e.token_id for e in leader.generate(prompt, params) if e.token_id is not None]

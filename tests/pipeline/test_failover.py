@@ -40,9 +40,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 MESSAGES = [{"role": "user", "content": "Tell me a story about a robot who learns to paint."}]
 MAX_TOKENS = 40
 KILL_AFTER = 8  # streamed tokens before the fault: mid-stream, every time
-# Per-node memory offered to plans in the no-fit test: two such nodes hold aidreams (caps of 2
-# layers each with OPTIONS' KV), one cannot (it needs 4 layers plus embedding and head).
-SMALL_NODE = "4.5MB"
+# Per-node memory offered to plans in the no-fit test: two such nodes hold aidreams (2 layers
+# each with OPTIONS' KV and prefix-cache blocks, both budgeted), one cannot (it needs 4 layers
+# plus embedding and head): two fit from 14 MB, one from 26 MB.
+SMALL_NODE = "18MB"
 FAULT_ENV = "MESHLLM_FAULT_INJECTION"
 
 
@@ -294,3 +295,31 @@ def test_no_spare_and_no_fit_fails_clearly_until_a_node_joins(pool, files, refer
         assert text == reference()
         status, body = health(live)
         assert status == 200 and body["status"] == "ok" and set(s["node_id"] for s in body["stages"]) <= visible
+
+
+def test_fallback_local_serves_on_the_leader_when_no_plan_fits(pool, files, reference):
+    """--fallback-local (the spec's fallback_to_local): the fleet loses the capacity for the model
+    mid-stream, the model fits in the leader's own memory, so the leader runs it alone and the
+    stream goes on, identical, with /health saying how it is served."""
+    small = [pool.spawn(args=("--max-memory", SMALL_NODE)) for _ in range(2)]
+    with leader_over(pool, files, set(small), fallback_local=True) as live:
+        assert stage_nodes(live) == small
+        text, n = stream_chat(live, on_token=at_token(KILL_AFTER, lambda: kill(pool, small[1])))
+        assert text == reference() and n == MAX_TOKENS
+        assert live.metric("meshllm_fallback_to_local_total") == 1
+        assert live.owner.plan is None  # the whole model in the leader's process
+        status, body = health(live)
+        assert status == 200 and body["status"] == "ok" and "leader alone" in body["reason"]
+        assert stream_chat(live)[0] == reference()  # later requests are served the same way
+
+
+def test_a_stage_killed_between_requests_is_replaced_before_the_next_request(pool, files, reference):
+    nodes = pool.take(3)
+    with leader_over(pool, files, set(nodes), num_stages=2) as live:
+        assert stream_chat(live)[0] == reference()
+        victim = stage_nodes(live)[1]
+        kill(pool, victim)  # nothing in flight: only the leader's routine health checks can notice
+        wait_until(lambda: failovers(live) == 1 and health(live)[0] == 200 and victim not in stage_nodes(live),
+                   timeout=30, message="the idle leader re-planned around the dead stage")
+        assert live.metric("meshllm_failovers_total", {"code": "stage_unreachable"}) == 1
+        assert stream_chat(live)[0] == reference()

@@ -249,3 +249,27 @@ def test_the_loop_answers_submits_and_cancels_while_it_replans(files, reference)
         assert [t for t in out if t is not None] == reference(ids, GREEDY)
     finally:
         leader.close()
+
+
+def test_a_stage_dying_between_requests_is_noticed_without_a_request(files, reference):
+    """Nothing in flight, so no step can fail: the leader's routine health checks find the dead
+    stage and re-plan at once, and the next request is served by the new plan."""
+    replanner = Replanner(files, [None, None])
+    recorder = Recorder()
+    leader = failover_leader(files, replanner, recorder,
+                             failover=FailoverConfig(idle_probe_interval_s=0.2, idle_probe_timeout_s=0.5))
+    ids = files.tokenizer.encode(PROMPT)
+    try:
+        assert run(leader, ids, GREEDY)[0] == reference(ids, GREEDY)
+        first = replanner.current
+        first.hang = True  # from now on its health checks go unanswered (Replanner.probe)
+        deadline = time.monotonic() + 10
+        while not replanner.failures:  # no request is sent meanwhile
+            assert time.monotonic() < deadline, "the idle leader never noticed its dead stage"
+            time.sleep(0.05)
+        assert recorder.failures[0].code == "stage_unreachable" and "between requests" in recorder.failures[0].message
+        out, events = run(leader, ids, GREEDY)
+        assert out == reference(ids, GREEDY) and events[-1].error is None
+        assert replanner.current is not first  # served by the replacement
+    finally:
+        leader.close()

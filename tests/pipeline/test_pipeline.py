@@ -201,7 +201,7 @@ def test_plans_on_the_same_node_share_weights_and_unload_frees_them_last(cluster
                   StageAssignment(next_node, cluster.local.addresses[int(next_node[-1])], 3, 5, 0, 0, 0))
         return Plan(files.model_id, files.source.fingerprint(), 5, 128, 1, 4, 4, stages, 0.0, False)
 
-    first, second = (load_requests(plan(n), "float32", True)[0] for n in ("node-0", "node-1"))
+    first, second = (load_requests(plan(n), "float32", True)[0].request for n in ("node-0", "node-1"))
     assert first.plan_id != second.plan_id
     assert not stub.Load(first, timeout=60).reused_weights
     reply = stub.Load(second, timeout=60)

@@ -6,7 +6,7 @@ import time
 import pytest
 from hypothesis import given
 
-from meshllm.cluster.card import LoadedShard, ModelOnDisk, Role
+from meshllm.cluster.card import LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role
 from meshllm.errors import InvalidCard, MalformedMessage
 from meshllm.transport import convert
 from meshllm.transport.protos import cluster_pb2
@@ -24,7 +24,8 @@ def test_round_trip(card):
 
 def test_round_trip_with_optional_fields_and_all_roles():
     card = make_card(api_address="10.0.0.2:8000", collective_endpoint="10.0.0.2:29500",
-                     roles=(Role.STAGE, Role.VERIFIER, Role.PROPOSER), announced_at=NOW)
+                     roles=(Role.STAGE, Role.VERIFIER, Role.PROPOSER), announced_at=NOW,
+                     links=(LinkProbe(NodeId("n2"), 8.5e-5, 1.25), LinkProbe(NodeId("n3"), 0.0021, 0.11)))
     assert convert.card_from_pb(wire(card), NOW) == card
     assert convert.card_from_pb(wire(make_card(announced_at=NOW)), NOW).api_address is None
 
@@ -55,6 +56,10 @@ ABSURD = {
     "negative layer": dict(shards=(LoadedShard("m", "f", -1, 5),)),
     "zero layer model": dict(models=(ModelOnDisk("m", "f", 0),)),
     "too many models": dict(models=tuple(ModelOnDisk(f"m{i}", "f", 1) for i in range(65))),
+    "negative link latency": dict(links=(LinkProbe(NodeId("n2"), -1e-4, 1.0),)),
+    "zero link bandwidth": dict(links=(LinkProbe(NodeId("n2"), 1e-4, 0.0),)),
+    "nan link latency": dict(links=(LinkProbe(NodeId("n2"), float("nan"), 1.0),)),
+    "too many links": dict(links=tuple(LinkProbe(NodeId(f"n{i}"), 1e-4, 1.0) for i in range(65))),
     "oversized card": dict(models=tuple(ModelOnDisk(f"m{i}" * 20, "f" * 100, 1, "p" * 200) for i in range(40))),
 }
 

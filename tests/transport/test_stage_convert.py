@@ -8,7 +8,8 @@ import torch
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 from meshllm.engine.step import SampledToken, SeqWork, Step
-from meshllm.errors import MalformedMessage
+from meshllm.engine.step_limits import WIRE_LIMITS, StepLimits
+from meshllm.errors import BadRequest, MalformedMessage, PlanLimitExceeded
 from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
@@ -42,3 +43,67 @@ def test_inconsistent_draft_entries_are_refused(num_tokens, num_scored, draft):
                  sampling=stage_convert.sampling_to_pb(PARAMS))
     with pytest.raises(MalformedMessage, match="scored rows"):
         stage_convert.step_from_pb(msg)
+
+
+LIMITS = StepLimits(max_context=64, max_seqs=2, max_step_tokens=16, prefix_block_size=4, max_prefix_blocks=8)
+
+
+def request(*entries: tuple[int, int, int], block_size: int = 4, attach: tuple[int, ...] = ()) -> stage_pb2.StepRequest:
+    """A step of (seq_id, start, num_tokens) entries with matching token-id input."""
+    total = sum(n for _, _, n in entries)
+    msg = stage_pb2.StepRequest(plan_id="p", step_id=1, block_size=block_size,
+                                input=stage_convert.codec.to_pb(torch.zeros(total, dtype=torch.int64)))
+    for seq_id, start, n in entries:
+        msg.seqs.add(seq_id=seq_id, start=start, num_tokens=n, attach=attach)
+    return msg
+
+
+@pytest.mark.parametrize("msg, match", [
+    (request((1, 0, 1), (2, 0, 1), (3, 0, 1)), "3 sequences; the plan's batch is 2"),
+    (request((1, 0, 10), (2, 0, 7)), "more than 16 tokens"),
+    (request((1, 60, 5)), "position 65, beyond the plan's context of 64"),
+])
+def test_steps_beyond_the_plans_limits_are_refused(msg, match):
+    stage_convert.step_from_pb(msg)  # within the wire's own limits
+    with pytest.raises(PlanLimitExceeded, match=match):
+        stage_convert.step_from_pb(msg, LIMITS)
+
+
+def verification(start: int, draft: tuple[int, ...], others: int = 0) -> stage_pb2.StepRequest:
+    """A speculative step: one sequence's last committed token plus `draft` (with its q), and
+    `others` decode rows of other sequences."""
+    n = 1 + len(draft)
+    msg = request((1, start, n), *((2 + i, 0, 1) for i in range(others)))
+    entry = msg.seqs[0]
+    entry.sampling.CopyFrom(stage_convert.sampling_to_pb(PARAMS))
+    entry.num_scored = n
+    entry.draft.extend(draft)
+    entry.draft_dists.extend(stage_pb2.DraftDist(ids=[t], probs=[1.0]) for t in draft)
+    return msg
+
+
+def test_draft_rows_count_against_the_plans_step_tokens_and_context():
+    assert stage_convert.step_from_pb(verification(40, tuple(range(15))), LIMITS).num_tokens == 16
+    with pytest.raises(PlanLimitExceeded, match="more than 16 tokens"):  # 1 + 15 drafts + another sequence
+        stage_convert.step_from_pb(verification(40, tuple(range(15)), others=1), LIMITS)
+    assert stage_convert.step_from_pb(verification(56, tuple(range(7))), LIMITS).num_tokens == 8
+    with pytest.raises(PlanLimitExceeded, match="position 65, beyond the plan's context of 64"):
+        stage_convert.step_from_pb(verification(56, tuple(range(8))), LIMITS)
+
+
+def test_another_block_size_or_more_blocks_than_the_plan_keeps_are_refused():
+    with pytest.raises(MalformedMessage, match="block size 4"):
+        stage_convert.step_from_pb(request((1, 0, 1), block_size=8), LIMITS)
+    with pytest.raises(MalformedMessage, match="keeps 8 blocks"):
+        stage_convert.step_from_pb(request((1, 36, 1), attach=tuple(range(9))), LIMITS)
+    assert stage_convert.step_from_pb(request((1, 0, 16)), LIMITS).num_tokens == 16  # the limit itself is fine
+
+
+def test_limits_travel_in_the_load_request_and_a_request_without_them_gets_the_wires():
+    load = stage_pb2.LoadRequest(plan_id="p")
+    assert stage_convert.limits_from_pb(load) == WIRE_LIMITS
+    stage_convert.limits_to_pb(LIMITS, load)
+    assert stage_convert.limits_from_pb(stage_pb2.LoadRequest.FromString(load.SerializeToString())) == LIMITS
+    load.max_seqs = -3
+    with pytest.raises(BadRequest, match="step limits"):
+        stage_convert.limits_from_pb(load)

@@ -167,3 +167,75 @@ class Health:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class CollectiveStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ProbeLink = channel.unary_unary(
+                '/meshllm.Collective/ProbeLink',
+                request_serializer=cluster__pb2.LinkProbeRequest.SerializeToString,
+                response_deserializer=cluster__pb2.LinkProbeReply.FromString,
+                _registered_method=True)
+
+
+class CollectiveServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def ProbeLink(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CollectiveServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ProbeLink': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeLink,
+                    request_deserializer=cluster__pb2.LinkProbeRequest.FromString,
+                    response_serializer=cluster__pb2.LinkProbeReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'meshllm.Collective', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('meshllm.Collective', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Collective:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def ProbeLink(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshllm.Collective/ProbeLink',
+            cluster__pb2.LinkProbeRequest.SerializeToString,
+            cluster__pb2.LinkProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,123 @@
+"""The leader's failover, split out of leader.py by concern: noticing that the pipeline
+stopped making progress (or, between requests, that a stage stopped answering), dropping the
+transport, marking running sequences for a KV rebuild, and swapping in the re-planned
+transport. A mixin over the Leader's loop-thread state: every method runs on the loop thread."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+from meshllm.engine.scheduler import MicroBatch
+from meshllm.engine.step import StepResult
+from meshllm.errors import PipelineStalled
+from meshllm.pipeline.failover import Probed, Recovered, RecoveryFailed, StageFailure
+from meshllm.pipeline.replies import ReplyCheck
+
+log = logging.getLogger("meshllm.pipeline.leader")  # one logger for the loop, whichever file
+
+
+class LeaderFailover:
+    def _check_progress(self) -> None:
+        """No reply within the deadline: probe the stages (with a replanner), else give up on
+        the steps in flight so a stalled stage gives clear errors instead of hanging requests."""
+        if self.transport is None:
+            # No plan fits: try again now and then, so the service recovers on its own when a node joins.
+            if self._recovery is not None and not self._recovery.running and \
+                    time.monotonic() - self._recovery.last_attempt >= self._recovery.config.retry_interval_s:
+                self._recovery.start(None)
+            return
+        if not self._in_flight:
+            if self._recovery is not None and self._recovery.idle_probe_due():
+                self._recovery.probe(self._recovery.config.idle_probe_timeout_s, idle=True)
+            return
+        if not self._watch.due():
+            return
+        if self._recovery is not None:
+            self._watch.start_probe()
+            self._recovery.probe(self._watch.config.probe_timeout_s)
+            return
+        stalled_s = self._watch.stalled_for()
+        self._watch.reset()
+        for step_id, flight in list(self._in_flight.items()):
+            del self._in_flight[step_id]
+            log.warning("step %d stalled for %.1fs; failing its %d sequences", step_id, stalled_s,
+                        len(flight.batch.works))
+            self._apply(flight.batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
+                                                 error_message=f"no answer within {stalled_s:.1f}s"))
+
+    def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
+        """Stop using the transport, mark every running sequence for a rebuild of its KV, and
+        re-plan off the loop. Sequences past their failover limit end with pipeline_stalled."""
+        log.warning("failing over: stage %s [%s] %s", failure.stage_index, failure.code, failure.message)
+        self.observer.on_failure(failure)
+        self._last_failure = self._last_failure or failure  # a second failure is part of the same recovery
+        in_flight = set()
+        batches = [f.batch for f in self._in_flight.values()] + ([failed] if failed is not None else [])
+        for batch in batches:
+            for w in batch.works:
+                w.seq.in_flight = False
+                in_flight.add(w.seq.seq_id)
+        self._in_flight.clear()
+        self._watch.reset()
+        self.transport.close()
+        self.transport = None
+        self._chores.take()  # the new plan's stages hold none of those sequences or blocks
+        limit = self._recovery.config.max_failovers
+        for seq in list(self.scheduler.running):
+            if not seq.num_computed and seq.seq_id not in in_flight:
+                continue  # admitted but never sent: nothing to rebuild
+            request = self._requests[seq.seq_id]
+            request.num_failovers += 1
+            if request.num_failovers > limit:
+                self._finish(request, "error", PipelineStalled(
+                    f"gave up after {limit} failovers; the last: stage {failure.stage_index} "
+                    f"[{failure.code}] {failure.message}"))
+                continue
+            self.prefix.forget(seq)
+            seq.num_computed = 0  # re-prefill prompt and output; sample only the token after them
+        self._recovery.start(failure)
+
+    def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
+        if isinstance(message, Probed):
+            self._recovery.probing = False
+        if message.epoch != self._recovery.epoch:
+            return  # about a transport that has been replaced since
+        match message:
+            case Probed(unresponsive=unresponsive, idle=True):
+                if unresponsive and self.transport is not None:
+                    i = unresponsive[0]
+                    self._fail_over(StageFailure(i, "stage_unreachable", f"stage {i} stopped answering health "
+                                                 "checks between requests"))
+            case Probed(unresponsive=unresponsive):
+                if self.transport is None:
+                    return
+                stalled_s = self._watch.stalled_for()
+                if unresponsive:
+                    self.observer.on_stall()
+                    i = unresponsive[0]
+                    self._fail_over(StageFailure(i, "pipeline_stalled", f"stage {i} stopped answering: no reply "
+                                                 f"for {stalled_s:.1f}s and no answer to a health check",
+                                                 detect_s=stalled_s))
+                elif self._watch.probed():
+                    self.observer.on_stall()
+                    self._fail_over(StageFailure(None, "pipeline_stalled", f"no reply for {stalled_s:.1f}s "
+                                                 f"although every stage answers health checks",
+                                                 detect_s=stalled_s))
+            case Recovered(deployment=deployment):
+                self._recovery.finished()
+                self.transport = deployment.transport
+                self._config = replace(self._config, num_stages=deployment.transport.num_stages)
+                self.scheduler.config = replace(self.scheduler.config, num_stages=deployment.transport.num_stages)
+                self._replies = ReplyCheck(self._vocab_size, deployment.transport.stage_names)
+                self._epoch = deployment.transport.epoch
+                self.prefix.reset()
+                self._swapped = (deployment, time.perf_counter()) if self._last_failure else None
+                log.info("serving through %s", deployment.description or "a new plan")
+            case RecoveryFailed(error=error):
+                self._recovery.finished()
+                self._last_failure = None
+                log.warning("no plan: [%s] %s", error.code, error)
+                for request in list(self._requests.values()):
+                    self._finish(request, "error", error)
