@@ -108,33 +108,41 @@ def run(leader, prompts: list[list[int]], params: SamplingParams) -> tuple[float
 
 
 def measure(make_leader, files, args) -> dict:
+    """Both leaders live side by side and their runs alternate (plain, speculative, plain, ...), so
+    drift in what else this shared machine runs hits both alike."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     results = {}
     for kind, texts in PROMPTS.items():
         ids = [chat_ids(files, t) for t in texts]
         for batch in args.batch:
             prompts = [ids[i % len(ids)] for i in range(batch)]
-            row = {}
-            for spec in (False, True):
-                counts = Counts()
-                leader = make_leader(spec, counts)
-                try:
-                    run(leader, prompts[:1], replace(params, max_tokens=8))  # warm-up
-                    counts.__init__()
-                    rates, outputs = [], None
-                    for _ in range(args.repeats):
-                        rate, outputs = run(leader, prompts, params)
-                        rates.append(rate)
-                finally:
+            modes = ("plain", "speculative")
+            counts = {m: Counts() for m in modes}
+            leaders = {}
+            try:
+                for m in modes:
+                    leaders[m] = make_leader(m == "speculative", counts[m])
+                    run(leaders[m], prompts[:1], replace(params, max_tokens=8))  # warm-up
+                    counts[m].__init__()
+                rates = {m: [] for m in modes}
+                outputs = {}
+                for _ in range(args.repeats):
+                    for m in modes:
+                        rate, outputs[m] = run(leaders[m], prompts, params)
+                        rates[m].append(rate)
+            finally:
+                for leader in leaders.values():
                     leader.close()
-                row["speculative" if spec else "plain"] = {
-                    "tok_s": round(statistics.median(rates), 2), "tok_s_runs": [round(r, 2) for r in rates],
-                    "acceptance": round(counts.accepted / counts.drafted, 3) if counts.drafted else None,
-                    "tokens_per_pass": round((counts.passes + counts.accepted) / counts.passes, 3)
-                    if counts.passes else None}
-                row["outputs_" + ("speculative" if spec else "plain")] = outputs
-            row["identical"] = row.pop("outputs_plain") == row.pop("outputs_speculative")
+            row = {}
+            for m in modes:
+                c = counts[m]
+                row[m] = {"tok_s": round(statistics.median(rates[m]), 2), "tok_s_runs": [round(r, 2) for r in rates[m]],
+                          "acceptance": round(c.accepted / c.drafted, 3) if c.drafted else None,
+                          "tokens_per_pass": round((c.passes + c.accepted) / c.passes, 3) if c.passes else None}
+            row["identical"] = outputs["plain"] == outputs["speculative"]
             row["speedup"] = round(row["speculative"]["tok_s"] / row["plain"]["tok_s"], 3)
+            # Per pair of neighbouring runs: how noisy the ratio is.
+            row["speedup_runs"] = [round(s / p, 3) for p, s in zip(rates["plain"], rates["speculative"])]
             results[f"{kind}/batch{batch}"] = row
     return results
 

@@ -47,6 +47,7 @@ class DraftModelProposer:
         assert decoder.has_embedding and decoder.has_head, "a draft model needs the whole model"
         self.decoder = decoder
         self.name = name
+        self.inline = False  # a forward pass per token: drafted on the leader's drafting thread
         self.max_sequences = max_sequences
         self.cache = KVCache(decoder.kv_layout())
         self._tokens: dict[SeqId, list[int]] = {}

@@ -17,6 +17,13 @@ A fast proposer (its answers take under `hold_fraction` of a step) is waited for
 plainly and the proposer's continuation resumes the chain if the plain token matches it.
 Requests of many sequences travel as one batch; a draft that misses its block's deadline is
 dropped by the proposer client, and failures only cost speed.
+
+An *inline* proposer (`proposer.inline`: it answers in microseconds, in this process, with no
+I/O, like the n-gram one) is called right here on the loop thread instead: a thread hop and
+an inbox round trip cost more than its answer (measured: ~13% of a step on free text on a
+loaded 2-core machine), and its draft is ready before the next micro-batch is formed, so the
+leader never holds a step for it. It drafts one block ahead only, since it can always draft
+again at once.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from meshllm.engine.scheduler import MicroBatch, Work
 from meshllm.engine.sequence import Sequence
 from meshllm.engine.step import DraftDist
 from meshllm.errors import MeshError
-from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, StepCosts
+from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts
 from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest, checked_draft
 
 log = logging.getLogger(__name__)
@@ -49,8 +56,9 @@ class SpecConfig:
     sample_drafts: bool = True  # ask sampling proposers for q (min(1, p/q)) for unseeded sampled requests
     draft_support: int = 16  # entries of each sparse q
     retry_after_s: float = 0.2  # after a failed proposer call, plain decoding for this long
-    # Hold every decode step until its draft arrives (at most max_wait_s): for tests and acceptance
-    # measurements, where drafts must be verified even from a proposer as slow as the verifier.
+    # Hold every decode step until its draft arrives (at most max_wait_s), and send whatever a
+    # self-sizing proposer offers: for tests and acceptance measurements, where drafts must be
+    # verified even from a proposer as slow as the verifier or when they do not pay.
     wait_for_drafts: bool = False
     max_wait_s: float = 5.0
 
@@ -71,11 +79,17 @@ class DraftsReady:
 
 
 class _State:
-    def __init__(self, seq: Sequence, sampling: DraftSampling | None, length: DraftLength, k_cap: int):
+    def __init__(self, seq: Sequence, sampling: DraftSampling | None, length: DraftLength, k_cap: int,
+                 offered_length: OfferedLength | None = None):
         self.seq = seq
         self.sampling = sampling
         self.length = length
         self.k_cap = k_cap
+        # For a proposer that sizes its own drafts: it is asked for k_cap tokens, and what is sent
+        # of its offer is decided by acceptance per offered length (draft_length.py).
+        self.offered_length = offered_length
+        self.offered = 0  # length of the last offer a step took
+        self.rows = 1  # rows beside this sequence's draft in its last verified step
         self.mirror: list[int] = []  # what the proposer holds: committed tokens, then its drafts
         self.dists: dict[int, DraftDist] = {}  # q of drafted positions (sampling proposers)
         self.confirmed = 0  # mirror[:confirmed] equals the committed tokens
@@ -86,7 +100,7 @@ class _State:
 
     @property
     def k(self) -> int:
-        return min(self.length.k, self.k_cap)
+        return self.k_cap if self.offered_length is not None else min(self.length.k, self.k_cap)
 
 
 class Drafter:
@@ -100,11 +114,16 @@ class Drafter:
         self._states: dict[SeqId, _State] = {}
         self._costs = StepCosts()
         self._latency_s: float | None = None  # decaying average of one proposer call
+        self._token_s: float | None = None  # decaying average of a call's seconds per drafted token
         self._paused_until = 0.0
         self._work: queue.Queue = queue.Queue()
         self._released: list[SeqId] = []
-        self._thread = threading.Thread(target=self._run, daemon=True, name="drafter")
-        self._thread.start()
+        self.inline = bool(getattr(proposer, "inline", False))
+        self.sizes_drafts = bool(getattr(proposer, "sizes_drafts", False))
+        self._thread = None
+        if not self.inline:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="drafter")
+            self._thread.start()
 
     # --- leader loop thread ------------------------------------------------------------------------
     def admit(self, seq: Sequence, params: SamplingParams, user_seeded: bool, max_draft: int | None = None) -> None:
@@ -115,7 +134,8 @@ class Drafter:
             sampling = DraftSampling(params.temperature, draw_seed(params.seed, DRAFT_SEED_POSITION),
                                      self.config.draft_support)
         cap = self.config.lengths.k_max if max_draft is None else max(0, min(max_draft, self.config.lengths.k_max))
-        st = self._states[seq.seq_id] = _State(seq, sampling, DraftLength(self.config.lengths), cap)
+        offered = OfferedLength(self.config.lengths) if self.sizes_drafts else None
+        st = self._states[seq.seq_id] = _State(seq, sampling, DraftLength(self.config.lengths), cap, offered)
         self._request(st)
 
     def finish(self, seq_id: SeqId) -> None:
@@ -124,7 +144,12 @@ class Drafter:
 
     def verified(self, work: Work, num_accepted: int, rows: int) -> None:
         st = self._states.get(work.seq.seq_id)
-        if st is not None:
+        if st is None:
+            return
+        if st.offered_length is not None:
+            st.offered_length.update(st.offered, len(work.draft), num_accepted)
+            st.rows = max(1, rows - len(work.draft))
+        else:
             st.length.update(len(work.draft), num_accepted, self._costs, rows)
 
     def step_done(self, batch: MicroBatch, seconds: float) -> None:
@@ -159,6 +184,10 @@ class Drafter:
         else:
             self._latency_s = message.seconds if self._latency_s is None else \
                 0.8 * self._latency_s + 0.2 * message.seconds
+            drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
+            if drafted:
+                per_token = message.seconds / drafted
+                self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
         for i, (request, generation) in enumerate(zip(message.requests, message.generations)):
             st = self._states.get(request.seq_id)
             if st is None:
@@ -194,8 +223,9 @@ class Drafter:
         return min(holds) if holds else None
 
     def close(self) -> None:
-        self._work.put(None)
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join(timeout=5)
 
     # --- internals (loop thread) -------------------------------------------------------------------
     def _cut(self, st: _State, length: int) -> None:
@@ -213,6 +243,9 @@ class Drafter:
         k = st.k
         if k and st.confirmed == n and len(st.mirror) > n:
             seq.draft = tuple(st.mirror[n:n + k])
+            if st.offered_length is not None and not self.config.wait_for_drafts:
+                st.offered = len(seq.draft)
+                seq.draft = seq.draft[:st.offered_length.send_length(st.offered, self._costs, st.rows)]
             seq.draft_position = n
             dists = tuple(st.dists.get(p) for p in range(n, n + len(seq.draft)))
             # A draft without q for every token is verified by exact match, which is exact for any draft.
@@ -225,15 +258,20 @@ class Drafter:
             return
         n = st.seq.num_tokens
         # Two blocks ahead: the one verifying now (plus the verifier's bonus token), and the next.
-        want = n + 2 * (st.k + 1) - len(st.mirror)
+        # An inline proposer answers at once, so one block is enough.
+        want = n + (1 if self.inline else 2) * (st.k + 1) - len(st.mirror)
         if want <= 0 or (len(st.mirror) > n and st.confirmed < n):
             return
         position = len(st.mirror)
         tokens = tuple(st.seq.token_ids(position, n)) if position < n else ()
-        request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, st.k + 1), st.sampling)
+        request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, self._block_fit(st.k) + 1), st.sampling)
         st.mirror.extend(tokens)
         st.confirmed = max(st.confirmed, min(len(st.mirror), n))
         st.outstanding = True
+        released, self._released = self._released, []
+        if self.inline:
+            self.arrived(self._call([(request, st.generation, tuple(released))]))
+            return
         # The next step has no draft without this answer (prefill chunks do not wait for drafts).
         fresh = len(st.mirror) <= n and not st.seq.in_flight and not st.seq.is_prefilling
         typical = self._costs.typical_step_s
@@ -242,10 +280,17 @@ class Drafter:
         elif fresh and self._latency_s is not None and typical is not None \
                 and self._latency_s < self.config.hold_fraction * typical:
             st.hold_until = time.perf_counter() + self.config.hold_fraction * typical
-        released, self._released = self._released, []
         self._work.put((request, st.generation, tuple(released)))
 
-    # --- drafter thread ----------------------------------------------------------------------------
+    def _block_fit(self, k: int) -> int:
+        """k, shrunk so a slow proposer drafts a block within about one verifier step: drafting
+        ahead hides its time only if the next block is ready when the current one is verified."""
+        typical = self._costs.typical_step_s
+        if self.inline or self._token_s is None or typical is None:
+            return k
+        return max(1, min(k, int(typical / self._token_s) - 1))
+
+    # --- drafter thread (proposers that are not inline) ---------------------------------------------
     def _run(self) -> None:
         while True:
             item = self._work.get()
@@ -260,20 +305,23 @@ class Drafter:
                 if item is None:
                     return
                 batch.append(item)
-            released = [s for _, _, r in batch for s in r]
-            requests = tuple(r for r, _, _ in batch)
-            generations = tuple(g for _, g, _ in batch)
-            started = time.perf_counter()
-            try:
-                if released:
-                    self.proposer.release(released)
-                drafts = self.proposer.propose(requests)
-                if len(drafts) != len(requests):
-                    raise MeshError(f"proposer {self.proposer.name} answered {len(drafts)} of {len(requests)} requests")
-                message = DraftsReady(requests, generations, tuple(drafts), time.perf_counter() - started)
-            except MeshError as e:
-                message = DraftsReady(requests, generations, error=e)
-            except Exception as e:  # noqa: BLE001 - a broken proposer must cost speed only, never the leader
-                log.exception("proposer %s raised", self.proposer.name)
-                message = DraftsReady(requests, generations, error=MeshError(f"proposer raised {e!r}"))
-            self._post(message)
+            self._post(self._call(batch))
+
+    def _call(self, batch: list[tuple[ProposeRequest, int, tuple[SeqId, ...]]]) -> DraftsReady:
+        """One proposer call for a batch of (request, generation, released seq ids); never raises."""
+        released = [s for _, _, r in batch for s in r]
+        requests = tuple(r for r, _, _ in batch)
+        generations = tuple(g for _, g, _ in batch)
+        started = time.perf_counter()
+        try:
+            if released:
+                self.proposer.release(released)
+            drafts = self.proposer.propose(requests)
+            if len(drafts) != len(requests):
+                raise MeshError(f"proposer {self.proposer.name} answered {len(drafts)} of {len(requests)} requests")
+            return DraftsReady(requests, generations, tuple(drafts), time.perf_counter() - started)
+        except MeshError as e:
+            return DraftsReady(requests, generations, error=e)
+        except Exception as e:  # noqa: BLE001 - a broken proposer must cost speed only, never the leader
+            log.exception("proposer %s raised", self.proposer.name)
+            return DraftsReady(requests, generations, error=MeshError(f"proposer raised {e!r}"))

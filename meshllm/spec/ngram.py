@@ -81,6 +81,8 @@ class NgramProposer:
     """Proposer over each sequence's own tokens (meshllm.spec.proposer.Proposer)."""
 
     name = "ngram"
+    inline = True  # a dict lookup and a copy per request: cheaper than a thread hop
+    sizes_drafts = True  # as long as the match: the leader weighs each offer by its length
 
     def __init__(self, config: NgramConfig | None = None):
         self.config = config or NgramConfig()

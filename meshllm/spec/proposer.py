@@ -87,6 +87,12 @@ class Proposer(Protocol):
     thread, or the Proposer gRPC service under its lock); may block for the draft's compute."""
 
     name: str  # "ngram", a draft model's id, "remote:<node>"
+    # True: answers in microseconds in this process (no I/O, no model), so the leader calls it on
+    # its loop thread instead of its drafting thread (spec/drafter.py). Absent means False.
+    inline: bool
+    # True: the draft's length says how sure the proposer is (n-gram: its suffix match), so the
+    # leader asks for the most it may send and judges each offer by its length. Absent means False.
+    sizes_drafts: bool
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]: ...
 

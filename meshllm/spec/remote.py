@@ -31,6 +31,7 @@ DEFAULT_DEADLINE_S = 0.5  # per call; a draft later than this is worth nothing t
 class RemoteProposer:
     def __init__(self, channel: grpc.Channel, model_id: str, node_id: str, deadline_s: float = DEFAULT_DEADLINE_S):
         self.name = f"remote:{node_id}/{model_id}"
+        self.inline = False  # a network round trip
         self.model_id = model_id
         self.node_id = node_id
         self.deadline_s = deadline_s
@@ -77,6 +78,7 @@ class ReplanningProposer:
         self._failures = 0
         self.placement = self._place()  # raises ProposerUnavailable when none fits: the caller decides
         self.name = "remote"
+        self.inline = False
 
     def _place(self) -> ProposerPlacement:
         placement = place_proposer(self.want, self.fleet_view(), frozenset(self.excluded))
