@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import grpc
@@ -26,6 +27,9 @@ from meshllm.transport.protos import proposer_pb2_grpc
 log = logging.getLogger(__name__)
 
 DEFAULT_DEADLINE_S = 0.5  # per call; a draft later than this is worth nothing to the step it was for
+# A proposer left out after failures is tried again after this long: a slow first call (catching
+# up a long prompt) or a restart must not end speculation for the life of the leader.
+EXCLUSION_S = 10.0
 
 
 class RemoteProposer:
@@ -60,19 +64,21 @@ class RemoteProposer:
 
 class ReplanningProposer:
     """The placed remote proposer; when it is unreachable (or fails `max_failures` calls in a row),
-    the node is left out and a proposer is placed again on the current fleet view at once. With no
-    candidate left, calls fail (plain decoding) and placement is retried on each call."""
+    the node is left out for EXCLUSION_S and a proposer is placed again on the current fleet view at
+    once. With no candidate left, calls fail (plain decoding) and placement is retried on each call."""
 
     def __init__(self, want: ProposerWant, fleet_view: Callable[[], list[Card]], channels: ChannelPool,
                  deadline_s: float = DEFAULT_DEADLINE_S, max_failures: int = 2,
-                 on_placed: Callable[[ProposerPlacement], None] = lambda placement: None):
+                 on_placed: Callable[[ProposerPlacement], None] = lambda placement: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.want = want
         self.fleet_view = fleet_view
         self.channels = channels
         self.deadline_s = deadline_s
         self.max_failures = max_failures
         self.on_placed = on_placed
-        self.excluded: set[NodeId] = set()
+        self.clock = clock
+        self.excluded: dict[NodeId, float] = {}  # node -> when it may be placed again
         self._lock = threading.Lock()
         self._current: RemoteProposer | None = None
         self._failures = 0
@@ -81,6 +87,8 @@ class ReplanningProposer:
         self.inline = False
 
     def _place(self) -> ProposerPlacement:
+        now = self.clock()
+        self.excluded = {node: until for node, until in self.excluded.items() if until > now}
         placement = place_proposer(self.want, self.fleet_view(), frozenset(self.excluded))
         self._current = RemoteProposer(self.channels.get(placement.address, placement.node_id), placement.model_id,
                                        placement.node_id, self.deadline_s)
@@ -109,7 +117,7 @@ class ReplanningProposer:
                 gone = getattr(e, "unreachable", False)
                 if (gone or self._failures >= self.max_failures) and self._current is current:
                     log.warning("proposer on %s failed (%s); placing another", current.node_id, e)
-                    self.excluded.add(NodeId(current.node_id))
+                    self.excluded[NodeId(current.node_id)] = self.clock() + EXCLUSION_S
                     self._current = None
                     try:
                         self.placement = self._place()

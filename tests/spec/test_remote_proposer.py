@@ -52,6 +52,26 @@ def proposer_server():
         server.stop()
 
 
+@pytest.fixture
+def proposer_node():
+    """The same server as `proposer_server`, as a fleet would see it: a card and a channel pool."""
+    from meshllm.cluster.card import Card, NodeId, Role, RoleOffer
+
+    key = generate_key()
+    server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id="proposer-node"))
+    server.add(proposer_pb2_grpc.add_ProposerServicer_to_server, ProposerService([
+        Served(_Renamed(SlowProposer(NgramProposer(), 0.3), "sleepy"))]))
+    server.start()
+    card = Card(NodeId("proposer-node"), server.address, "linux-x86_64", "cpu", 1 << 30, 1 << 30, 10.0, 10.0,
+                roles=(Role.STAGE, Role.PROPOSER), offers=(RoleOffer(Role.PROPOSER, "sleepy"),))
+    channels = ChannelPool(ChannelConfig("test-leader", key))
+    try:
+        yield card, channels
+    finally:
+        channels.close()
+        server.stop()
+
+
 class _Renamed:
     def __init__(self, inner, name):
         self.inner, self.name = inner, name
@@ -186,3 +206,26 @@ def test_killed_proposer_node_generation_continues_and_replans(cluster, aidreams
     assert tokens == expected
     assert cluster.processes[2].poll() is not None
     assert len(placed) >= 2 and placed[-1].node_id in ("node-0", "node-1") and placed[-1].colocated
+
+
+def test_a_proposer_left_out_for_lateness_is_placed_again_after_its_exclusion(proposer_node):
+    """Two late calls in a row leave the only proposer out (plain decoding meanwhile), but not for
+    good: a slow first call (a long prompt to catch up) must not end speculation for the leader."""
+    from meshllm.spec.placement import ProposerWant
+    from meshllm.spec.remote import EXCLUSION_S, ReplanningProposer
+
+    card, channels = proposer_node
+    now = [0.0]
+    replanning = ReplanningProposer(ProposerWant(vocab="", model_id="sleepy"), lambda: [card], channels,
+                                    deadline_s=0.05, clock=lambda: now[0])
+    request = [ProposeRequest(SeqId(1), 0, (1, 2, 1), 2)]
+    for _ in range(2):
+        with pytest.raises(ProposerError, match="DEADLINE_EXCEEDED"):
+            replanning.propose(request)
+    assert "proposer-node" in replanning.excluded
+    with pytest.raises(ProposerError, match="no proposer available"):
+        replanning.propose(request)  # still left out: nothing else to place
+    now[0] += EXCLUSION_S + 1
+    replanning.deadline_s = 5.0  # the node is fast again (its catch-up is done)
+    (draft,) = replanning.propose(request)
+    assert draft.tokens == (2,) and not replanning.excluded  # a 1-token match drafts 1 token
