@@ -58,6 +58,7 @@ def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
     from gguf.constants import GGMLQuantizationType as GGML
 
     from meshllm.model.gguf import GGUFFile
+    from tests.quantized_gguf import copy_tokenizer
 
     meta = GGUFFile.open(tokenizer_gguf).metadata
     t = TINYLLAMA
@@ -68,16 +69,7 @@ def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
                        (w.add_rope_dimension_count, t["head_dim"]), (w.add_layer_norm_rms_eps, 1e-5),
                        (w.add_rope_freq_base, 10000.0)):
         add(value)
-    for key, value in meta.items():
-        if key.startswith("tokenizer."):
-            if isinstance(value, (np.ndarray, list)):
-                w.add_array(key, list(value.tolist() if isinstance(value, np.ndarray) else value))
-            elif isinstance(value, str):
-                w.add_string(key, value)
-            elif isinstance(value, bool):
-                w.add_bool(key, value)
-            else:
-                w.add_uint32(key, int(value))
+    copy_tokenizer(meta, w)
     g = torch.Generator().manual_seed(0)
     vocab = len(meta["tokenizer.ggml.tokens"])
 

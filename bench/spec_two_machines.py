@@ -4,7 +4,7 @@
 `meshllm node --draft-model DRAFT` that drafts for it over gRPC. Each is confined to its own
 core (taskset) and its own network namespace; the two namespaces are joined by a veth pair,
 and every byte to and from the proposer passes a relay on B that delays it `--delay-ms` each
-way (bench/delay_relay.py: this kernel has no netem), so drafts cross a slow link. The node
+way (tests/pipeline/delay_relay.py: this kernel has no netem), so drafts cross a slow link. The node
 listens on B's loopback and advertises B's veth address, where the relay listens. The baseline is machine
 A alone on its core decoding plainly; `--local-ngram` adds A alone with n-gram drafts.
 Greedy, batch 1; outputs are compared (token-identical unless the default kernels differ in
@@ -78,8 +78,8 @@ def driver(args) -> None:
                              "--port", str(PROPOSER_PORT), "--key-file", str(key_file), "--node-id", "proposer",
                              "--no-discovery", "--state-dir", str(Path(state) / "node"), "--draft-model", draft],
                      env, "listening on")
-        relay = start(on_b + [str(ROOT / "bench" / "delay_relay.py"), "--listen", f"{IP_PROPOSER}:{PROPOSER_PORT}",
-                              "--to", f"127.0.0.1:{PROPOSER_PORT}", "--delay-ms", str(args.delay_ms)], env, "relaying")
+        relay = start(on_b + [str(ROOT / "tests" / "pipeline" / "delay_relay.py"), IP_PROPOSER, str(PROPOSER_PORT),
+                              "127.0.0.1", str(PROPOSER_PORT), str(args.delay_ms)], env, "relay ready")
         try:
             leader = subprocess.run(
                 ["ip", "netns", "exec", ns.ns_a, "taskset", "-c", str(core_a), sys.executable, __file__,

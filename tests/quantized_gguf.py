@@ -27,6 +27,23 @@ def _permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def copy_tokenizer(meta: dict, writer: GGUFWriter) -> None:
+    """The `tokenizer.*` keys of a GGUF's metadata, written into another GGUF (a random model
+    that speaks the real model's vocabulary)."""
+    for key, value in meta.items():
+        if key.startswith("tokenizer."):
+            if isinstance(value, np.ndarray):
+                writer.add_array(key, value.tolist())
+            elif isinstance(value, list):
+                writer.add_array(key, value)
+            elif isinstance(value, str):
+                writer.add_string(key, value)
+            elif isinstance(value, bool):
+                writer.add_bool(key, value)
+            else:
+                writer.add_uint32(key, int(value))
+
+
 def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
                           seed: int = 0) -> Path:
     meta = GGUFFile.open(tokenizer_gguf).metadata
@@ -42,18 +59,7 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
-    for key, value in meta.items():
-        if key.startswith("tokenizer."):
-            if isinstance(value, np.ndarray):
-                w.add_array(key, value.tolist())
-            elif isinstance(value, list):
-                w.add_array(key, value)
-            elif isinstance(value, str):
-                w.add_string(key, value)
-            elif isinstance(value, bool):
-                w.add_bool(key, value)
-            else:
-                w.add_uint32(key, int(value))
+    copy_tokenizer(meta, w)
     g = torch.Generator().manual_seed(seed)
 
     def matrix(rows: int, cols: int) -> torch.Tensor:

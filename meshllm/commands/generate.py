@@ -122,14 +122,7 @@ def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPara
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
                              dtype=args.dtype, quantization=args.quantize,
                              speculative=args.speculative, device=args.device)
-    leader = local_leader(files, options)
-    try:
-        for event in leader.generate(prompt_ids, params):
-            if event.error is not None:
-                raise event.error
-            yield event
-    finally:
-        leader.close()
+    return _events(local_leader(files, options), prompt_ids, params)
 
 
 def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
@@ -169,6 +162,11 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
                                part=report.missing)
     print("[" + ", ".join(f"{'+'.join(s.node_ids)}: layers {s.first_layer}-{s.last_layer - 1}"
                           for s in plan.stages) + "]", file=sys.stderr)
+    return _events(leader, prompt_ids, params)
+
+
+def _events(leader, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationEvent]:
+    """The request's events, its error raised; the leader is closed when the stream ends."""
     try:
         for event in leader.generate(prompt_ids, params):
             if event.error is not None:

@@ -1,13 +1,17 @@
 """A TCP relay that delays every byte by a fixed time in each direction.
 
-This kernel has no `netem`, so tests add link latency with this instead:
-    python -m tests.pipeline.delay_relay LISTEN_HOST LISTEN_PORT TARGET_HOST TARGET_PORT DELAY_MS
-It prints "relay ready" once listening and runs until killed.
+This kernel has no `netem`, so tests and benchmarks (bench/spec_two_machines.py) add link
+latency with this instead:
+    python tests/pipeline/delay_relay.py LISTEN_HOST LISTEN_PORT TARGET_HOST TARGET_PORT DELAY_MS
+It prints "relay ready" once listening and runs until killed. Order is kept (one FIFO per
+direction), throughput is not limited (shape it with tbf), and Nagle is off on both legs so a
+small gRPC message is not held back beyond the delay.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 
@@ -34,7 +38,16 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     except ConnectionError:
         pass
     queue.put_nowait((0.0, None))
-    await sender
+    try:
+        await sender
+    except ConnectionError:
+        pass
+
+
+def _no_delay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 async def main(listen_host: str, listen_port: int, target_host: str, target_port: int, delay_ms: float) -> None:
@@ -46,6 +59,8 @@ async def main(listen_host: str, listen_port: int, target_host: str, target_port
         except OSError:
             client_writer.close()
             return
+        _no_delay(client_writer)
+        _no_delay(server_writer)
         await asyncio.gather(_pipe(client_reader, server_writer, delay_s), _pipe(server_reader, client_writer, delay_s),
                              return_exceptions=True)
 
