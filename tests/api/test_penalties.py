@@ -4,7 +4,6 @@ is the argmax of the model's own logprobs minus OpenAI's penalty formula over wh
 
 from __future__ import annotations
 
-import pytest
 
 from .conftest import MODEL
 

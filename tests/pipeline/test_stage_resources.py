@@ -20,7 +20,6 @@ import torch
 
 from meshllm.cluster.gossip import fetch_view
 from meshllm.engine.sampler import SamplingParams
-from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.step import SeqWork, Step
 from meshllm.pipeline.cluster import local_leader
 from meshllm.pipeline.transport import RemotePipeline, next_step_id
