@@ -56,6 +56,17 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_gguf_path):
+    """transformers' own fp32 model of the SmolLM2 GGUF (it dequantizes the blocks itself): the
+    reference several golden tests compare with. Loaded once per session: it takes ~20-40 s."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
 def _build_tiny_model(variant: str, folder: Path, seed: int, max_shard_size: str | None, **overrides) -> None:
     """Save a random-weight transformers model of `variant` (see TINY_VARIANTS) to `folder`.
 

@@ -32,7 +32,8 @@ GOLDEN_PROMPTS = ["What is the capital of France? Answer in one sentence.", "Wri
 NEAR_TIE = 0.5  # logits; see the test's docstring
 
 
-def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gguf_path, tmp_path):
+def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gguf_path, smollm2_transformers,
+                                                                       tmp_path):
     """The demo's serving options keep the Q4_1 blocks (ggml holds them; nothing is dequantized)
     and its greedy output through 2 node processes follows transformers on the dequantized weights.
 
@@ -44,8 +45,6 @@ def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gg
     NEAR_TIE logits, half the measured deviation; at least half the replies must be identical in
     full.
     """
-    from transformers import AutoModelForCausalLM
-
     from meshllm.commands import demo
     from meshllm.engine.ggml_lib import runtime
     from meshllm.engine.quantized import QuantizedLinear
@@ -68,8 +67,7 @@ def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gg
     assert len(linears) == 4 * 15 and all(m.weight_types == ["Q4_1"] for m in linears)
     del stage
 
-    reference = AutoModelForCausalLM.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name,
-                                                     dtype=torch.float32).eval()
+    reference = smollm2_transformers
     local = LocalCluster(2, [smollm2_gguf_path], tmp_path, threads_per_node=1)
     local.start(timeout_s=120)
     identical = 0

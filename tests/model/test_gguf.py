@@ -345,12 +345,8 @@ def test_damaged_headers_raise_named_errors_only(tmp_path, valid_gguf_bytes, dat
 # ---------------------------------------------------------------- golden: SmolLM2 vs transformers
 
 @pytest.fixture(scope="module")
-def smollm2_reference(smollm2_gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name,
-                                                 dtype=torch.float32)
-    return model.eval()
+def smollm2_reference(smollm2_transformers):
+    return smollm2_transformers
 
 
 @pytest.fixture(scope="module")

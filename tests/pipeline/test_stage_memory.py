@@ -1,12 +1,13 @@
-"""A stage holding every layer of the SmolLM2 Q4_1 GGUF keeps it quantized: its node process's
-resident memory stays within the file size + the KV cache + a fixed runtime baseline.
+"""A stage holding every layer of the SmolLM2 Q4_1 GGUF keeps it quantized: loading the model and
+decoding grows its node process's resident memory by no more than the file size + the KV cache +
+a fixed allowance for the ggml runtime and loader heap.
 
-Baseline, measured on this project's CI machine (2-core x86, torch 2.13, one thread per node):
-an idle node process (python, torch, gRPC, the model scan) is ~258 MiB; after loading all 30
-layers and decoding, it is ~456 MiB, i.e. idle + file (94 MiB) + ~104 MiB of loader and ggml
-runtime heap. BASELINE_BYTES (400 MiB) covers idle + runtime with ~40 MiB to spare. The same stage
-with the weights dequantized to fp32 (the old path, MESHLLM_NO_GGML=1) measures ~886 MiB and
-would fail this bound by ~380 MiB; bf16 would fail it too.
+The bound is on growth, measured in the node process itself (idle before Load, then after
+decoding), because an idle node's size (python, torch, gRPC, the model scan: 250-320 MiB seen)
+depends on the machine's CPU and allocator and is not the engine's doing. Measured growth on
+2-core x86 machines, torch 2.13, one thread per node: ~200 MiB = file (94 MiB) + ~105 MiB of
+runtime heap. With the weights dequantized to fp32 (the old path, MESHLLM_NO_GGML=1) the growth
+is ~630 MiB, with bf16 ~360 MiB: both fail this bound.
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ from tests.pipeline.conftest import Cluster
 pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
-BASELINE_BYTES = 400 * MIB
+RUNTIME_ALLOWANCE_BYTES = 160 * MIB
 CONTEXT = 256
 
 
-def test_all_layers_of_the_q4_1_gguf_fit_in_file_size_plus_kv_plus_baseline(smollm2_gguf_path, tmp_path):
+def _settled_rss(process: psutil.Process) -> int:
+    time.sleep(0.5)
+    return process.memory_info().rss
+
+
+def test_loading_all_layers_of_the_q4_1_gguf_grows_a_node_by_file_size_plus_kv_plus_runtime(
+        smollm2_gguf_path, tmp_path):
     if runtime() is None:
         pytest.skip("ggml is not built here (install.sh builds it); GGUF weights would be dequantized")
     files = open_model(smollm2_gguf_path)
@@ -41,20 +48,22 @@ def test_all_layers_of_the_q4_1_gguf_fit_in_file_size_plus_kv_plus_baseline(smol
     local.start(timeout_s=120)
     try:
         node = psutil.Process(local.processes[0].pid)
+        idle = _settled_rss(node)
         options = ServingOptions(context_length=CONTEXT, max_batch=1, dtype="float32", scheduler=SchedulerConfig())
         leader = Cluster(local).leader(files, [(0, c.num_hidden_layers)], options)
         try:
             ids = files.tokenizer.encode("Write a haiku about memory.")
             params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
             assert sum(1 for e in leader.generate(ids, params) if e.token_id is not None) == 32
-            time.sleep(0.5)
-            rss = node.memory_info().rss
+            loaded = _settled_rss(node)
         finally:
             leader.close()
     finally:
         local.stop()
     file_bytes = smollm2_gguf_path.stat().st_size
-    budget = file_bytes + kv_bytes + BASELINE_BYTES
-    print(f"stage RSS {rss / MIB:.0f} MiB; budget {budget / MIB:.0f} MiB = file {file_bytes / MIB:.0f} + "
-          f"KV {kv_bytes / MIB:.1f} + baseline {BASELINE_BYTES / MIB:.0f}")
-    assert rss <= budget, f"stage RSS {rss / MIB:.0f} MiB exceeds {budget / MIB:.0f} MiB"
+    budget = file_bytes + kv_bytes + RUNTIME_ALLOWANCE_BYTES
+    growth = loaded - idle
+    print(f"node RSS idle {idle / MIB:.0f} MiB, loaded {loaded / MIB:.0f} MiB: growth {growth / MIB:.0f} MiB; "
+          f"budget {budget / MIB:.0f} MiB = file {file_bytes / MIB:.0f} + KV {kv_bytes / MIB:.1f} + "
+          f"runtime {RUNTIME_ALLOWANCE_BYTES / MIB:.0f}")
+    assert growth <= budget, f"loading grew the node by {growth / MIB:.0f} MiB, over {budget / MIB:.0f} MiB"
