@@ -1,7 +1,8 @@
 """Plans are leased on the stages (issue 12): a leader that is gone for good (kill -9, never
 closed) leaves nothing loaded past the node's --plan-lease; a live idle leader keeps its plan
 (its idle probes renew it); a leader that left its plan unused past the lease finds it dropped
-and loads it again, with the same greedy output. Real `meshllm node` processes on loopback."""
+and loads it again, with the same greedy output. A node's proposer releases the sequences no
+leader named for the same lease. Real `meshllm node` processes on loopback."""
 
 from __future__ import annotations
 
@@ -17,11 +18,14 @@ import psutil
 import pytest
 
 from meshllm.cluster.gossip import fetch_view
+from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams
 from meshllm.pipeline.cluster import wait_for_fleet
 from meshllm.pipeline.failover import FailoverConfig
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.pipeline.plan_owner import PlanOwner
+from meshllm.spec.proposer import ProposeRequest
+from meshllm.spec.remote import RemoteProposer
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
@@ -142,3 +146,22 @@ def test_an_idle_leader_keeps_its_plan_and_one_that_was_away_loads_it_again(leas
         assert run(leader) == expected
     finally:
         leader.close()
+
+
+def test_a_proposer_releases_the_sequences_no_leader_named_for_the_lease(lease_cluster):
+    """Leader A crashed (it stopped calling; the node cannot tell the difference), leader B drafts on."""
+    node = lease_cluster.local
+    remote = RemoteProposer(lease_cluster.channels.get(node.addresses[0], node.node_ids[0]), "ngram",
+                            node.node_ids[0], deadline_s=5.0)
+    crashed, live = SeqId(11), SeqId(12)
+    first = remote.propose([ProposeRequest(crashed, 0, (1, 2, 3, 1, 2), 3), ProposeRequest(live, 0, (4, 5, 6, 4, 5), 3)])
+    assert [d.tokens for d in first] == [(3, 1), (6, 4)]
+    until = time.monotonic() + 2 * LEASE_S + 0.5
+    while time.monotonic() < until:
+        (draft,) = remote.propose([ProposeRequest(live, 5, (6,), 0)])  # only what changed: the node keeps the rest
+        assert draft.resync_from is None  # named within every lease: kept
+        time.sleep(0.2)
+    (draft,) = remote.propose([ProposeRequest(crashed, 5, (3,), 2)])
+    assert draft.resync_from == 0  # released: the node asks for the whole context again
+    (draft,) = remote.propose([ProposeRequest(live, 5, (6,), 2)])
+    assert draft.resync_from is None and draft.tokens == (4, 5)
