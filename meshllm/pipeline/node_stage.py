@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshllm.cluster.card import LoadedShard
+from meshllm.cluster.card import LoadedShard, WeightForm
 from meshllm.pipeline.stage_service import StageService
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.protos import stage_pb2_grpc
@@ -33,7 +33,8 @@ def attach_stage_service(node, key: bytes) -> StageService:
         streams = service.forward
         return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
                                                queue_depth=streams.num_open, max_streams=streams.max_streams,
-                                               tp_size=max(r.tp.size, 1))
+                                               tp_size=max(r.tp.size, 1),
+                                               form=WeightForm(r.dtype, r.quantization, r.batch_invariant))
                                    for r in service.loaded()))
 
     node.card.set_shards_source(shards)
