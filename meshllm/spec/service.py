@@ -38,6 +38,9 @@ class Served:
     vocab: str = ""  # vocabulary fingerprint; "" for token-agnostic proposers
     vocab_size: int = 0  # 0: any
     tokens_per_second: float = 0.0
+    # Positions a sequence may reach, drafts included (a draft model's context); 0: no limit (n-gram).
+    # Beyond it a draft is worthless, and a long enough context would pin the node's CPU for minutes.
+    max_context: int = 0
 
     def offer(self) -> RoleOffer:
         return RoleOffer(Role.PROPOSER, self.proposer.name, self.vocab, self.tokens_per_second)
@@ -71,6 +74,10 @@ class ProposerService(proposer_pb2_grpc.ProposerServicer):
         if served.vocab_size and any(t >= served.vocab_size for r in requests for t in r.tokens):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a token id is outside {request.model_id}'s vocabulary of {served.vocab_size}")
+        if served.max_context and any(r.end + r.k > served.max_context for r in requests):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a sequence reaches past {request.model_id}'s context of {served.max_context} tokens "
+                          f"(drafts included); draft it with ngram or a draft model with a longer context")
         with self._locks[request.model_id]:
             last_used = self._last_used[request.model_id]
             if release:
