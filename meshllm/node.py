@@ -63,8 +63,13 @@ class NodeConfig:
     # Port of the tensor-parallel rendezvous store this node hosts (0: a free one); None: the node
     # takes no part in tensor parallelism (no collective endpoint in its card, no link probes).
     collective_port: int | None = None
+    # A plan (and a proposer's sequence) no leader used this long is dropped: a leader that is gone
+    # for good leaves nothing loaded. Far above the leaders' idle renewals (every 2 s).
+    plan_lease_s: float = 300.0
 
     def __post_init__(self):
+        if self.plan_lease_s <= 0:
+            raise ValueError(f"--plan-lease must be positive, got {self.plan_lease_s}")
         if self.max_memory_bytes is not None and self.max_memory_bytes < 1:
             raise ValueError(f"--max-memory must be positive, got {self.max_memory_bytes} bytes")
         if self.gossip_interval_s <= 0:

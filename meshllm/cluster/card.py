@@ -28,6 +28,16 @@ class ModelOnDisk:
 
 
 @dataclass(frozen=True, slots=True)
+class WeightForm:
+    """How a stage holds a model's weights. Only a plan asking for the same form shares a loaded
+    shard's weights (pipeline/loaded_stages.WeightKey); any other loads a second copy."""
+
+    dtype: str = ""  # "float32" | "float16" | "bfloat16"
+    quantization: str = ""  # "" or "int8" / "int4" (--quantize)
+    batch_invariant: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class LoadedShard:
     model_id: str
     fingerprint: str
@@ -36,6 +46,7 @@ class LoadedShard:
     queue_depth: int = 0
     max_streams: int = 64
     tp_size: int = 1  # > 1: one rank's slice of a tensor-parallel group, not the whole range
+    form: WeightForm = WeightForm()
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meshllm.cluster.card import Card, LoadedShard
+from meshllm.cluster.card import Card, LoadedShard, WeightForm
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +21,8 @@ class CoveringShard:
     shard: LoadedShard
 
 
-def cover_loaded_shards(fingerprint: str, num_layers: int, cards: Iterable[Card]) -> tuple[CoveringShard, ...] | None:
+def cover_loaded_shards(fingerprint: str, num_layers: int, cards: Iterable[Card],
+                        form: WeightForm = WeightForm()) -> tuple[CoveringShard, ...] | None:
     """Contiguous shards covering layers [0, num_layers), or None when no complete cover exists.
 
     Walks from layer 0; at each cursor takes, among the shards that start exactly
@@ -30,13 +31,16 @@ def cover_loaded_shards(fingerprint: str, num_layers: int, cards: Iterable[Card]
     an already covered range is ignored: a stage runs its whole loaded range, so
     overlapping shards cannot be chained. A node serves at most one stage, and a
     shard already at its max_streams is skipped (it would queue, spec §5.6).
-    Greedy, as the reference: a dead end means "plan from scratch", not search.
+    Greedy, as the reference: a dead end means "plan from scratch", not search. Only shards
+    holding the weights in `form` count: one in another dtype or quantization is not shared (the
+    stage would load a second copy, which the fresh planner budgets).
     """
     starting_at: dict[int, list[CoveringShard]] = {}
     for card in cards:
         for shard in card.shards:
             # A tensor-parallel rank holds a slice of its range: only its group can run it.
-            if shard.fingerprint != fingerprint or shard.queue_depth >= shard.max_streams or shard.tp_size > 1:
+            if shard.fingerprint != fingerprint or shard.form != form or shard.queue_depth >= shard.max_streams \
+                    or shard.tp_size > 1:
                 continue
             if not 0 <= shard.first_layer < shard.last_layer <= num_layers:
                 continue  # a shard of a differently sized model with the same fingerprint: ignore

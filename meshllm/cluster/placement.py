@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshllm.cluster.card import Card, NodeId, Role
+from meshllm.cluster.card import Card, NodeId, Role, WeightForm
 from meshllm.cluster.cover import cover_loaded_shards
 from meshllm.cluster.registry import newer
 from meshllm.cluster.stage_budget import Footprint, WeightBytes, split_layers, usable_bytes
@@ -55,6 +55,9 @@ class PlacementRequest:
     # Real bytes of the weights as stages hold them (quantized GGUF blocks, --quantize); None:
     # every parameter takes weight_dtype_bytes.
     weight_bytes: WeightBytes | None = None
+    # How the stages will hold the weights: a loaded shard in another form is not reused (its node
+    # would load a second copy), so the plan budgets that copy like any fresh load.
+    form: WeightForm = WeightForm()
     prefix_cache_tokens: int = 0  # prompt KV each stage keeps for reuse (the leader's prefix cache), budgeted too
     # Nodes per stage: None groups nodes whose measured link makes it pay, 1 never groups, N > 1
     # makes every stage a tensor-parallel group of N (--tp N).
@@ -179,7 +182,7 @@ def _plan_on_loaded_shards(request: PlacementRequest, footprint: Footprint, stag
     if (request.tensor_parallel or 1) > 1:
         return None  # loaded shards are single nodes' ranges
     num_layers = request.config.num_hidden_layers
-    cover = cover_loaded_shards(request.fingerprint, num_layers, stage_nodes)
+    cover = cover_loaded_shards(request.fingerprint, num_layers, stage_nodes, request.form)
     if cover is None or (request.num_stages is not None and len(cover) != request.num_stages):
         return None
     stages = tuple(_assignment(request, footprint, (c.card,), i, len(cover), c.shard.first_layer, c.shard.last_layer)

@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-memory", type=parse_size, default=None, metavar="SIZE",
                         help="the most memory this node offers to plans, e.g. 6GiB or 512MiB (default: all that "
                              "is free); leaves the rest to other programs")
+    parser.add_argument("--plan-lease", type=float, default=d.plan_lease_s, metavar="SECONDS",
+                        help=f"drop a plan's layers, KV and prefix blocks (and a proposer's state of a sequence) "
+                             f"when no leader has used them this long: its leader is gone. Live leaders renew "
+                             f"every few seconds (default {d.plan_lease_s:g})")
     parser.add_argument("--collective-port", type=int, default=None, metavar="PORT",
                         help="take part in tensor-parallel groups: host their rendezvous store on PORT (0 picks a "
                              "free one), advertise it, and measure links to peers that do too. Its traffic (gloo) "
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             model_paths=tuple(args.models), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
             ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=state_dir, tls=tls_from_args(args),
             device=args.device, max_memory_bytes=args.max_memory,
-            collective_port=args.collective_port)
+            collective_port=args.collective_port, plan_lease_s=args.plan_lease)
     except ValueError as e:
         raise SystemExit(f"meshllm node: {e}") from None
     key = resolve_key(args.key_file, state_dir, create=True)

@@ -112,7 +112,7 @@ def node_config(args: argparse.Namespace, model_path: Path) -> NodeConfig:
         model_paths=(*args.models, model_path), node_id=args.node_id, gossip_interval_s=args.gossip_interval,
         ttl_s=args.ttl, discovery=not args.no_discovery, state_dir=args.state_dir or default_state_dir(),
         tls=node_command.tls_from_args(args), device=args.device, max_memory_bytes=args.max_memory,
-        collective_port=args.collective_port)
+        collective_port=args.collective_port, plan_lease_s=args.plan_lease)
 
 
 def build_backend(args: argparse.Namespace, node: Node, key: bytes) -> Backend:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
-from meshllm.cluster.card import Card
+from meshllm.cluster.card import Card, WeightForm
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
 from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPE_BYTES, DTYPES, dtype_name
 from meshllm.engine.scheduler import SchedulerConfig
@@ -113,6 +113,7 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
                             kv_dtype_bytes=DTYPE_BYTES[options.dtype], num_stages=options.num_stages,
                             weight_bytes=held_weight_bytes(files.source, files.config, DTYPE_BYTES[options.dtype],
                                                            options.quantization, options.batch_invariant),
+                            form=WeightForm(options.dtype, options.quantization or "", options.batch_invariant),
                             prefix_cache_tokens=options.scheduler.prefix_cache_blocks
                             * options.scheduler.prefix_block_size, tensor_parallel=options.tensor_parallel)
 

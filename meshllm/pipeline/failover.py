@@ -105,6 +105,14 @@ class Deployment:
     description: str = ""  # "node-0[0,2) node-3[2,4)", for logs
 
 
+@dataclass(frozen=True, slots=True)
+class StageProbe:
+    """What a probe of the plan's stages found (indexes of stages)."""
+
+    unresponsive: tuple[int, ...] = ()  # a node of the stage did not answer in time: dead or hung
+    unloaded: tuple[int, ...] = ()  # it answered but no longer holds the plan (its lease ran out): re-deploy
+
+
 class Replanner(Protocol):
     """What the leader needs from whoever owns the plan (plan_owner.py). Both calls block and
     run on worker threads, never on the leader's loop."""
@@ -114,8 +122,9 @@ class Replanner(Protocol):
         after nothing fit). Raises MeshError (ShardUnavailable naming what is missing)."""
         ...
 
-    def probe(self, timeout_s: float) -> list[int]:
-        """Indexes of the current plan's stages that do not answer Health.Check in time."""
+    def probe(self, timeout_s: float) -> StageProbe:
+        """Ask every node of the current plan whether it still holds the plan (which renews its
+        lease there): who does not answer in time, who answers without it."""
         ...
 
 
@@ -136,6 +145,7 @@ class Probed:
     epoch: int
     unresponsive: tuple[int, ...]
     idle: bool = False  # a routine check between requests, not a suspected stall
+    unloaded: tuple[int, ...] = ()  # stages that answered but no longer hold the plan
 
 
 class Recovery:
@@ -176,8 +186,15 @@ class Recovery:
         self.probing = True
         self.last_probe = time.monotonic()
         epoch = self.epoch
-        threading.Thread(target=lambda: self._post(Probed(epoch, tuple(self.replanner.probe(timeout_s)), idle)),
-                         daemon=True, name="leader-probe").start()
+        threading.Thread(target=self._probe, args=(epoch, timeout_s, idle), daemon=True, name="leader-probe").start()
+
+    def _probe(self, epoch: int, timeout_s: float, idle: bool) -> None:
+        try:
+            found = self.replanner.probe(timeout_s)
+        except Exception:  # noqa: BLE001 - an answer must come, or no probe would ever start again
+            log.exception("probing the stages failed")
+            found = StageProbe()
+        self._post(Probed(epoch, found.unresponsive, idle, found.unloaded))
 
     def idle_probe_due(self) -> bool:
         return not self.running and not self.probing and \

@@ -90,11 +90,15 @@ class LeaderFailover:
                     i = unresponsive[0]
                     self._fail_over(StageFailure(i, "stage_unreachable", f"stage {i} stopped answering health "
                                                  "checks between requests"))
+                elif message.unloaded and self.transport is not None:
+                    self._fail_over(_plan_dropped(message.unloaded[0]))
             case Probed(unresponsive=unresponsive):
                 if self.transport is None:
                     return
                 stalled_s = self._watch.stalled_for()
-                if unresponsive:
+                if message.unloaded and not unresponsive:
+                    self._fail_over(_plan_dropped(message.unloaded[0]))
+                elif unresponsive:
                     self.observer.on_stall()
                     i = unresponsive[0]
                     self._fail_over(StageFailure(i, "pipeline_stalled", f"stage {i} stopped answering: no reply "
@@ -121,3 +125,10 @@ class LeaderFailover:
                 log.warning("no plan: [%s] %s", error.code, error)
                 for request in list(self._requests.values()):
                     self._finish(request, "error", error)
+
+
+def _plan_dropped(stage_index: int) -> StageFailure:
+    """A stage dropped the plan (this leader left it unused past the node's lease: paused, cut off):
+    load it again; no node is at fault."""
+    return StageFailure(None, "shard_not_loaded", f"stage {stage_index} no longer holds the plan (its lease ran "
+                        f"out while this leader was away); loading it again")

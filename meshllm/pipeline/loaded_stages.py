@@ -7,6 +7,11 @@ own runner (KV cache, prefix blocks, next stage); Unload of the last plan using 
 range drops its weights. A tensor-parallel rank's slices are bound to its group's
 collectives (tp/layers.py), so their key names the group and no other plan shares them.
 
+A plan is leased: every use by a leader (a step, a Renew, a Release, a Load) renews it, and the
+node's sweeper drops plans unused for its --plan-lease (`pop_idle`), so a leader that is gone for
+good leaves nothing loaded. A tensor-parallel worker rank is not leased: only rank 0 sees the
+steps, and its group ends (dropping every rank) when rank 0's plan goes.
+
 Thread-safe: gRPC runs every call on its own pool thread, and the gossip thread reads
 the list for the node's card. Each plan's stage has its own compute lock, so its
 micro-batches run one at a time; the registry's lock only guards the dicts.
@@ -15,6 +20,7 @@ micro-batches run one at a time; the registry's lock only guards the dicts.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from meshllm.engine.stage_runner import StageRunner
@@ -59,6 +65,7 @@ class LoadedStage:
     weights: SharedWeights
     lock: threading.Lock = field(default_factory=threading.Lock)
     limits: StepLimits = field(init=False)
+    last_used: float = field(default_factory=time.monotonic)  # the last use by any leader (monotonic)
 
     def __post_init__(self):
         self.limits = stage_convert.limits_from_pb(self.request)
@@ -67,6 +74,10 @@ class LoadedStage:
     @property
     def index(self) -> int:
         return self.request.stage_index
+
+    @property
+    def leased(self) -> bool:
+        return self.request.tp.rank == 0  # a worker rank lives as long as its group (see the module doc)
 
 
 class LoadedStages:
@@ -78,6 +89,23 @@ class LoadedStages:
     def get(self, plan_id: str) -> LoadedStage | None:
         with self._lock:
             return self._stages.get(plan_id)
+
+    def use(self, plan_id: str) -> LoadedStage | None:
+        """The plan's stage, its lease renewed (a leader named it)."""
+        with self._lock:
+            stage = self._stages.get(plan_id)
+            if stage is not None:
+                stage.last_used = time.monotonic()
+            return stage
+
+    def pop_idle(self, lease_s: float) -> list[tuple[str, LoadedStage, int]]:
+        """Remove the leased plans no leader used for `lease_s`: (plan id, stage, weight bytes freed) each.
+        Under the same lock as `use`, so a plan a step just named is never dropped."""
+        idle_since = time.monotonic() - lease_s
+        with self._lock:
+            idle = [p for p, s in self._stages.items() if s.leased and s.last_used < idle_since]
+            popped = [self._stages.pop(p) for p in idle]
+            return [(p, s, self._drop_unused(s.weights.key)) for p, s in zip(idle, popped)]
 
     def weights(self, key: WeightKey) -> SharedWeights | None:
         with self._lock:

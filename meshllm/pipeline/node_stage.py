@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshllm.cluster.card import LoadedShard
+from meshllm.cluster.card import LoadedShard, WeightForm
 from meshllm.pipeline.stage_service import StageService
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.protos import stage_pb2_grpc
@@ -25,7 +25,7 @@ def attach_stage_service(node, key: bytes) -> StageService:
     # A loaded shard shows in the node's card at once, not at the next gossip round.
     service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
                            device=node.config.device, max_streams=node.server.config.max_streams,
-                           collective=node.collective)
+                           collective=node.collective, plan_lease_s=node.config.plan_lease_s)
 
     def shards() -> tuple[LoadedShard, ...]:
         # One entry per range held, however many plans share its weights. Streams are a node-wide
@@ -33,7 +33,8 @@ def attach_stage_service(node, key: bytes) -> StageService:
         streams = service.forward
         return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
                                                queue_depth=streams.num_open, max_streams=streams.max_streams,
-                                               tp_size=max(r.tp.size, 1))
+                                               tp_size=max(r.tp.size, 1),
+                                               form=WeightForm(r.dtype, r.quantization, r.batch_invariant))
                                    for r in service.loaded()))
 
     node.card.set_shards_source(shards)

@@ -39,7 +39,7 @@ from meshllm.pipeline.cluster import (ServingOptions, context_of, local_transpor
                                       plan_for, stage_names_of)
 from meshllm.pipeline.deploy import StageUnreachable, deploy
 from meshllm.pipeline.events import LeaderObserver
-from meshllm.pipeline.failover import Deployment, StageFailure
+from meshllm.pipeline.failover import Deployment, StageFailure, StageProbe
 from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth, StageSummary
 from meshllm.pipeline.leader import Leader
 from meshllm.pipeline.transport import RemotePipeline
@@ -137,15 +137,17 @@ class PlanOwner:
                 raise
             return deployment
 
-    def probe(self, timeout_s: float) -> list[int]:
+    def probe(self, timeout_s: float) -> StageProbe:
+        """Renew the plan's lease on each of its nodes; the answers say who is gone or dropped it."""
         current = self._current
         if current is None or current.plan is None:
-            return []
+            return StageProbe()
         # A group's stage is alive while all its ranks are: a hung worker stalls rank 0's collectives.
-        members = [(i, address) for i, s in enumerate(current.plan.stages) for address in _addresses(s)]
+        members = [(i, node, address) for i, s in enumerate(current.plan.stages) for node, address in _members(s)]
         with ThreadPoolExecutor(max_workers=len(members)) as pool:
-            alive = list(pool.map(lambda m: self._answers(m[1], timeout_s), members))
-        return sorted({i for (i, _), ok in zip(members, alive) if not ok})
+            answers = list(pool.map(lambda m: self._renew(m[2], m[1], current.plan_id, timeout_s), members))
+        return StageProbe(unresponsive=tuple(sorted({i for (i, _, _), a in zip(members, answers) if a is None})),
+                          unloaded=tuple(sorted({i for (i, _, _), a in zip(members, answers) if a is False})))
 
     # --- under the lock ----------------------------------------------------------------------------
     def _exclude_failed(self, failure: StageFailure | None) -> NodeId | None:
@@ -271,6 +273,14 @@ class PlanOwner:
             return True
         except grpc.RpcError:
             return False
+
+    def _renew(self, address: str, node_id: NodeId, plan_id: str, timeout_s: float) -> bool | None:
+        """Whether the node still holds the plan (its lease renewed); None: no answer in time."""
+        try:
+            return stage_pb2_grpc.StageStub(self.channels.get(address, node_id)).Renew(
+                stage_pb2.RenewRequest(plan_id=plan_id), timeout=timeout_s).loaded
+        except grpc.RpcError:
+            return None
 
     def _unload_stale(self) -> None:
         with self._lock:

@@ -1,5 +1,5 @@
 """The stage's control plane: load a layer range for a plan, unload a plan, release
-sequences, report state.
+sequences, renew a plan's lease, drop the plans whose lease ran out, report state.
 
 A Load carrying a `tp` part makes this node one rank of a tensor-parallel stage (tp/stage.py);
 its slices are bound to its group, so they are never shared with another plan, and the stage
@@ -52,7 +52,7 @@ class StageControl:
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._load_lock:
-            existing = self._stages.get(request.plan_id)
+            existing = self._stages.use(request.plan_id)
             if existing is not None and same_load(existing, request):
                 return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
@@ -134,16 +134,36 @@ class StageControl:
             stage, freed = self._stages.pop(request.plan_id)
         if stage is None:
             return stage_pb2.UnloadReply(was_loaded=False)
+        self._retire(request.plan_id, stage, freed, "unloaded")
+        self._on_change()
+        return stage_pb2.UnloadReply(was_loaded=True, weight_bytes_freed=freed)
+
+    def expire(self, lease_s: float) -> list[str]:
+        """Drop the plans no leader used for `lease_s` (their leaders are gone: killed, cut off, or
+        re-planned elsewhere without reaching this node); returns their ids. A leader that comes
+        back finds its plan unknown (Renew, shard_not_loaded) and loads it again."""
+        with self._load_lock:  # not while a Load of the same plan is under way
+            idle = self._stages.pop_idle(lease_s)
+        for plan_id, stage, freed in idle:
+            self._retire(plan_id, stage, freed, f"unused for its {lease_s:g}s lease; dropped")
+        if idle:
+            self._on_change()
+        return [plan_id for plan_id, _, _ in idle]
+
+    @staticmethod
+    def _retire(plan_id: str, stage: LoadedStage, freed: int, why: str) -> None:
+        """Free a removed plan's runner state: KV, prefix blocks, a tensor-parallel group."""
         with stage.lock:  # a step of that plan still running finishes first
             stage.runner.release(stage.runner.held_sequences())
             stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
         close_runner(stage)  # a tensor-parallel rank ends its group (rank 0 tells the workers)
-        log.info("plan %s unloaded (%d weight bytes freed)", request.plan_id, freed)
-        self._on_change()
-        return stage_pb2.UnloadReply(was_loaded=True, weight_bytes_freed=freed)
+        log.info("plan %s %s (%d weight bytes freed)", plan_id, why, freed)
+
+    def renew(self, request: stage_pb2.RenewRequest) -> stage_pb2.RenewReply:
+        return stage_pb2.RenewReply(loaded=self._stages.use(request.plan_id) is not None)
 
     def release(self, request: stage_pb2.ReleaseRequest) -> stage_pb2.ReleaseReply:
-        stage = self._stages.get(request.plan_id)
+        stage = self._stages.use(request.plan_id)
         if stage is None:
             return stage_pb2.ReleaseReply(num_released=0)
         with stage.lock:

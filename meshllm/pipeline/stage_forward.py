@@ -90,7 +90,7 @@ class ForwardStreams:
         try:
             for request in request_iterator:
                 received_at = time.time()
-                stage = self._stages.get(request.plan_id)
+                stage = self._stages.use(request.plan_id)  # renews the plan's lease
                 if stage is None:
                     replies.put(stage_convert.error_reply(request.step_id, "shard_not_loaded",
                                                           f"plan {request.plan_id} is not loaded here", -1))

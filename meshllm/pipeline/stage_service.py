@@ -1,11 +1,14 @@
 """The Stage gRPC service: the control plane (stage_control.py) and the Forward streams'
 data plane (stage_forward.py) over one registry of loaded stages.
 
-This module is only the gRPC glue: it maps named errors to status codes.
+This module is the gRPC glue (it maps named errors to status codes) and the lease sweeper: a
+thread that drops the plans no leader has used for `plan_lease_s` (stage_control.expire).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 
 import grpc
@@ -21,11 +24,22 @@ from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 from meshllm.transport.server import DEFAULT_MAX_STREAMS
 
+log = logging.getLogger(__name__)
+
+MAX_SWEEP_INTERVAL_S = 15.0  # a dead leader's plan goes within its lease plus this
+
 
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
                  on_change: Callable[[], None] = lambda: None, max_streams: int = DEFAULT_MAX_STREAMS,
-                 device: str = "cpu", collective: NodeCollective | None = None):
+                 device: str = "cpu", collective: NodeCollective | None = None, *, plan_lease_s: float):
+        """`plan_lease_s`: a plan no leader used this long is dropped (NodeConfig.plan_lease_s). Leaders
+        renew theirs at every step and, between requests, at each idle probe (every 2 s)."""
+        if plan_lease_s <= 0:
+            raise ValueError(f"the plan lease must be positive, got {plan_lease_s}")
+        self.plan_lease_s = plan_lease_s
+        self._stopped = threading.Event()
+        self._sweeper: threading.Thread | None = None
         self.stages = LoadedStages()
         self.control = StageControl(self.stages, resolve_model, on_change, device, collective)
         self.forward = ForwardStreams(self.stages, channels, max_streams, FaultInjector.from_env())
@@ -47,6 +61,9 @@ class StageService(stage_pb2_grpc.StageServicer):
     def Release(self, request, context):
         return self.control.release(request)
 
+    def Renew(self, request, context):
+        return self.control.renew(request)
+
     def Info(self, request, context):
         reply = self.control.info()
         reply.num_streams, reply.max_streams = self.forward.num_open, self.forward.max_streams
@@ -60,7 +77,19 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     # Node service interface: started with the node, stopped before its gRPC server.
     def start(self) -> None:
-        pass
+        self._sweeper = threading.Thread(target=self._sweep, daemon=True, name="plan-lease")
+        self._sweeper.start()
 
     def stop(self) -> None:
+        self._stopped.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=10)
         self.control.close()
+
+    def _sweep(self) -> None:
+        interval = min(self.plan_lease_s / 4, MAX_SWEEP_INTERVAL_S)
+        while not self._stopped.wait(interval):
+            try:
+                self.control.expire(self.plan_lease_s)
+            except Exception:  # noqa: BLE001 - the sweeper must outlive one bad unload
+                log.exception("dropping expired plans failed")

@@ -89,5 +89,6 @@ def served_proposers(draft_paths: list[Path], bandwidth_gbps: float, options: Dr
         proposer, files = load_draft_model(path, options)
         weight_bytes = decoder_bytes(proposer.decoder)
         speed = bandwidth_gbps * 1e9 / weight_bytes if weight_bytes else 0.0  # decode reads every weight
-        served.append(Served(proposer, vocab_fingerprint(files.tokenizer), files.config.vocab_size, round(speed, 1)))
+        served.append(Served(proposer, vocab_fingerprint(files.tokenizer), files.config.vocab_size, round(speed, 1),
+                             files.config.max_position_embeddings))
     return served

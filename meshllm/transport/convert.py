@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from meshllm.cluster.card import Card, LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer
+from meshllm.cluster.card import Card, LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer, WeightForm
 from meshllm.errors import InvalidCard, MalformedMessage
 from meshllm.transport.protos import cluster_pb2
 
@@ -47,7 +47,8 @@ def model_to_pb(m: ModelOnDisk) -> cluster_pb2.ModelOnDisk:
 def shard_to_pb(s: LoadedShard) -> cluster_pb2.LoadedShard:
     return cluster_pb2.LoadedShard(model_id=s.model_id, fingerprint=s.fingerprint, first_layer=s.first_layer,
                                    last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams,
-                                   tp_size=s.tp_size)
+                                   tp_size=s.tp_size, dtype=s.form.dtype, quantization=s.form.quantization,
+                                   batch_invariant=s.form.batch_invariant)
 
 
 def link_to_pb(link: LinkProbe) -> cluster_pb2.LinkProbe:
@@ -119,7 +120,9 @@ def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
         first_layer=first, last_layer=last,
         queue_depth=int(_bounded(s.queue_depth, "queue_depth", 0, 1 << 20)),
         max_streams=int(_bounded(s.max_streams, "max_streams", 1, 1 << 20)),
-        tp_size=int(_bounded(max(s.tp_size, 1), "tp_size", 1, 1024)))
+        tp_size=int(_bounded(max(s.tp_size, 1), "tp_size", 1, 1024)),
+        form=WeightForm(_text(s.dtype, "shard dtype", MAX_ID_CHARS, required=False),
+                        _text(s.quantization, "shard quantization", MAX_ID_CHARS, required=False), s.batch_invariant))
 
 
 def link_from_pb(k: cluster_pb2.LinkProbe) -> LinkProbe:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role
+from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role, WeightForm
 from meshllm.cluster.cover import cover_loaded_shards
 from meshllm.cluster.placement import HOP_OVERHEAD_S, PlacementRequest, plan_placement
 from meshllm.cluster.stage_budget import Footprint, split_layers
@@ -95,6 +95,24 @@ def test_reused_shards_must_still_fit_kv_for_the_target_context():
              card("c", 16 * GIB, num_layers=16)]
     plan = plan_placement(req, fleet)
     assert not plan.reused_shards and ranges(plan) == [("c", 0, 16)]
+
+
+def test_a_shard_loaded_in_another_dtype_is_not_reused_and_the_second_copy_is_budgeted():
+    """The stage would load the weights again in the new dtype (issue 12): the plan must count that copy."""
+    fp32 = request(SIXTEEN, weight_dtype_bytes=4, form=WeightForm("float32"))
+    bf16 = dataclasses.replace(fp32, weight_dtype_bytes=2, form=WeightForm("bfloat16"))
+    room = free_for(bf16, [16])[0]
+    # `a` holds the fp32 copy (outside its free memory); its free memory holds the KV, not another copy.
+    a = card("a", room - 1, num_layers=16, shards=(LoadedShard("m", "fp", 0, 16, form=WeightForm("float32")),))
+    assert plan_placement(fp32, [a]).reused_shards
+    with pytest.raises(ShardUnavailable):
+        plan_placement(bf16, [a])
+    with pytest.raises(ShardUnavailable):  # the same dtype quantized is another copy too
+        plan_placement(dataclasses.replace(fp32, form=WeightForm("float32", "int8")), [a])
+    b = card("b", room, num_layers=16)
+    plan = plan_placement(bf16, [a, b])
+    assert not plan.reused_shards and ranges(plan) == [("b", 0, 16)]
+    assert plan.stages[0].weight_bytes == Footprint.of(bf16).fixed_weights(0, 1) + 16 * Footprint.of(bf16).layer_weight
 
 
 # --- memory-proportional and speed-aware splits ----------------------------------------------------

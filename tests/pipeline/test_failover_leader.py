@@ -18,7 +18,7 @@ from meshllm.engine.step import Step, StepResult
 from meshllm.errors import ShardUnavailable
 from meshllm.pipeline.cluster import local_leader, local_transport, new_leader
 from meshllm.pipeline.events import LeaderObserver
-from meshllm.pipeline.failover import Deployment, FailoverConfig
+from meshllm.pipeline.failover import Deployment, FailoverConfig, StageProbe
 from meshllm.pipeline.transport import LocalPipeline
 from tests.pipeline.conftest import OPTIONS
 
@@ -76,8 +76,8 @@ class Replanner:
         self.current = self._next()
         return Deployment(self.current, plan_s=0.01, load_s=0.02, description="in process")
 
-    def probe(self, timeout_s: float) -> list[int]:
-        return [0] if self.current is not None and self.current.hang else []
+    def probe(self, timeout_s: float) -> StageProbe:
+        return StageProbe(unresponsive=(0,) if self.current is not None and self.current.hang else ())
 
 
 class Recorder(LeaderObserver):

@@ -6,7 +6,7 @@ import time
 import pytest
 from hypothesis import given
 
-from meshllm.cluster.card import LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role
+from meshllm.cluster.card import LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, WeightForm
 from meshllm.errors import InvalidCard, MalformedMessage
 from meshllm.transport import convert
 from meshllm.transport.protos import cluster_pb2
@@ -28,6 +28,11 @@ def test_round_trip_with_optional_fields_and_all_roles():
                      links=(LinkProbe(NodeId("n2"), 8.5e-5, 1.25), LinkProbe(NodeId("n3"), 0.0021, 0.11)))
     assert convert.card_from_pb(wire(card), NOW) == card
     assert convert.card_from_pb(wire(make_card(announced_at=NOW)), NOW).api_address is None
+
+
+def test_a_shards_weight_form_travels():
+    shard = LoadedShard("m", "f", 0, 4, form=WeightForm("bfloat16", "int8", batch_invariant=True))
+    assert convert.card_from_pb(wire(make_card(shards=(shard,), announced_at=NOW)), NOW).shards == (shard,)
 
 
 def test_a_typical_card_is_well_under_the_wire_limit():

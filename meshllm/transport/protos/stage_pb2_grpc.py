@@ -59,6 +59,11 @@ class StageStub:
                 request_serializer=stage__pb2.UnloadRequest.SerializeToString,
                 response_deserializer=stage__pb2.UnloadReply.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/meshllm.Stage/Renew',
+                request_serializer=stage__pb2.RenewRequest.SerializeToString,
+                response_deserializer=stage__pb2.RenewReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -95,6 +100,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Renew(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +133,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Unload,
                     request_deserializer=stage__pb2.UnloadRequest.FromString,
                     response_serializer=stage__pb2.UnloadReply.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=stage__pb2.RenewRequest.FromString,
+                    response_serializer=stage__pb2.RenewReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +275,33 @@ class Stage:
             '/meshllm.Stage/Unload',
             stage__pb2.UnloadRequest.SerializeToString,
             stage__pb2.UnloadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshllm.Stage/Renew',
+            stage__pb2.RenewRequest.SerializeToString,
+            stage__pb2.RenewReply.FromString,
             options,
             channel_credentials,
             insecure,
