@@ -60,6 +60,7 @@ def smollm2_gguf_path() -> Path:
 def smollm2_transformers(smollm2_gguf_path):
     """transformers' own fp32 model of the SmolLM2 GGUF (it dequantizes the blocks itself): the
     reference several golden tests compare with. Loaded once per session: it takes ~20-40 s."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_gguf_path.parent, gguf_file=smollm2_gguf_path.name,
