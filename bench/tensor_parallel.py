@@ -46,7 +46,7 @@ from meshllm.model.loader import load_decoder  # noqa: E402
 from meshllm.model.weights import SafetensorsSource  # noqa: E402
 from meshllm.tp.channel import CommandChannel  # noqa: E402
 from meshllm.tp.group import GroupSpec, StoreHost, join_group  # noqa: E402
-from meshllm.tp.link_probe import SCHEDULE, run_schedule, summarize  # noqa: E402
+from meshllm.tp.link_probe import SCHEDULE, SMALL_INDICES, run_schedule, summarize  # noqa: E402
 from meshllm.tp.load import load_rank_decoder  # noqa: E402
 from meshllm.tp.runner import TensorParallelRunner  # noqa: E402
 from meshllm.tp.shard import ShardLayout  # noqa: E402
@@ -122,7 +122,7 @@ def run_rank(args) -> dict | None:
     decoder = load_rank_decoder(source, config, ShardLayout.of(config, args.rank, 2), collective,
                                 dtype=getattr(torch, args.dtype))
     # The planner's link probe, between these two pinned processes, over this very group.
-    probe_times = run_schedule(collective, SCHEDULE)
+    probe_times = run_schedule(collective, SCHEDULE, SMALL_INDICES if args.rank == 0 else range(0))
     runner = StageRunner(decoder, samples=args.rank == 0)
     channel = CommandChannel(collective)
     if args.rank != 0:
@@ -269,10 +269,22 @@ def _summary(args, runs: dict[str, list[dict]]) -> dict:
         "measured_per_token": {k: med(tp, "measured_per_token", k) for k in tp[0]["measured_per_token"]},
         "predicted_per_token": {k: med(tp, "predicted_per_token", k) for k in tp[0]["predicted_per_token"]},
         "prediction_error": med(tp, "prediction_error"),
+        # The planner's whole-step prediction: each rank's half of the measured one-thread step (the
+        # compute the cards' measured bandwidth stands for) plus the predicted collectives, per run.
+        "step_prediction": _step_prediction(one, tp),
         # What the split costs beyond halving one thread's step: TP=2's step minus half of TP=1's.
         "overhead_per_token_ms": 1e3 * (statistics.median(t["step_s_median"] for t in tp)
                                         - statistics.median(o["step_s_median"] for o in one) / 2),
     }
+
+
+def _step_prediction(one: list[dict], tp: list[dict]) -> dict:
+    half_step_ms = 1e3 * statistics.median(o["step_s_median"] for o in one) / 2
+    predicted = [half_step_ms + t["predicted_per_token"]["collective_ms"] for t in tp]
+    measured = [1e3 * t["step_s_median"] for t in tp]
+    errors = [p / m - 1 for p, m in zip(predicted, measured)]
+    return {"predicted_step_ms": statistics.median(predicted), "measured_step_ms": statistics.median(measured),
+            "error": {"median": statistics.median(errors), "min": min(errors), "max": max(errors)}}
 
 
 if __name__ == "__main__":

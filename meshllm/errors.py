@@ -166,3 +166,10 @@ class TensorParallelFailed(MeshError):
     """A rank of a tensor-parallel group died, hung or left; the whole group (one stage) has failed."""
 
     code = "tp_group_failed"
+
+
+class TensorParallelAborted(TensorParallelFailed):
+    """This rank left its group unformed because another rank failed its Load (that rank's error is
+    the cause: the leader reports it, and plans without that rank's node)."""
+
+    code = "tp_group_aborted"

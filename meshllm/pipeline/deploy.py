@@ -3,7 +3,10 @@
 Called by the leader when it (re)plans. Loading is idempotent per plan id, so
 two leaders that derive the same plan from the same view share the stages. Every
 rank of a tensor-parallel stage gets the stage's request with its own rank and a
-group id fresh for this deploy (the rendezvous' key prefix in rank 0's store).
+group id fresh for this deploy (the rendezvous' key prefix in rank 0's store). A rank whose
+Load fails fails its whole group's in seconds (tp/load_gate.py): its node tells the other
+ranks, and so does this leader when the node did not answer at all; deploy then raises
+that rank's error (RankLoadFailed, naming the node), not the others' aborts.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
 import grpc
@@ -19,8 +22,10 @@ import grpc
 from meshllm.cluster.placement import Plan
 from meshllm.engine.step_limits import (DEFAULT_PREFIX_BLOCKS, WIRE_MAX_CONTEXT, WIRE_MAX_SEQS,
                                          WIRE_MAX_STEP_TOKENS, StepLimits)
-from meshllm.errors import BadRequest, MeshError, ModelLoadError, PeerUnreachable, ShardUnavailable, WeightsMismatch
+from meshllm.errors import (BadRequest, MeshError, ModelLoadError, PeerUnreachable, ShardUnavailable,
+                            TensorParallelAborted, TensorParallelFailed, WeightsMismatch)
 from meshllm.tp.group import RankRole
+from meshllm.tp.load_gate import report_failure
 from meshllm.transport import stage_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.stage_convert import rank_role_to_pb
@@ -35,6 +40,16 @@ class StageUnreachable(PeerUnreachable):
     def __init__(self, message: str, node_id: str):
         super().__init__(message)
         self.node_id = node_id
+
+
+class RankLoadFailed(TensorParallelFailed):
+    """One rank of a tensor-parallel stage failed its Load (its node answered): the group cannot
+    form with it; the planner should leave that node out."""
+
+    def __init__(self, message: str, node_id: str, cause: MeshError):
+        super().__init__(message)
+        self.node_id = node_id
+        self.cause = cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +107,8 @@ def load_requests(plan: Plan, dtype: str, batch_invariant: bool, quantization: s
 def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False,
            quantization: str | None = None, limits: StepLimits | None = None) -> str:
     """Load every stage of `plan` (every rank of a group at once: they meet while loading);
-    returns the plan id. Raises the first node's error.
+    returns the plan id. Raises a failed node's error once every Load has ended (a rank's
+    failure ends its group's other Loads in seconds).
 
     `limits` are what the stages accept per step (the leader's scheduler within the plan); the
     default suits a leader with the default scheduler settings."""
@@ -106,17 +122,41 @@ def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_inva
                 return
             except grpc.RpcError as e:
                 if attempt or e.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise _load_error(item.node_id, item.address, e) from None
+                    error = _load_error(item.node_id, item.address, e)
+                    if item.request.HasField("tp"):
+                        raise _rank_error(item, error) from None
+                    raise error from None
                 time.sleep(0.2)
 
+    errors: list[MeshError] = []
     with ThreadPoolExecutor(max_workers=len(loads)) as pool:
-        for future in [pool.submit(load, item) for item in loads]:
-            future.result()
+        for future in as_completed([pool.submit(load, item) for item in loads]):
+            error = future.exception()
+            if error is not None and not isinstance(error, MeshError):
+                raise error
+            if error is not None:
+                errors.append(error)
+    if errors:  # the cause, not the aborts it caused in the rest of its group
+        raise next((e for e in errors if not isinstance(e, TensorParallelAborted)), errors[0])
     return loads[0].request.plan_id
+
+
+def _rank_error(item: NodeLoad, error: MeshError) -> MeshError:
+    """A rank's failed Load, told to the rest of its group (its node may not have: it may be down)."""
+    tp = item.request.tp
+    what = f"rank {tp.rank} of {tp.size} of tensor-parallel stage {item.request.stage_index}"
+    if isinstance(error, TensorParallelAborted):
+        return error
+    report_failure(tp.store_address, tp.group_id, tp.rank, f"node {item.node_id}: [{error.code}] {error}")
+    if isinstance(error, StageUnreachable):
+        return StageUnreachable(f"{what}: {error}", item.node_id)
+    return RankLoadFailed(f"{what}: [{error.code}] {error}", item.node_id, error)
 
 
 def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:
     details = e.details() or ""
+    if e.code() == grpc.StatusCode.ABORTED:
+        return TensorParallelAborted(f"node {node_id} ({address}): {details}")
     if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
         return WeightsMismatch(f"node {node_id} ({address}): {details}")
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -17,6 +17,12 @@ from meshllm.pipeline.replies import ReplyCheck
 
 log = logging.getLogger("meshllm.pipeline.leader")  # one logger for the loop, whichever file
 
+# A failed pipeline's stage 0 may be stuck behind the failure (a tensor-parallel rank 0 waits out
+# its group's timeout in a collective): the loop waits this long for it to drain, not the
+# transport's default 10 s. The new plan's stages are fresh (a new plan id, fresh KV), and the
+# old stream frees what it held on stage 0 when it ends.
+FAILED_CLOSE_S = 1.0
+
 
 class LeaderFailover:
     def _check_progress(self) -> None:
@@ -61,7 +67,7 @@ class LeaderFailover:
                 in_flight.add(w.seq.seq_id)
         self._in_flight.clear()
         self._watch.reset()
-        self.transport.close()
+        self.transport.close(FAILED_CLOSE_S)
         self.transport = None
         self._chores.take()  # the new plan's stages hold none of those sequences or blocks
         limit = self._recovery.config.max_failovers

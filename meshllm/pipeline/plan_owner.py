@@ -4,7 +4,8 @@ builds its Leader here.
 
 Re-planning (`recover`, called by the leader on a worker thread):
 1. exclude the failed node: until it answers a health check again (dead or hung), or for
-   `quarantine_s` (it sent corrupt activations: it answers health checks fine). A failed
+   `quarantine_s` (it sent corrupt activations, or failed its Load as a rank of a
+   tensor-parallel group: it answers health checks fine). A failed
    tensor-parallel stage is a group of nodes: those that do not answer are excluded (a
    killed or hung rank), or the whole group when all of them answer (its collectives broke);
 2. move the failed stage to a spare that can hold it, so the survivors keep their ranges
@@ -37,7 +38,7 @@ from meshllm.errors import MeshError, ShardUnavailable
 from meshllm.model.source import ModelFiles
 from meshllm.pipeline.cluster import (ServingOptions, context_of, local_transport, new_leader, placement_request,
                                       plan_for, stage_names_of)
-from meshllm.pipeline.deploy import StageUnreachable, deploy
+from meshllm.pipeline.deploy import RankLoadFailed, StageUnreachable, deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import Deployment, StageFailure, StageProbe
 from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth, StageSummary
@@ -203,6 +204,10 @@ class PlanOwner:
             except StageUnreachable as e:
                 log.warning("%s; planning without it", e)
                 self._excluded[e.node_id] = _Exclusion(str(e), None)
+            except RankLoadFailed as e:
+                # It answers health checks, so it is left out for a while, not until it answers.
+                log.warning("%s; planning without node %s for %.0fs", e, e.node_id, QUARANTINE_S)
+                self._excluded[e.node_id] = _Exclusion(str(e), time.monotonic() + QUARANTINE_S)
         load_s = time.perf_counter() - started - plan_s
         self._current = _Current(plan, plan_id)
         if previous is not None and previous.plan is not None and previous.plan_id != plan_id:

@@ -27,7 +27,9 @@ from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_
 from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey
+from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.tp.group import RankRole
+from meshllm.tp.load_gate import failures_reported
 from meshllm.tp.node_collective import NodeCollective
 from meshllm.tp.stage import open_rank
 from meshllm.transport import stage_convert
@@ -41,8 +43,9 @@ ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> 
 class StageControl:
     def __init__(self, stages: LoadedStages, resolve_model: ModelResolver,
                  on_change: Callable[[], None] = lambda: None, device: str = "cpu",
-                 collective: NodeCollective | None = None):
+                 collective: NodeCollective | None = None, faults: FaultInjector | None = None):
         self._stages = stages
+        self._faults = faults or FaultInjector(None)  # tests only: see fault_injection.py
         self._device = device  # the node's --device: where loaded weights, KV and compute go
         self._resolve_model = resolve_model
         self._on_change = on_change  # the node refreshes its card's shard list
@@ -63,6 +66,7 @@ class StageControl:
                 weights, runner, num_bytes_read = self._open_rank(request, key)
             elif weights is None:
                 weights, num_bytes_read = self._load_weights(request, key)
+                self._faults.after_load()
             close_runner(self._stages.put(request.plan_id, request, weights, runner))
             seconds = time.perf_counter() - started
             log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
@@ -102,6 +106,13 @@ class StageControl:
 
     def _open_rank(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, object, int]:
         role: RankRole = stage_convert.rank_role_from_pb(request)
+        hosted = self._collective.store if self._collective is not None else None
+        node_name = self._collective.prober.node_id if self._collective is not None else "(no collective endpoint)"
+        with failures_reported(role, hosted, node_name):  # the other ranks stop waiting for this one at once
+            return self._open_rank_reported(request, key, role)
+
+    def _open_rank_reported(self, request: stage_pb2.LoadRequest, key: WeightKey,
+                            role: RankRole) -> tuple[SharedWeights, object, int]:
         if self._device != "cpu":
             raise BadRequest(f"tensor-parallel ranks run on the CPU (gloo over the LAN); this node runs "
                              f"--device {self._device}: plan it as an ordinary stage (--tp 1)")
@@ -117,7 +128,7 @@ class StageControl:
                 self._on_change()
 
         runner = open_rank(files, role, self._collective, request.first_layer, request.last_layer, dtype,
-                           request.quantization or None, request.batch_invariant, gone)
+                           request.quantization or None, request.batch_invariant, gone, self._faults.after_load)
         runners.append(runner)
         weights = SharedWeights(key, runner.decoder, decoder_bytes(runner.decoder))
         return weights, runner, files.source.num_bytes_read()

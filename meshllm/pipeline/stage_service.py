@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import grpc
 
-from meshllm.errors import BadRequest, MeshError, ShardUnavailable, WeightsMismatch
+from meshllm.errors import BadRequest, MeshError, ShardUnavailable, TensorParallelAborted, WeightsMismatch
 from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_control import ModelResolver, StageControl
@@ -41,15 +41,18 @@ class StageService(stage_pb2_grpc.StageServicer):
         self._stopped = threading.Event()
         self._sweeper: threading.Thread | None = None
         self.stages = LoadedStages()
-        self.control = StageControl(self.stages, resolve_model, on_change, device, collective)
-        self.forward = ForwardStreams(self.stages, channels, max_streams, FaultInjector.from_env())
+        faults = FaultInjector.from_env()
+        self.control = StageControl(self.stages, resolve_model, on_change, device, collective, faults)
+        self.forward = ForwardStreams(self.stages, channels, max_streams, faults)
 
     def Load(self, request, context):
         try:
             stage_convert.limits_from_pb(request)  # refuse bad limits before reading any weights
             return self.control.load(request)
         except MeshError as e:
+            # ABORTED: this rank is fine, another rank of its group failed (the cause, reported by it).
             status = (grpc.StatusCode.FAILED_PRECONDITION if isinstance(e, WeightsMismatch) else
+                      grpc.StatusCode.ABORTED if isinstance(e, TensorParallelAborted) else
                       grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, BadRequest) else
                       grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ShardUnavailable) else
                       grpc.StatusCode.NOT_FOUND)

@@ -4,6 +4,13 @@ The prober hosts the rendezvous (its StoreHost) and is rank 0 of a 2-rank group;
 the peer over gRPC (Collective.ProbeLink) to join as rank 1, and both run the same list of
 all-reduces: warm-ups, then small ones (latency) and large ones (bandwidth). The result
 goes in the prober's card (LinkProbe), where the planner's cost model reads it.
+
+The latency is that of small all-reduces the prober starts after idling a while (IDLE_GAP_S,
+about a layer's compute), not back-to-back ones: in a decode step each all-reduce follows a
+layer's compute, so the peer waits idle in it and pays its wake-up (scheduler latency,
+sockets gone cold) on every call. Back-to-back calls stay hot and measured a third of what
+decode paid on loopback (bench/tensor_parallel.py). Only the prober idles, so the peer runs
+the same list of all-reduces unchanged.
 """
 
 from __future__ import annotations
@@ -30,15 +37,20 @@ log = logging.getLogger(__name__)
 SMALL_BYTES, LARGE_BYTES = 1024, 1 << 20
 NUM_WARMUP, NUM_SMALL, NUM_LARGE = 5, 25, 8
 SCHEDULE = [SMALL_BYTES] * (NUM_WARMUP + NUM_SMALL) + [LARGE_BYTES] * (2 + NUM_LARGE)
+IDLE_GAP_S = 2e-3  # the prober idles this long before each small all-reduce it times
+SMALL_INDICES = range(NUM_WARMUP, NUM_WARMUP + NUM_SMALL)
 PROBE_TIMEOUT_S = 30.0
 MAX_SIZES, MAX_SIZE_BYTES = 256, 16 << 20  # what a callee accepts
 
 
-def run_schedule(collective: Collective, sizes: list[int]) -> list[float]:
-    """All-reduce a float32 tensor of each size in turn; seconds of each."""
+def run_schedule(collective: Collective, sizes: list[int], idle_before: range = range(0)) -> list[float]:
+    """All-reduce a float32 tensor of each size in turn; seconds of each. Calls at `idle_before`
+    start after IDLE_GAP_S of idling (the prober's side only)."""
     times = []
-    for num_bytes in sizes:
+    for i, num_bytes in enumerate(sizes):
         t = torch.ones(max(1, num_bytes // 4))
+        if i in idle_before:
+            time.sleep(IDLE_GAP_S)
         started = time.perf_counter()
         collective.all_reduce(t)
         times.append(time.perf_counter() - started)
@@ -46,8 +58,8 @@ def run_schedule(collective: Collective, sizes: list[int]) -> list[float]:
 
 
 def summarize(peer: NodeId, sizes: list[int], times: list[float]) -> LinkProbe:
-    """Latency: median small all-reduce; bandwidth: payload per second added by the large ones."""
-    small = statistics.median(t for s, t in zip(sizes[NUM_WARMUP:], times[NUM_WARMUP:]) if s == SMALL_BYTES)
+    """Latency: median small all-reduce after idling; bandwidth: payload per second the large ones add."""
+    small = statistics.median(times[i] for i in SMALL_INDICES if sizes[i] == SMALL_BYTES)
     large = statistics.median(times[-NUM_LARGE:])
     extra_s = large - small
     bandwidth = (LARGE_BYTES - SMALL_BYTES) / extra_s if extra_s > 0 else LARGE_BYTES / large
@@ -71,7 +83,7 @@ def probe_peer(store: StoreHost, bind_host: str, peer: NodeId, peer_address: str
             _wait_quietly(call)
             raise
         try:
-            times = run_schedule(collective, SCHEDULE)
+            times = run_schedule(collective, SCHEDULE, SMALL_INDICES)
         finally:
             collective.close()
         try:

@@ -1,7 +1,8 @@
 """A node's rank of a tensor-parallel stage, built when the leader loads the group.
 
 Every rank gets the same LoadRequest but its own `tp.rank`. Each reads only its slices,
-then joins the group through the store rank 0's node hosts; rank 0 becomes the stage
+says so in the store rank 0's node hosts (tp/load_gate.py: a rank whose Load failed fails
+the others' at once instead of leaving them in the rendezvous), then joins the group; rank 0 becomes the stage
 the pipeline talks to (TensorParallelRunner), the others mirror it (WorkerStage).
 `on_gone` runs once when the rank's group ends without an Unload (a rank failed, or
 rank 0 went away): the node then drops the stage, so no rank outlives its group.
@@ -23,6 +24,7 @@ from meshllm.tp.channel import CommandChannel
 from meshllm.tp.group import GroupSpec, RankRole, join_group
 from meshllm.tp.layers import shard_decoder
 from meshllm.tp.load import load_rank_weights
+from meshllm.tp.load_gate import LoadGate
 from meshllm.tp.node_collective import NodeCollective
 from meshllm.tp.runner import RankStage, TensorParallelRunner
 from meshllm.tp.shard import ShardLayout
@@ -60,14 +62,21 @@ class WorkerStage(RankStage):
 
 def open_rank(files: ModelFiles, role: RankRole, node: NodeCollective | None, first_layer: int, last_layer: int,
               dtype: torch.dtype, quantization: str | None, batch_invariant: bool,
-              on_gone: Callable[[str], None]) -> TensorParallelRunner | WorkerStage:
-    """Load this rank's slices, join the group (blocks until every rank has), and start it."""
+              on_gone: Callable[[str], None], after_load: Callable[[], None] = lambda: None
+              ) -> TensorParallelRunner | WorkerStage:
+    """Load this rank's slices, join the group (blocks until every rank has), and start it.
+
+    `after_load` runs once the slices are in memory (fault injection may fail the Load there)."""
     if node is None:
         raise BadRequest("this node takes no part in tensor parallelism (no collective endpoint): start it with "
                          "--collective-port")
     layout = ShardLayout.of(files.config, role.rank, role.size)
+    gate = LoadGate(role, node.store)  # first: a rank that cannot reach rank 0's store fails before loading
     decoder = load_rank_weights(files.source, files.config, layout, first_layer, last_layer, dtype, quantization,
                                 batch_invariant)
+    after_load()
+    gate.loaded()
+    gate.wait_for_all(TP_RENDEZVOUS_TIMEOUT_S)
     spec = GroupSpec(role.group_id, role.rank, role.size, role.store_address, node.bind_host,
                      timeout_s=role.timeout_s, rendezvous_timeout_s=TP_RENDEZVOUS_TIMEOUT_S)
     collective = join_group(spec, node.store if role.rank == 0 else None)
