@@ -223,7 +223,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(first_layer, last_layer))
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype) if self.has_head else None
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype) if self.has_head else None
-        self.rotary = Rotary(config, dtype)
+        with torch.device("cpu"):  # host tables (they follow the input's device), even when built on meta
+            self.rotary = Rotary(config, dtype)
         # Set by engine/stage_weights.py: runs the whole layer range as one ggml graph per step.
         self.fast_path = None
         self.requires_grad_(False)

@@ -6,7 +6,9 @@ and gate/up are concatenated at load so each runs as one matmul.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
@@ -57,6 +59,27 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
     return names
 
 
+_INIT_PATCH_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Skip nn modules' random init while building on meta: every weight is read from the file
+    next, and init on meta tensors goes through torch's reference ops, whose first use imports
+    torch._dynamo and sympy (~800 modules: 2-8 s of a node's first Load on a small CPU)."""
+    names = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+             "trunc_normal_", "zeros_", "ones_", "constant_")
+    with _INIT_PATCH_LOCK:  # loads in parallel threads must not save each other's no-ops
+        saved = {name: getattr(nn.init, name) for name in names}
+        for name in names:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
+
+
 def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0, last_layer: int | None = None,
                  dtype: torch.dtype = torch.float32,
                  progress: Callable[[int, int], None] | None = None,
@@ -72,7 +95,7 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
     if not 0 <= first_layer < last_layer <= config.num_hidden_layers:
         raise ModelLoadError(f"{source.path}: layer range [{first_layer}, {last_layer}) is not inside the "
                              f"model's {config.num_hidden_layers} layers")
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         decoder = Decoder(config, first_layer, last_layer, dtype)
     names = name_map(config, first_layer, last_layer)
     expected = {name: p.shape for name, p in decoder.named_parameters()}
@@ -95,7 +118,6 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
             progress(done + 1, len(names))
     assert set(state) == {name for name, _ in decoder.named_parameters()}, "swapped modules left parameters"
     decoder.load_state_dict(state, assign=True, strict=True)
-    decoder.rotary = type(decoder.rotary)(config, dtype)  # built on meta above; rebuild on cpu
     return decoder
 
 
