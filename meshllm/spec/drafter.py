@@ -42,7 +42,7 @@ from meshllm.engine.sequence import Sequence
 from meshllm.engine.step import DraftDist
 from meshllm.errors import MeshError
 from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts
-from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest, checked_draft
+from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest, catch_up_tokens, checked_draft
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,8 @@ class Drafter:
             log.info("proposer %s failed: %s; plain decoding for %.1fs", self.proposer.name, message.error,
                      self.config.retry_after_s)
             self._paused_until = now + self.config.retry_after_s
-        else:
+        elif not catch_up_tokens(message.requests):
+            # A catch-up call (a prompt to prefill) says nothing about how fast blocks are drafted.
             self._latency_s = message.seconds if self._latency_s is None else \
                 0.8 * self._latency_s + 0.2 * message.seconds
             drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side

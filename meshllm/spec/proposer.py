@@ -20,6 +20,9 @@ from meshllm.engine.step import MAX_DRAFT_SUPPORT, DraftDist
 from meshllm.errors import MeshError
 
 MAX_DRAFT_TOKENS = 64  # per request; the Step wire format caps a verified draft at the same
+# A request carrying more context tokens than this is a catch-up (a prompt, or a long stretch
+# decoded plainly): the proposer prefills them first, so its time is not a block's drafting time.
+CATCH_UP_TOKENS = 32
 
 
 class ProposerError(MeshError):
@@ -97,6 +100,11 @@ class Proposer(Protocol):
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]: ...
 
     def release(self, seq_ids: Sequence[SeqId]) -> None: ...
+
+
+def catch_up_tokens(requests: Sequence[ProposeRequest]) -> int:
+    """Context tokens the proposer must prefill before drafting, over the requests that are catch-ups."""
+    return sum(len(r.tokens) for r in requests if len(r.tokens) > CATCH_UP_TOKENS)
 
 
 def checked_draft(draft: Draft, request: ProposeRequest, vocab_size: int) -> Draft:

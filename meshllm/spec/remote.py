@@ -4,6 +4,14 @@ RemoteProposer sends a batch of requests in one Propose call with a deadline in
 milliseconds (per block, not the channel's 10 s default): a draft that misses it is
 dropped (ProposerError), the leader decodes without it. Release requests ride along
 with the next call. Called from the leader's drafting thread only.
+
+A call that carries a sequence's prompt (or a long stretch decoded plainly) is a catch-up:
+the proposer must prefill those tokens before it can draft, which for a draft model on a
+slow core takes seconds (measured: 300 tokens of SmolLM2-135M, ~7 s on a loaded core), far
+past any per-block deadline. Such a call gets a deadline sized for the prefill, from the
+proposer's measured seconds per context token (a cautious prior until measured), capped.
+The leader is not held meanwhile: drafts arrive on its inbox (spec/drafter.py), so its
+sequences decode plainly until the proposer has caught up, then speculation starts.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from meshllm.cluster.card import Card, NodeId
 from meshllm.engine.kv_cache import SeqId
 from meshllm.errors import MalformedMessage
 from meshllm.spec.placement import ProposerPlacement, ProposerUnavailable, ProposerWant, place_proposer
-from meshllm.spec.proposer import Draft, ProposeRequest, ProposerError
+from meshllm.spec.proposer import Draft, ProposeRequest, ProposerError, catch_up_tokens
 from meshllm.transport import spec_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import proposer_pb2_grpc
@@ -30,6 +38,9 @@ DEFAULT_DEADLINE_S = 0.5  # per call; a draft later than this is worth nothing t
 # A proposer left out after failures is tried again after this long: a slow first call (catching
 # up a long prompt) or a restart must not end speculation for the life of the leader.
 EXCLUSION_S = 10.0
+PRIOR_PREFILL_S_PER_TOKEN = 0.05  # until measured: slower than any draft model worth placing
+PREFILL_MARGIN = 2.0  # a catch-up may take this many times its measured rate (a busy node)
+CATCH_UP_CAP_S = 30.0  # a proposer slower than this on a prompt is not worth waiting for
 
 
 class RemoteProposer:
@@ -41,6 +52,14 @@ class RemoteProposer:
         self.deadline_s = deadline_s
         self._stub = proposer_pb2_grpc.ProposerStub(channel)
         self._released: list[SeqId] = []
+        self.prefill_s_per_token = PRIOR_PREFILL_S_PER_TOKEN  # decaying average over catch-up calls
+
+    def deadline_for(self, requests: Sequence[ProposeRequest]) -> float:
+        """The per-block deadline, or for a catch-up call one sized for prefilling its context."""
+        context = catch_up_tokens(requests)
+        if not context:
+            return self.deadline_s
+        return min(CATCH_UP_CAP_S, self.deadline_s + PREFILL_MARGIN * context * self.prefill_s_per_token)
 
     def release(self, seq_ids: Sequence[SeqId]) -> None:
         self._released.extend(seq_ids)
@@ -48,13 +67,20 @@ class RemoteProposer:
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
         release, self._released = self._released, []
         message = spec_convert.request_to_pb(self.model_id, requests, release)
+        context = catch_up_tokens(requests)
+        started = time.perf_counter()
         try:
-            reply = self._stub.Propose(message, timeout=self.deadline_s)
+            reply = self._stub.Propose(message, timeout=self.deadline_for(requests))
         except grpc.RpcError as e:
             self._released = release + self._released  # not delivered: send again next time
+            if context and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self.prefill_s_per_token *= 2  # slower than believed: the next catch-up waits longer
             error = ProposerError(f"proposer {self.model_id} on {self.node_id}: {e.code().name}: {e.details()}")
             error.unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
             raise error from None
+        if context:
+            measured = (time.perf_counter() - started) / context
+            self.prefill_s_per_token = 0.5 * self.prefill_s_per_token + 0.5 * measured
         try:
             return spec_convert.drafts_from_pb(reply, requests)
         except MalformedMessage as e:

@@ -4,6 +4,7 @@ Greedy output is always identical to plain decoding."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -19,6 +20,7 @@ from meshllm.pipeline.cluster import local_leader, new_leader, wait_for_fleet
 from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.pipeline.transport import RemotePipeline
+from meshllm.spec.draft_model import vocab_fingerprint
 from meshllm.spec.drafter import SpecConfig
 from meshllm.spec.factory import SpeculativeChoice, build_proposer
 from meshllm.spec.ngram import NgramProposer
@@ -29,7 +31,7 @@ from meshllm.transport.auth import generate_key, load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.protos import proposer_pb2_grpc
 from meshllm.transport.server import NodeServer, ServerConfig
-from tests.spec.conftest import EXACT, PROMPTS, SlowProposer
+from tests.spec.conftest import EXACT, PROMPTS, TOKENIZER_FILES, SlowProposer
 from tests.spec.test_speculative_identity import Counting, run_all
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -123,10 +125,24 @@ def _reference(files, prompts):
 
 
 @pytest.fixture(scope="module")
-def cluster(aidreams_path, tmp_path_factory):
-    """Three node processes; each serves aidreams' layers and an aidreams draft model (int8)."""
+def long_context_draft(aidreams_path, tiny_model_dir):
+    """A random-weight draft model with a 4096-token context and aidreams' tokenizer: aidreams
+    holds only 128 tokens, too few for a prompt whose catch-up outlasts a block's deadline."""
+    folder = tiny_model_dir("llama", seed=21, vocab_size=512, hidden_size=256, intermediate_size=512,
+                            num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=4096)
+    for f in TOKENIZER_FILES:
+        if not (folder / f).exists():
+            shutil.copy(aidreams_path / f, folder / f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cluster(aidreams_path, long_context_draft, tmp_path_factory):
+    """Three node processes; each serves aidreams' layers and an aidreams draft model (int8), plus
+    the long-context draft model (less throughput than aidreams: never placed unless pinned)."""
     local = LocalCluster(3, [aidreams_path], tmp_path_factory.mktemp("spec-cluster"),
-                         extra_args=("--gossip-interval", "0.3", "--ttl", "3", "--draft-model", str(aidreams_path)),
+                         extra_args=("--gossip-interval", "0.3", "--ttl", "3", "--draft-model", str(aidreams_path),
+                                     "--draft-model", str(long_context_draft)),
                          threads_per_node=1)
     local.start(timeout_s=120)
     try:
@@ -170,6 +186,35 @@ def test_remote_draft_model_in_another_node_process(cluster, aidreams_path, rang
         stage_channels.close()
         channels.close()
     assert counts.accepted > 0.5 * counts.drafted > 0
+
+
+def test_a_long_prompt_catch_up_gets_a_deadline_sized_for_prefill(cluster, long_context_draft):
+    """The first call for a sequence makes the proposer node prefill the whole prompt, which takes
+    far longer than a block may: it gets a deadline sized for that prefill, so the draft is not
+    dropped and the node not left out; the next block's call is held to the block deadline again."""
+    from meshllm.spec.placement import ProposerWant
+    from meshllm.spec.remote import CATCH_UP_CAP_S, ReplanningProposer
+
+    files = open_model(long_context_draft)
+    key = load_key(cluster.key_file)
+    block_deadline_s = 0.05
+    channels = ChannelPool(ChannelConfig("spec-catch-up", key))
+    try:
+        want = ProposerWant(vocab_fingerprint(files.tokenizer), model_id=files.model_id, node_id="node-0")
+        proposer = ReplanningProposer(want, lambda: fetch_view(cluster.addresses[0], key), channels, block_deadline_s)
+        prompt = tuple(3 + (i * 7919) % 500 for i in range(1000))
+        started = time.perf_counter()
+        (draft,) = proposer.propose([ProposeRequest(SeqId(1), 0, prompt, 4)])
+        catch_up_s = time.perf_counter() - started
+        # 1000 tokens through a 4-layer model: ~0.2 s on an idle core, ~1.2 s on this loaded machine.
+        assert catch_up_s > block_deadline_s and len(draft.tokens) == 4 and not proposer.excluded, catch_up_s
+        remote = proposer._current
+        next_block = [ProposeRequest(SeqId(1), len(prompt) + 4, (draft.tokens[0],), 4)]
+        assert remote.deadline_for(next_block) == block_deadline_s
+        # The next prompt's deadline comes from the prefill rate just measured, with its margin.
+        assert catch_up_s < remote.deadline_for([ProposeRequest(SeqId(2), 0, prompt, 4)]) <= CATCH_UP_CAP_S
+    finally:
+        channels.close()
 
 
 def test_killed_proposer_node_generation_continues_and_replans(cluster, aidreams_path):
