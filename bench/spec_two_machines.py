@@ -180,15 +180,17 @@ def leader_role(args) -> None:
             try:
                 run(leader, prompts[:1], replace(params, max_tokens=8))  # warm-up
                 counts.__init__()
-                rates, outputs[mode] = [], []
+                rates, decode_rates, outputs[mode] = [], [], []
                 for _ in range(args.repeats):
                     for p in prompts:  # batch 1: one prompt at a time
-                        rate, out = run(leader, [p], params)
+                        rate, decode_rate, out = run(leader, [p], params)
                         rates.append(rate)
+                        decode_rates.append(decode_rate)
                         outputs[mode].append(out[0])
             finally:
                 leader.close()
             row[mode] = {"tok_s": round(statistics.median(rates), 2), "tok_s_runs": [round(r, 2) for r in rates],
+                         "decode_tok_s": round(statistics.median(decode_rates), 2),
                          "acceptance": round(counts.accepted / counts.drafted, 3) if counts.drafted else None,
                          "tokens_per_pass": round((counts.passes + counts.accepted) / counts.passes, 3)
                          if counts.passes else None}
@@ -196,6 +198,7 @@ def leader_role(args) -> None:
         for mode in modes:
             if mode != "one_machine":
                 row[mode]["speedup"] = round(row[mode]["tok_s"] / base, 3)
+                row[mode]["decode_speedup"] = round(row[mode]["decode_tok_s"] / row["one_machine"]["decode_tok_s"], 3)
                 row[mode]["identical"] = outputs[mode] == outputs["one_machine"]
         report["results"][kind] = row
     channels.close()

@@ -49,17 +49,31 @@ def average_price(items):
     if not items:
         return 0
     return sum(item.price for item in items) / len(items)
+
+
+def most_expensive(items):
+    best = None
+    for item in items:
+        if best is None or item.price > best.price:
+            best = item
+    return best
 '''
-DOC = '{"name": "Ada Lovelace", "born": 1815, "fields": ["mathematics", "computing"], ' \
-      '"notes": "wrote the first published algorithm for a machine", "city": "London"}'
-QUOTE = ("The committee wrote: 'The bridge will close on Monday for repairs to the north span. Traffic "
-         "will be diverted through the east tunnel. Cyclists may use the temporary ferry, which runs every "
-         "twenty minutes from the old pier.'")
+DOC = ('{"name": "Ada Lovelace", "born": 1815, "died": 1852, "fields": ["mathematics", "computing"], '
+       '"notes": "wrote the first published algorithm for a machine", "city": "London", '
+       '"parents": ["Lord Byron", "Anne Isabella Milbanke"], "known_for": "notes on the Analytical Engine"}')
+QUOTE = ("The bridge will close on Monday for repairs to the north span. Traffic will be diverted through "
+         "the east tunnel. Cyclists may use the temporary ferry, which runs every twenty minutes from the old "
+         "pier. The bridge will reopen on Friday morning, weather permitting.")
+# Repetitive: the answer copies most of the prompt back (an edit of code or a document, a quote),
+# as assistants do when asked to change one thing and show the result. Generation stops at the
+# model's end of turn, so the text after the copy (free text) weighs only as much as it really does.
+# Free: stories, nothing to copy from. Both kinds stop at EOS (greedy output, the same with and
+# without drafts) or at --max-tokens.
 PROMPTS = {
     "repetitive": [
         f"Rename the variable `items` to `products` in this code and print the whole code:\n\n{CODE}",
         f"Rewrite this JSON document with the key \"city\" changed to \"town\"; print the whole document:\n{DOC}",
-        f"{QUOTE}\n\nQuote exactly what the committee wrote about traffic and cyclists.",
+        f"Repeat the following text exactly, word for word:\n\n{QUOTE}",
     ],
     "free": [
         "Write a short story about a lighthouse keeper who finds a strange bottle on the beach.",
@@ -86,13 +100,14 @@ def chat_ids(files, text: str) -> list[int]:
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
 
 
-def run(leader, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list[list[int]]]:
-    """All prompts at once; returns (generated tokens / second from first submit to last token, ids)."""
+def run(leader, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """All prompts at once; returns (generated tokens / second from first submit to last token, decode
+    tokens / second from the first token to the last, i.e. without the prompts' prefill, ids)."""
     events = [queue.Queue() for _ in prompts]
     started = time.perf_counter()
     for i, p in enumerate(prompts):
         leader.submit(p, params, events[i].put)
-    out = []
+    out, first_token_at, last_token_at = [], [], started
     for q in events:
         tokens = []
         while True:
@@ -101,35 +116,58 @@ def run(leader, prompts: list[list[int]], params: SamplingParams) -> tuple[float
                 raise e.error
             if e.token_id is not None:
                 tokens.append(e.token_id)
+                if len(tokens) == 1:
+                    first_token_at.append(time.perf_counter())
+                last_token_at = max(last_token_at, time.perf_counter())
             if e.finish_reason is not None:
                 break
         out.append(tokens)
-    return sum(len(t) for t in out) / (time.perf_counter() - started), out
+    generated = sum(len(t) for t in out)
+    decode_s = last_token_at - min(first_token_at, default=last_token_at)
+    return generated / (last_token_at - started), (generated - len(out)) / decode_s if decode_s else 0.0, out
+
+
+def run_groups(leader, groups: list[list[list[int]]], params: SamplingParams) -> tuple[float, float, list[list[int]]]:
+    """Each group of prompts at once, one group after another: (end-to-end, decode) tokens / second."""
+    tokens = decoded = 0
+    seconds = decode_s = 0.0
+    out = []
+    for group in groups:
+        rate, decode_rate, ids = run(leader, group, params)
+        n = sum(len(t) for t in ids)
+        tokens, decoded = tokens + n, decoded + n - len(ids)
+        seconds += n / rate
+        decode_s += (n - len(ids)) / decode_rate if decode_rate else 0.0
+        out.extend(ids)
+    return tokens / seconds, decoded / decode_s if decode_s else 0.0, out
 
 
 def measure(make_leader, files, args) -> dict:
     """Both leaders live side by side and their runs alternate (plain, speculative, plain, ...), so
     drift in what else this shared machine runs hits both alike."""
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     results = {}
-    for kind, texts in PROMPTS.items():
-        ids = [chat_ids(files, t) for t in texts]
+    for kind in args.kinds:
+        ids = [chat_ids(files, t) for t in PROMPTS[kind]]
         for batch in args.batch:
-            prompts = [ids[i % len(ids)] for i in range(batch)]
+            # Batch 1: every prompt in turn. Batch b: b sequences at once, cycling through the prompts.
+            groups = [[p] for p in ids] if batch == 1 else [[ids[i % len(ids)] for i in range(batch)]]
             modes = ("plain", "speculative")
             counts = {m: Counts() for m in modes}
             leaders = {}
             try:
                 for m in modes:
                     leaders[m] = make_leader(m == "speculative", counts[m])
-                    run(leaders[m], prompts[:1], replace(params, max_tokens=8))  # warm-up
+                    run(leaders[m], groups[0][:1], replace(params, max_tokens=8))  # warm-up
                     counts[m].__init__()
                 rates = {m: [] for m in modes}
+                decode_rates = {m: [] for m in modes}
                 outputs = {}
                 for _ in range(args.repeats):
                     for m in modes:
-                        rate, outputs[m] = run(leaders[m], prompts, params)
+                        rate, decode_rate, outputs[m] = run_groups(leaders[m], groups, params)
                         rates[m].append(rate)
+                        decode_rates[m].append(decode_rate)
             finally:
                 for leader in leaders.values():
                     leader.close()
@@ -137,12 +175,19 @@ def measure(make_leader, files, args) -> dict:
             for m in modes:
                 c = counts[m]
                 row[m] = {"tok_s": round(statistics.median(rates[m]), 2), "tok_s_runs": [round(r, 2) for r in rates[m]],
+                          "decode_tok_s": round(statistics.median(decode_rates[m]), 2),
+                          "decode_tok_s_runs": [round(r, 2) for r in decode_rates[m]],
                           "acceptance": round(c.accepted / c.drafted, 3) if c.drafted else None,
-                          "tokens_per_pass": round((c.passes + c.accepted) / c.passes, 3) if c.passes else None}
+                          "tokens_per_pass": round((c.passes + c.accepted) / c.passes, 3) if c.passes else None,
+                          "tokens_generated": [len(t) for t in outputs[m]]}
             row["identical"] = outputs["plain"] == outputs["speculative"]
             row["speedup"] = round(row["speculative"]["tok_s"] / row["plain"]["tok_s"], 3)
             # Per pair of neighbouring runs: how noisy the ratio is.
             row["speedup_runs"] = [round(s / p, 3) for p, s in zip(rates["plain"], rates["speculative"])]
+            # Without the prompts' prefill (the same work in both modes): what drafting changes.
+            row["decode_speedup"] = round(row["speculative"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 3)
+            row["decode_speedup_runs"] = [round(s / p, 3) for p, s in zip(decode_rates["plain"],
+                                                                         decode_rates["speculative"])]
             results[f"{kind}/batch{batch}"] = row
     return results
 
@@ -153,7 +198,9 @@ def main() -> None:
     parser.add_argument("--proposer", default="ngram")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (default: stop at EOS)")
+    parser.add_argument("--kinds", nargs="+", default=list(PROMPTS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-invariant", action="store_true")
@@ -167,6 +214,7 @@ def main() -> None:
     choice = SpeculativeChoice.parse(args.proposer)
     report = {"model": files.model_id, "proposer": args.proposer, "dtype": args.dtype,
               "batch_invariant": args.batch_invariant, "threads": args.threads, "max_tokens": args.max_tokens,
+              "ignore_eos": args.ignore_eos,
               "repeats": args.repeats, "results": {}}
     if 1 in args.stages:
         def local(spec, counts):
