@@ -30,7 +30,7 @@ from meshllm.errors import PeerUnreachable
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
-from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc
+from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.api.conftest import LiveServer, serve
 from tests.cluster_fixtures import wait_until
 from tests.pipeline.conftest import OPTIONS
@@ -182,6 +182,32 @@ def kill(pool: Pool, node_id: str) -> None:
     os.kill(pool.process(node_id).pid, signal.SIGKILL)
 
 
+def stage_rows(pool: Pool, live: LiveServer) -> list[tuple[int, int]]:
+    """(rows computed, rows skipped as carried over) of each stage of the current plan, as its node says."""
+    rows = []
+    for stage in live.owner.plan.stages:
+        stub = stage_pb2_grpc.StageStub(pool.channels.get(stage.address, stage.node_id))
+        [shard] = [s for s in stub.Info(stage_pb2.StageInfoRequest(), timeout=10).shards
+                   if s.plan_id == live.owner.plan_id]
+        rows.append((shard.rows_computed, shard.rows_skipped))
+    return rows
+
+
+def last_recovery(live: LiveServer) -> dict:
+    return httpx.get(f"{live.url}/v1/cluster", timeout=10).json()["served"]["recent_failovers"][-1]
+
+
+def assert_carried_over_to(pool: Pool, live: LiveServer, adopters: set[int]) -> None:
+    """The stages in `adopters` kept the KV they held through the failover and did not compute
+    those positions again; the others re-prefilled every row the leader sent."""
+    rows, carried = stage_rows(pool, live), last_recovery(live)["carried_positions"]
+    sent = rows[0][0] + rows[0][1]  # stage 0 sees every row the leader sends
+    if adopters:
+        assert carried >= KILL_AFTER  # the prompt and the tokens streamed before the fault
+    for i, (computed, skipped) in enumerate(rows):
+        assert (computed, skipped) == ((sent - carried, carried) if i in adopters else (sent, 0)), (i, rows, carried)
+
+
 @pytest.mark.parametrize("position", ["middle", "last"])
 def test_kill_9_of_a_stage_with_a_spare_keeps_the_stream_identical(pool, files, reference, position):
     nodes = pool.take(4)
@@ -194,6 +220,9 @@ def test_kill_9_of_a_stage_with_a_spare_keeps_the_stream_identical(pool, files, 
         text, n = stream_chat(live, on_token=at_token(KILL_AFTER, lambda: kill(pool, victim)))
         assert text == reference() and n == MAX_TOKENS
         assert failovers(live) == before + 1
+        # The last stage kept its range and node through a middle stage's death: it adopted the KV
+        # it held and computed only the positions it lacked; nothing is carried past a dead last stage.
+        assert_carried_over_to(pool, live, {2} if position == "middle" else set())
         after = stage_nodes(live)
         assert victim not in after and spare in after
         # Only the failed range moved: the survivors kept theirs, and reused their weights.
@@ -253,6 +282,7 @@ def test_seeded_sampling_across_a_failover_equals_the_undisturbed_run(pool, file
         text, _ = stream_chat(live, on_token=at_token(KILL_AFTER, lambda: kill(pool, victim)), **sampling)
         assert text == reference(**sampling) and text != reference()
         assert failovers(live) == 1
+        assert_carried_over_to(pool, live, {1})  # the stage after the dead first one kept its KV
 
 
 @pytest.mark.parametrize("position, code", [("middle", "shard_corrupt"), ("last", "invalid_reply")])
@@ -270,6 +300,8 @@ def test_corrupt_activations_are_caught_and_the_sender_excluded(pool, files, ref
         assert text == reference()
         assert live.metric("meshllm_failovers_total", {"code": code}) == 1
         assert live.metric("meshllm_shard_corruption_detected_total") == 1
+        # The leader asked every stage to park what it held; the one after the excluded sender adopted it.
+        assert_carried_over_to(pool, live, {2} if position == "middle" else set())
         assert corrupt not in stage_nodes(live) and older[1] in stage_nodes(live)
         assert pool.answers_health_check(corrupt)  # alive and well, yet excluded: it corrupts data
         assert stream_chat(live)[0] == reference()  # and stays excluded for the next request
