@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from meshllm.engine.batch_invariant import make_batch_invariant
-from meshllm.engine.kv_cache import PARKED, Owner, SeqId
+from meshllm.engine.kv_cache import PARKED, Owner, SeqId, SequenceKV
 from meshllm.engine.kv_carry import Kept, skip_carried
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.stage_runner import StageRunner
@@ -101,6 +101,6 @@ def test_a_failed_stream_is_parked_adopted_truncated_and_freed_at_its_deadline(d
 
     # A stream that computes it owns it; parked ones go at their deadline.
     new.runner.cache.get_or_allocate(SeqId(1), STREAM)
-    new.runner.cache.put_parked(SeqId(9), kv.__class__(kv.layout), time.monotonic())
+    new.runner.cache.put_parked(SeqId(9), SequenceKV(kv.layout), time.monotonic())
     assert new.runner.cache.drop_expired(time.monotonic() + 1) == 1
     assert new.runner.held_sequences() == [SeqId(1)]
