@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from meshllm.engine.kv_cache import KVCache
+from meshllm.engine.kv_cache import KVCache, Owner
 from meshllm.engine.step import Step
 
 
@@ -40,14 +40,17 @@ class Skipped:
     num_rows: int  # rows skipped
 
 
-def skip_carried(step: Step, cache: KVCache) -> Skipped:
+def skip_carried(step: Step, cache: KVCache, owner: Owner) -> Skipped:
     """Drop the rows of `step` whose KV this stage carried over; consumes a sequence's carried
-    mark once a work reaches it. Call under the stage's lock, before running the step."""
+    mark once a work reaches it. Call under the stage's lock, before running the step.
+
+    `owner`, the stream the step came on, takes the carried sequences it names, even when none
+    of their rows is left to compute: it then holds (and frees) them, and may publish their blocks."""
     if not any(w.seq_id in cache and cache.sequences[w.seq_id].carried > w.start for w in step.seqs):
         return Skipped(step, None, 0)
     kept, works, rows, row = [], [], [], 0
     for index, w in enumerate(step.seqs):
-        kv = cache.sequences.get(w.seq_id)
+        kv = cache.get_or_allocate(w.seq_id, owner) if w.seq_id in cache else None
         end = w.start + w.num_tokens
         start = w.start
         if kv is not None and kv.carried > w.start and not w.attach:

@@ -112,7 +112,7 @@ class ForwardStreams:
                     step = stage_convert.step_from_pb(request, stage.limits)
                     started = time.perf_counter()
                     with stage.lock:
-                        skipped = skip_carried(step, stage.runner.cache)
+                        skipped = skip_carried(step, stage.runner.cache, owner)
                         step = skipped.step
                         out = stage.runner.run(step, owner, max_held=stage.limits.max_seqs)
                         stage.rows_computed += step.num_tokens

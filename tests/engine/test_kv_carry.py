@@ -52,17 +52,19 @@ def test_an_adopting_stage_computes_only_the_rows_it_lacks_with_identical_bits(d
     kv = adopter.cache.sequences[SEQ]
     kv.truncate(HELD)
     kv.carried = HELD
+    adopter.cache.park(STREAM, time.monotonic() + PARK_S)  # as an Adopt leaves it: no stream holds it
 
-    chunk = skip_carried(step(0, 8, hidden[:8]), adopter.cache)  # a chunk it holds entirely: dropped
+    chunk = skip_carried(step(0, 8, hidden[:8]), adopter.cache, STREAM)  # a chunk it holds entirely: dropped
     assert chunk.step.seqs == () and chunk.num_rows == 8 and chunk.kept == () and kv.carried == HELD
-    rest = skip_carried(step(8, N - 8, hidden[8:], scored=1), adopter.cache)
+    assert adopter.cache.owner_of(SEQ) == STREAM  # the stream holds it now: it may publish, and frees it
+    rest = skip_carried(step(8, N - 8, hidden[8:], scored=1), adopter.cache, STREAM)
     assert rest.kept == (Kept(0, HELD, N - HELD),) and rest.num_rows == HELD - 8 and kv.carried == 0
     assert torch.equal(rest.step.input, hidden[HELD:])
     assert adopter.run(rest.step, STREAM) == reference
     assert torch.equal(kv.k[:, :, :N], last.cache.sequences[SEQ].k[:, :, :N])
     assert torch.equal(kv.v[:, :, :N], last.cache.sequences[SEQ].v[:, :, :N])
     # The mark is spent: a later step starting below it is an ordinary rollback.
-    assert skip_carried(step(4, 2, hidden[4:6]), adopter.cache).kept is None
+    assert skip_carried(step(4, 2, hidden[4:6]), adopter.cache, STREAM).kept is None
 
 
 def test_scored_rows_and_prefix_attachments_are_never_skipped(decoders):
@@ -70,10 +72,10 @@ def test_scored_rows_and_prefix_attachments_are_never_skipped(decoders):
     runner.run(step(0, N, torch.zeros(N, decoders[1].config.hidden_size)), STREAM)
     runner.cache.sequences[SEQ].carried = N
     x = torch.zeros(N + 1, decoders[1].config.hidden_size)
-    assert skip_carried(step(0, N + 1, x, scored=1), runner.cache).kept == (Kept(0, N, 1),)
+    assert skip_carried(step(0, N + 1, x, scored=1), runner.cache, STREAM).kept == (Kept(0, N, 1),)
     runner.cache.sequences[SEQ].carried = N
     attached = Step(1, (SeqWork(SEQ, 16, 4, 0, attach=(1,)),), x[:4])
-    assert skip_carried(attached, runner.cache).kept == (Kept(0, 16, 4),)  # computed as sent
+    assert skip_carried(attached, runner.cache, STREAM).kept == (Kept(0, 16, 4),)  # computed as sent
 
 
 def loaded(plan_id: str, decoder, key: WeightKey) -> LoadedStage:
