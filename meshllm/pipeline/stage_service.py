@@ -66,6 +66,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def Renew(self, request, context):
         return self.control.renew(request)
+
     def Adopt(self, request, context):
         try:
             return self.control.adopt(request)
