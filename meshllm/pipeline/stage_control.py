@@ -187,7 +187,7 @@ class StageControl:
     def adopt(self, request: stage_pb2.AdoptRequest) -> stage_pb2.AdoptReply:
         """Carry sequences' KV over from a failed plan to its replacement (kv_parking.py). Plans
         not loaded here, or over other weights, adopt nothing: the leader then recomputes."""
-        target, source = self._stages.get(request.plan_id), self._stages.get(request.from_plan_id)
+        target, source = self._stages.use(request.plan_id), self._stages.get(request.from_plan_id)
         if target is None or source is None:
             return stage_pb2.AdoptReply()
         seqs = [(SeqId(c.seq_id), c.num_positions) for c in request.seqs]
