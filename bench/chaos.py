@@ -9,6 +9,10 @@ re-prefill (the leader's own timings, /v1/cluster). Goals (issue 8): no request 
 a hung stage detected within 2 s on loopback; recovery <= load + re-prefill + 1 s.
 
     flock -x /work/cpu.lock python bench/chaos.py [--model PATH] [--requests 4] [--max-tokens 32]
+                                                  [--prompt-tokens N]
+
+--prompt-tokens makes each prompt about N tokens long (a long context shows what the re-prefill
+costs, and what the stages that carried their KV over, see carried_positions, saved).
 
 Prints one JSON object. Each fault gets a fresh cluster of 4 nodes (one thread each).
 """
@@ -143,18 +147,29 @@ def run_fault(fault: str, files, model_path: Path, options: ServingOptions, refe
             cluster.stop()
 
 
+def long_prompt(files, start: str, num_tokens: int) -> str:
+    """`start` followed by filler text up to about `num_tokens` tokens (as is when 0)."""
+    filler = " The committee met again to review the harbour's accounts, line by line, before the winter."
+    text = start
+    while num_tokens and len(files.tokenizer.encode(text)) < num_tokens:
+        text += filler
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path (default: the demo's SmolLM2-135M GGUF)")
     parser.add_argument("--requests", type=int, default=4, help="concurrent streaming requests (default 4)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {FAULTS}")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="lengthen each prompt to about this many tokens")
     args = parser.parse_args()
     files = open_model(args.model)
-    options = ServingOptions(context_length=256, max_batch=8, dtype="float32", batch_invariant=True, num_stages=3,
-                             scheduler=SchedulerConfig(max_batched_tokens=128, prefill_chunk=64,
-                                                       prefix_block_size=16))
-    prompts = PROMPTS[:args.requests]
+    context = max(256, 2 ** (args.prompt_tokens + args.max_tokens + 16).bit_length())
+    options = ServingOptions(context_length=context, max_batch=8, dtype="float32", batch_invariant=True,
+                             num_stages=3, scheduler=SchedulerConfig(max_batched_tokens=128, prefill_chunk=64,
+                                                                     prefix_block_size=16))
+    prompts = [long_prompt(files, p, args.prompt_tokens) for p in PROMPTS[:args.requests]]
     local = build_local_backend(files.path, options)
     reference_server = Server(local)
     try:
@@ -162,7 +177,8 @@ def main() -> int:
     finally:
         reference_server.close()
     report = {"model": files.model_id, "dtype": "float32", "batch_invariant": True, "stages": 3, "spares": 1,
-              "max_tokens": args.max_tokens, "fault_after_tokens": FAULT_AFTER_TOKENS, "faults": []}
+              "max_tokens": args.max_tokens, "fault_after_tokens": FAULT_AFTER_TOKENS,
+              "prompt_tokens": [len(files.tokenizer.encode(p)) for p in prompts], "faults": []}
     for fault in args.faults.split(","):
         report["faults"].append(run_fault(fault, files, files.path, options, references, prompts, args.max_tokens))
         print(json.dumps(report["faults"][-1]), file=sys.stderr, flush=True)

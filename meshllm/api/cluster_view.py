@@ -78,6 +78,7 @@ class RecoveryView(BaseModel):
     load_s: float
     reprefill_s: float
     total_s: float
+    carried_positions: int  # KV positions the new plan's stages kept instead of re-prefilling them
 
 
 class ServedModelView(BaseModel):
@@ -121,7 +122,8 @@ def cluster_view(backend: Backend, metrics: MetricsObserver) -> ClusterView:
         generated_tokens=metrics.num_generated_tokens,
         recent_failovers=[RecoveryView(code=t.code, stage_index=t.stage_index, detect_s=round(t.detect_s, 4),
                                        plan_s=round(t.plan_s, 4), load_s=round(t.load_s, 4),
-                                       reprefill_s=round(t.reprefill_s, 4), total_s=round(t.total_s, 4))
+                                       reprefill_s=round(t.reprefill_s, 4), total_s=round(t.total_s, 4),
+                                       carried_positions=t.carried_positions)
                           for t in metrics.recent_recoveries()])
     nodes = sorted((node_view(c, now) for c in backend.fleet_view()), key=lambda n: n.node_id)
     return ClusterView(served=served, nodes=nodes, generated_at=now)

@@ -3,6 +3,10 @@
 Each sequence owns contiguous tensors that grow by doubling, so attention reads
 one strided view per layer with no gather. `length` counts committed tokens;
 rolling back (speculative decoding, failover re-prefill) is `truncate`.
+
+After a failover a sequence may outlive the stream that computed it: parked (owned by nobody,
+until a deadline) so that the re-planned plan's stage over the same weights can adopt it
+(pipeline/kv_carry.py) and skip re-computing the `carried` positions it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ SeqId = NewType("SeqId", int)
 # stage frees it when that stream ends. In-process pipelines have a single owner.
 Owner = NewType("Owner", int)
 LOCAL_OWNER = Owner(0)
+PARKED = Owner(-1)  # no stream holds it: kept until its deadline for a re-planned plan to adopt
 
 _MIN_CAPACITY = 64
 
@@ -45,6 +50,9 @@ class SequenceKV:
     def __init__(self, layout: KVLayout, capacity: int = _MIN_CAPACITY):
         self.layout = layout
         self.length = 0
+        # Positions [0, carried) came from an earlier plan's stage (a failover): a step that starts
+        # below it need not compute them again here (engine/kv_carry.py). 0: nothing carried.
+        self.carried = 0
         self.k = self._empty(capacity)
         self.v = self._empty(capacity)
 
@@ -98,12 +106,14 @@ class KVCache:
         self.layout = layout
         self.sequences: dict[SeqId, SequenceKV] = {}
         self._owners: dict[SeqId, Owner] = {}
+        self._parked_until: dict[SeqId, float] = {}  # monotonic deadline of each parked sequence
 
     def get_or_allocate(self, seq_id: SeqId, owner: Owner = LOCAL_OWNER) -> SequenceKV:
         seq = self.sequences.get(seq_id)
         if seq is None:
             seq = self.sequences[seq_id] = SequenceKV(self.layout)
         self._owners[seq_id] = owner
+        self._parked_until.pop(seq_id, None)  # a stream computes it again: it owns it now
         return seq
 
     def release(self, seq_id: SeqId, owner: Owner | None = None) -> bool:
@@ -111,7 +121,38 @@ class KVCache:
         if seq_id not in self.sequences or (owner is not None and self._owners[seq_id] != owner):
             return False
         del self.sequences[seq_id], self._owners[seq_id]
+        self._parked_until.pop(seq_id, None)
         return True
+
+    def park(self, owner: Owner, until: float) -> int:
+        """`owner`'s stream ended after a failure: keep its sequences, owned by nobody, until the
+        monotonic time `until` (drop_expired frees them then). Returns how many."""
+        seq_ids = self.owned_by(owner)
+        for seq_id in seq_ids:
+            self._owners[seq_id] = PARKED
+            self._parked_until[seq_id] = until
+        return len(seq_ids)
+
+    def drop_expired(self, now: float) -> int:
+        """Free parked sequences whose deadline passed; returns how many."""
+        expired = [s for s, until in self._parked_until.items() if until <= now]
+        return sum(self.release(s) for s in expired)
+
+    def take(self, seq_id: SeqId) -> SequenceKV | None:
+        """Remove a sequence whoever holds it (to move it to another plan's cache)."""
+        if seq_id not in self.sequences:
+            return None
+        kv = self.sequences[seq_id]
+        self.release(seq_id)
+        return kv
+
+    def put_parked(self, seq_id: SeqId, kv: SequenceKV, until: float) -> None:
+        """Hold `kv` (adopted from another plan, same layout) parked until a stream computes it."""
+        if kv.layout != self.layout:
+            raise ValueError(f"sequence {seq_id}: KV layout {kv.layout} differs from this cache's {self.layout}")
+        self.sequences[seq_id] = kv
+        self._owners[seq_id] = PARKED
+        self._parked_until[seq_id] = until
 
     def owned_by(self, owner: Owner) -> list[SeqId]:
         return [s for s, o in self._owners.items() if o == owner]

@@ -157,6 +157,7 @@ class Scheduler:
         catches up from its first token again, sampling nothing it already committed."""
         for seq in seqs:
             if seq.status is SeqStatus.RUNNING:
+                seq.num_held_before = max(seq.num_held_before, seq.num_computed)
                 seq.num_computed = 0
                 seq.attach = []
 

@@ -22,6 +22,9 @@ class Sequence:
     params: SamplingParams  # seed is concrete: the last stage derives each draw from it
     output_ids: list[int] = field(default_factory=list)  # committed: sampled, or accepted drafts
     num_computed: int = 0  # committed tokens whose KV every stage holds
+    # After its stream ended (num_computed went back to 0): the positions every stage held then. They
+    # may still hold them, parked, and a failover's new plan may adopt them (pipeline/carry_over.py).
+    num_held_before: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache
     attach: list[int] = field(default_factory=list)  # cached blocks to attach on the first step
     block_hashes: list[int] = field(default_factory=list)  # of the prompt's full blocks

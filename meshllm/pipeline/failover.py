@@ -21,10 +21,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.step import StepResult
 from meshllm.errors import MeshError
 from meshllm.pipeline.transport import StepTransport
@@ -89,6 +90,7 @@ class RecoveryTiming:
     plan_s: float  # choosing the new plan
     load_s: float  # loading the missing range (0 when every stage already held its range)
     reprefill_s: float  # new plan swapped in -> first token: rebuilding the KV of every running sequence
+    carried_positions: int = 0  # KV positions stages of the new plan kept from the failed one (not re-prefilled)
 
     @property
     def total_s(self) -> float:
@@ -103,6 +105,8 @@ class Deployment:
     plan_s: float = 0.0  # choosing the plan
     load_s: float = 0.0  # stages loading weights (0 when every range was already held)
     description: str = ""  # "node-0[0,2) node-3[2,4)", for logs
+    carried_positions: int = 0  # KV positions the new plan's stages adopted from the failed plan, all sequences
+    carried_by: tuple[int, ...] = ()  # the stages that adopted them (and skip re-computing them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +121,12 @@ class Replanner(Protocol):
     """What the leader needs from whoever owns the plan (plan_owner.py). Both calls block and
     run on worker threads, never on the leader's loop."""
 
-    def recover(self, failure: StageFailure | None) -> Deployment:
+    def recover(self, failure: StageFailure | None, carry: Mapping[SeqId, int] | None = None) -> Deployment:
         """A working deployment without the failed node (None: the first plan, or another try
-        after nothing fit). Raises MeshError (ShardUnavailable naming what is missing)."""
+        after nothing fit). Raises MeshError (ShardUnavailable naming what is missing).
+
+        `carry`: per running sequence, the positions whose KV every stage of the failed plan
+        held; stages of the new plan that serve the same layers on the same node adopt them."""
         ...
 
     def probe(self, timeout_s: float) -> StageProbe:
@@ -163,18 +170,19 @@ class Recovery:
         self.probing = False  # a probe's answer is awaited
         self.last_probe = time.monotonic()
 
-    def start(self, failure: StageFailure | None) -> None:
+    def start(self, failure: StageFailure | None, carry: Mapping[SeqId, int] | None = None) -> None:
         """Loop thread: begin a re-plan (no-op while one runs)."""
         if self.running:
             return
         self.running = True
         self.last_attempt = time.monotonic()
         epoch = self.epoch
-        threading.Thread(target=self._recover, args=(epoch, failure), daemon=True, name="leader-replan").start()
+        threading.Thread(target=self._recover, args=(epoch, failure, dict(carry or {})), daemon=True,
+                         name="leader-replan").start()
 
-    def _recover(self, epoch: int, failure: StageFailure | None) -> None:
+    def _recover(self, epoch: int, failure: StageFailure | None, carry: dict[SeqId, int]) -> None:
         try:
-            self._post(Recovered(epoch, self.replanner.recover(failure)))
+            self._post(Recovered(epoch, self.replanner.recover(failure, carry)))
         except MeshError as e:
             self._post(RecoveryFailed(epoch, e))
         except Exception as e:  # noqa: BLE001 - a bug must end in a clear error, never a request that hangs

@@ -393,7 +393,8 @@ class Leader(LeaderFailover, LeaderLifecycle):
             deployment, swapped_at = self._swapped
             failure = self._last_failure
             self.observer.on_recovered(RecoveryTiming(failure.code, failure.stage_index, failure.detect_s,
-                                                      deployment.plan_s, deployment.load_s, now - swapped_at))
+                                                      deployment.plan_s, deployment.load_s, now - swapped_at,
+                                                      deployment.carried_positions))
             self._swapped = self._last_failure = None
         if first:
             request.first_token_at = now

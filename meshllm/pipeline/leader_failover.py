@@ -19,8 +19,8 @@ log = logging.getLogger("meshllm.pipeline.leader")  # one logger for the loop, w
 
 # A failed pipeline's stage 0 may be stuck behind the failure (a tensor-parallel rank 0 waits out
 # its group's timeout in a collective): the loop waits this long for it to drain, not the
-# transport's default 10 s. The new plan's stages are fresh (a new plan id, fresh KV), and the
-# old stream frees what it held on stage 0 when it ends.
+# transport's default 10 s. The old stream parks what it held on each stage when it ends, for the
+# new plan's stages that kept their range to adopt (carry_over.py); the others start fresh.
 FAILED_CLOSE_S = 1.0
 
 
@@ -67,23 +67,31 @@ class LeaderFailover:
                 in_flight.add(w.seq.seq_id)
         self._in_flight.clear()
         self._watch.reset()
-        self.transport.close(FAILED_CLOSE_S)
+        self.transport.close(FAILED_CLOSE_S, park=True)  # the stages keep what they hold: a new plan may adopt it
         self.transport = None
         self._chores.take()  # the new plan's stages hold none of those sequences or blocks
         limit = self._recovery.config.max_failovers
+        carry = {}  # positions whose KV every stage held: stages that keep their range adopt them
         for seq in list(self.scheduler.running):
+            held = max(seq.num_computed, seq.num_held_before)  # a stream that just ended reset the first
+            seq.num_held_before = 0
+            if held:
+                carry[seq.seq_id] = held
             if not seq.num_computed and seq.seq_id not in in_flight:
-                continue  # admitted but never sent: nothing to rebuild
+                continue  # admitted but never sent (or reset when its stream ended): nothing more to do
             request = self._requests[seq.seq_id]
             request.num_failovers += 1
             if request.num_failovers > limit:
+                carry.pop(seq.seq_id, None)
                 self._finish(request, "error", PipelineStalled(
                     f"gave up after {limit} failovers; the last: stage {failure.stage_index} "
                     f"[{failure.code}] {failure.message}"))
                 continue
             self.prefix.forget(seq)
-            seq.num_computed = 0  # re-prefill prompt and output; sample only the token after them
-        self._recovery.start(failure)
+            # Re-prefill prompt and output, sampling only the token after them; stages that adopted
+            # the carried KV skip the positions they hold (engine/kv_carry.py).
+            seq.num_computed = 0
+        self._recovery.start(failure, carry)
 
     def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
         if isinstance(message, Probed):
@@ -124,7 +132,9 @@ class LeaderFailover:
                 self._epoch = deployment.transport.epoch
                 self.prefix.reset()
                 self._swapped = (deployment, time.perf_counter()) if self._last_failure else None
-                log.info("serving through %s", deployment.description or "a new plan")
+                log.info("serving through %s%s", deployment.description or "a new plan",
+                         f"; stages {list(deployment.carried_by)} kept {deployment.carried_positions} KV positions"
+                         if deployment.carried_positions else "")
             case RecoveryFailed(error=error):
                 self._recovery.finished()
                 self._last_failure = None

@@ -66,6 +66,10 @@ class LoadedStage:
     lock: threading.Lock = field(default_factory=threading.Lock)
     limits: StepLimits = field(init=False)
     last_used: float = field(default_factory=time.monotonic)  # the last use by any leader (monotonic)
+    # Token rows run through the layers, and rows skipped because their KV was carried over from
+    # a failed plan (Stage.Info shows both: how much a failover's re-prefill cost this stage).
+    rows_computed: int = 0
+    rows_skipped: int = 0
 
     def __post_init__(self):
         self.limits = stage_convert.limits_from_pb(self.request)

@@ -13,8 +13,10 @@ Re-planning (`recover`, called by the leader on a worker thread):
    with the same number of stages, else the fewest that fit; else, with --fallback-local,
    run the whole model in this process when it fits here;
 3. load the new plan (a stage that holds the range already shares the weights: instant),
-   swap the transport, and unload the plans no longer used (in the background: a dead
-   node's unload is retried when it answers again).
+   have its stages that kept their range adopt the running sequences' KV from the failed
+   plan (carry_over.py: the re-prefill skips those positions there), swap the transport,
+   and unload the plans no longer used (in the background: a dead node's unload is retried
+   when it answers again).
 Health (health.py) follows: degraded from the failure until a plan works again, unavailable
 with the missing memory when nothing fits, ok once a plan is deployed.
 """
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -36,6 +38,8 @@ from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.cluster.repair import replace_failed_stage
 from meshllm.errors import MeshError, ShardUnavailable
 from meshllm.model.source import ModelFiles
+from meshllm.engine.kv_cache import SeqId
+from meshllm.pipeline.carry_over import carry_over
 from meshllm.pipeline.cluster import (ServingOptions, context_of, local_transport, new_leader, placement_request,
                                       plan_for, stage_names_of)
 from meshllm.pipeline.deploy import RankLoadFailed, StageUnreachable, deploy
@@ -92,6 +96,11 @@ class PlanOwner:
         current = self._current
         return current.plan if current is not None else None
 
+    @property
+    def plan_id(self) -> str | None:
+        current = self._current
+        return current.plan_id if current is not None else None
+
     def start(self) -> Leader:
         """Plan and deploy now (the leader still starts when nothing fits: it retries on its own
         and whenever a request comes, and /health says why meanwhile)."""
@@ -114,7 +123,7 @@ class PlanOwner:
                               fleet_view=self.fleet_view, channels=self.channels, verifier_nodes=verifiers)
 
     # --- Replanner (worker threads) ----------------------------------------------------------------
-    def recover(self, failure: StageFailure | None) -> Deployment:
+    def recover(self, failure: StageFailure | None, carry: Mapping[SeqId, int] | None = None) -> Deployment:
         with self._lock:
             started = time.perf_counter()
             self._readmit()  # before excluding the node that just failed: no point probing it now
@@ -125,7 +134,7 @@ class PlanOwner:
                 self._set_health(HealthStatus.DEGRADED, f"{what} failed ([{failure.code}] {failure.message}); "
                                  f"re-planning", failed_node=failed)
             try:
-                deployment = self._deploy_new_plan(failed, started)
+                deployment = self._deploy_new_plan(failed, started, carry or {})
             except ShardUnavailable as e:
                 fallback = self._fallback_local(e, started)
                 if fallback is not None:
@@ -191,7 +200,7 @@ class PlanOwner:
                 log.info("node %s answers again; it may be planned again", node)
                 del self._excluded[node]
 
-    def _deploy_new_plan(self, failed: NodeId | None, started: float) -> Deployment:
+    def _deploy_new_plan(self, failed: NodeId | None, started: float, carry: Mapping[SeqId, int]) -> Deployment:
         previous = self._current
         while True:  # a node that cannot be reached while loading is excluded, and we plan again
             plan = self._choose_plan(previous.plan if previous else None, failed)
@@ -209,6 +218,10 @@ class PlanOwner:
                 log.warning("%s; planning without node %s for %.0fs", e, e.node_id, QUARANTINE_S)
                 self._excluded[e.node_id] = _Exclusion(str(e), time.monotonic() + QUARANTINE_S)
         load_s = time.perf_counter() - started - plan_s
+        carried, carried_by = {}, ()
+        if previous is not None and previous.plan is not None and carry:
+            # Before the old plan's unload below: that frees what its stages parked.
+            carried, carried_by = carry_over(self.channels, previous.plan, previous.plan_id, plan, plan_id, carry)
         self._current = _Current(plan, plan_id)
         if previous is not None and previous.plan is not None and previous.plan_id != plan_id:
             self._stale.update((a, n, previous.plan_id) for s in previous.plan.stages for n, a in _members(s))
@@ -222,7 +235,7 @@ class PlanOwner:
         first = plan.stages[0]
         transport = RemotePipeline(self.channels.get(first.address, first.node_id), plan_id, len(plan.stages),
                                    stage_names_of(plan))
-        return Deployment(transport, plan_s, load_s, description)
+        return Deployment(transport, plan_s, load_s, description, sum(carried.values()), carried_by)
 
     def _choose_plan(self, previous: Plan | None, failed: NodeId | None) -> Plan:
         fleet = [c for c in self.fleet_view() if c.node_id not in self._excluded]

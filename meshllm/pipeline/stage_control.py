@@ -26,6 +26,8 @@ from meshllm.engine.dtypes import DTYPES
 from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
 from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.source import ModelFiles, open_model
+from meshllm.engine.kv_cache import SeqId
+from meshllm.pipeline.kv_parking import adopt
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey
 from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.tp.group import RankRole
@@ -182,6 +184,22 @@ class StageControl:
             n = stage.runner.release(ids)
         return stage_pb2.ReleaseReply(num_released=n)
 
+    def adopt(self, request: stage_pb2.AdoptRequest) -> stage_pb2.AdoptReply:
+        """Carry sequences' KV over from a failed plan to its replacement (kv_parking.py). Plans
+        not loaded here, or over other weights, adopt nothing: the leader then recomputes."""
+        target, source = self._stages.use(request.plan_id), self._stages.get(request.from_plan_id)
+        if target is None or source is None:
+            return stage_pb2.AdoptReply()
+        seqs = [(SeqId(c.seq_id), c.num_positions) for c in request.seqs]
+        if len(seqs) > target.limits.max_seqs or any(not 0 < n <= target.limits.max_context for _, n in seqs):
+            raise BadRequest(f"adopt of {len(seqs)} sequences: at most the plan's batch of {target.limits.max_seqs}, "
+                             f"each with 1 to {target.limits.max_context} positions")
+        adopted = adopt(target, source, seqs)
+        if adopted:
+            log.info("plan %s adopted %d sequences (%d positions) from plan %s", request.plan_id, len(adopted),
+                     sum(n for _, n in adopted), request.from_plan_id)
+        return stage_pb2.AdoptReply(adopted=[stage_pb2.CarriedSeq(seq_id=s, num_positions=n) for s, n in adopted])
+
     def info(self) -> stage_pb2.StageInfoReply:
         shards = []
         for plan_id, s in self._stages.items():
@@ -191,7 +209,8 @@ class StageControl:
                     last_layer=s.request.last_layer, seq_ids=s.runner.held_sequences(),
                     kv_bytes=s.runner.cache.num_bytes, stage_index=s.index, num_prefix_blocks=len(s.runner.prefix),
                     weight_bytes=s.weights.num_bytes, prefix_bytes=s.runner.prefix.num_bytes,
-                    tp_rank=s.request.tp.rank, tp_size=s.request.tp.size))
+                    tp_rank=s.request.tp.rank, tp_size=s.request.tp.size, rows_computed=s.rows_computed,
+                    rows_skipped=s.rows_skipped))
         return stage_pb2.StageInfoReply(shards=shards)
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:

@@ -8,7 +8,9 @@ arrival order.
 
 Resources: a stream owns the KV of every sequence it computed and the prefix blocks it
 published, and frees them when it ends, however it ends (the leader closed it, crashed,
-or the connection broke: gRPC cancels the stream and the pump sees it). When the stream
+or the connection broke: gRPC cancels the stream and the pump sees it); except after a
+failure the leader re-plans around, where its sequences are parked for a new plan to adopt
+(kv_parking.py), and a step of that plan skips the rows it adopted (engine/kv_carry.py). When the stream
 to the next stage breaks, that stage has freed this stream's share, so this stream ends
 too: the leader sees its stream end and starts over on a fresh chain, never half of one. Each open stream
 holds one of the server's threads for its life, so at most `max_streams` are accepted
@@ -28,9 +30,11 @@ from collections.abc import Iterator
 import grpc
 
 from meshllm.engine.kv_cache import Owner
+from meshllm.engine.kv_carry import skip_carried
 from meshllm.engine.step import StageTiming
 from meshllm.errors import MeshError
 from meshllm.pipeline.fault_injection import FaultInjector
+from meshllm.pipeline.kv_parking import park_stream, parks
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
 from meshllm.pipeline.stage_relay import Downstream
 from meshllm.transport import codec, stage_convert
@@ -40,6 +44,9 @@ from meshllm.transport.protos import stage_pb2
 log = logging.getLogger(__name__)
 
 _owners = itertools.count(1)  # 0 is the in-process pipeline's owner
+# A stream from the previous stage that ends holding sequences: this long to tell a close from
+# that stage's death (which gRPC may first report as a close).
+UPSTREAM_DEATH_S = 0.5
 
 
 class ForwardStreams:
@@ -72,7 +79,8 @@ class ForwardStreams:
                           f"most it advertises; close an idle one or plan on another node")
         try:
             replies: queue.Queue = queue.Queue()
-            pump = threading.Thread(target=self._pump, args=(request_iterator, replies, Owner(next(_owners))),
+            pump = threading.Thread(target=self._pump, args=(request_iterator, context, replies,
+                                                             Owner(next(_owners))),
                                     daemon=True, name="stage-pump")
             pump.start()
             while True:
@@ -84,11 +92,15 @@ class ForwardStreams:
             with self._lock:
                 self._num_open -= 1
 
-    def _pump(self, request_iterator, replies: queue.Queue, owner: Owner) -> None:
+    def _pump(self, request_iterator, context, replies: queue.Queue, owner: Owner) -> None:
         downstream: Downstream | None = None
         touched: dict[str, LoadedStage] = {}  # plans this stream computed on: freed when it ends
+        park = False  # keep what the stream holds for a re-planned plan (kv_parking.py)
         try:
             for request in request_iterator:
+                if request.end != stage_pb2.END_NONE:
+                    park = request.end == stage_pb2.END_PARK
+                    break
                 received_at = time.time()
                 stage = self._stages.use(request.plan_id)  # renews the plan's lease
                 if stage is None:
@@ -100,7 +112,11 @@ class ForwardStreams:
                     step = stage_convert.step_from_pb(request, stage.limits)
                     started = time.perf_counter()
                     with stage.lock:
+                        skipped = skip_carried(step, stage.runner.cache, owner)
+                        step = skipped.step
                         out = stage.runner.run(step, owner, max_held=stage.limits.max_seqs)
+                        stage.rows_computed += step.num_tokens
+                        stage.rows_skipped += skipped.num_rows
                     compute_s = time.perf_counter() - started
                     if step.seqs:
                         out = self._faults.after_compute(out)
@@ -127,19 +143,62 @@ class ForwardStreams:
                     downstream = Downstream(next_stage, replies, stage.index + 1)
                 # The same step onward, our output in place of our input (fields listed, not
                 # CopyFrom: that would copy the incoming activations only to overwrite them).
+                seqs = request.seqs if skipped.kept is None else stage_convert.kept_seqs_to_pb(request.seqs,
+                                                                                               skipped.kept)
                 downstream.send(stage_pb2.StepRequest(
-                    plan_id=request.plan_id, step_id=request.step_id, seqs=request.seqs, input=codec.to_pb(out),
+                    plan_id=request.plan_id, step_id=request.step_id, seqs=seqs, input=codec.to_pb(out),
                     release=request.release, timings=timings, publish=request.publish, evict=request.evict,
                     block_size=request.block_size))
+            else:
+                # The stream ended without a word: closed, or (gRPC may report a peer's death so) the
+                # previous stage died; for a stage, a failure the leader will re-plan around. (Not
+                # when the hop below broke: this side ended the call then.)
+                park = _after_a_stage(touched) and not _broken(downstream) and _holds(touched, owner) \
+                    and _upstream_died(context)
         except grpc.RpcError:
-            pass  # upstream went away (closed, crashed or cut off): free what it held below
+            # Upstream went away (crashed or cut off): free what it held below. When it is a stage
+            # (not the leader), that node failed: the leader will re-plan, so park instead.
+            park = park or (_after_a_stage(touched) and not _broken(downstream))
         finally:
             if downstream is not None:
-                downstream.close()  # the next stage frees this stream's share there
+                downstream.close(park)  # the next stage frees (or parks) this stream's share there
             for plan_id, stage in touched.items():
-                with stage.lock:
-                    num_seqs, num_blocks = stage.runner.release_owner(owner)
+                if park and parks(stage):
+                    num_seqs, num_blocks = park_stream(stage, owner)
+                    what = "parked"
+                else:
+                    with stage.lock:
+                        num_seqs, num_blocks = stage.runner.release_owner(owner)
+                    what = "freed"
                 if num_seqs or num_blocks:
-                    log.info("stream ended: plan %s freed %d sequences and %d prefix blocks", plan_id, num_seqs,
-                             num_blocks)
+                    log.info("stream ended: plan %s %s %d sequences (freed %d prefix blocks)", plan_id, what,
+                             num_seqs, num_blocks)
             replies.put(None)
+
+
+def _after_a_stage(touched: dict[str, LoadedStage]) -> bool:
+    """The stream came from the previous stage of a plan (stage 0's comes from a leader)."""
+    return any(stage.index > 0 for stage in touched.values())
+
+
+def _broken(downstream: Downstream | None) -> bool:
+    return downstream is not None and downstream.broken
+
+
+def _holds(touched: dict[str, LoadedStage], owner: Owner) -> bool:
+    for stage in touched.values():
+        with stage.lock:
+            if stage.runner.cache.owned_by(owner):
+                return True
+    return False
+
+
+def _upstream_died(context) -> bool:
+    """Whether the call was cancelled (the peer's connection broke) rather than closed: a broken
+    connection may first look like a close, and its cancellation follows within milliseconds."""
+    deadline = time.monotonic() + UPSTREAM_DEATH_S
+    while context.is_active():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True

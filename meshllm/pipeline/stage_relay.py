@@ -39,8 +39,11 @@ class Downstream:
             self._pending.add(request.step_id)
         self._requests.put(request)
 
-    def close(self) -> None:
+    def close(self, park: bool = False) -> None:
+        """End the stream: the next stage frees what it holds of it, or with `park` (a failure
+        ended this one) keeps it a while for a re-planned plan (kv_parking.py)."""
         self._closing = True
+        self._requests.put(stage_pb2.StepRequest(end=stage_pb2.END_PARK if park else stage_pb2.END_FREE))
         self._requests.put(None)
         self._reader.join(timeout=30)
 

@@ -67,6 +67,12 @@ class StageService(stage_pb2_grpc.StageServicer):
     def Renew(self, request, context):
         return self.control.renew(request)
 
+    def Adopt(self, request, context):
+        try:
+            return self.control.adopt(request)
+        except BadRequest as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[{e.code}] {e}")
+
     def Info(self, request, context):
         reply = self.control.info()
         reply.num_streams, reply.max_streams = self.forward.num_open, self.forward.max_streams

@@ -21,7 +21,7 @@ from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import SampledToken, StageTiming, Step, StepResult
 from meshllm.errors import MeshError
 from meshllm.transport import stage_convert
-from meshllm.transport.protos import stage_pb2_grpc
+from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,10 @@ class StepTransport(Protocol):
 
     def submit(self, step: Step) -> Future: ...
 
-    def close(self) -> None: ...
+    def close(self, timeout_s: float = 10.0, park: bool = False) -> None:
+        """End it, waiting up to `timeout_s`; `park`: after a failure, ask the stages to keep what
+        they hold for a new plan."""
+        ...
 
 
 class RemotePipeline:
@@ -87,12 +90,14 @@ class RemotePipeline:
             future.set_result(StepResult(step_id, error_code="stage_unreachable",
                                          error_message=f"stage 0 stream ended: {error}", failed_stage=0))
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0, park: bool = False) -> None:
         """End the stream and wait (up to `timeout_s`) until stage 0 has answered everything sent.
         Each stage ends its stream to the next before its own, after freeing what the stream held:
-        when this returns, no stage holds KV of this leader."""
+        when this returns, no stage holds KV of this leader. With `park` (a failover) the stages
+        keep it instead, for a while, for the re-planned plan to adopt (pipeline/kv_parking.py)."""
         with self._lock:
             if self._requests is not None:
+                self._requests.put(stage_pb2.StepRequest(end=stage_pb2.END_PARK if park else stage_pb2.END_FREE))
                 self._requests.put(None)
                 self._requests = None
             reader = self._reader
@@ -141,12 +146,13 @@ class LocalPipeline:
         tokens: list[SampledToken] = x if isinstance(x, list) else []
         return StepResult(step.step_id, tuple(tokens), tuple(timings))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0, park: bool = False) -> None:
+        """`park` changes nothing here: a re-plan never reuses in-process runners."""
         self._work.put(None)
         # Wait for a step still computing: a daemon thread inside torch or ggml while the
         # interpreter exits aborts the process ("terminate called without an active exception").
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
+            self._thread.join(timeout=timeout_s)
 
 
 _step_ids = itertools.count(1)

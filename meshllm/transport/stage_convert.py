@@ -83,6 +83,18 @@ def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
         evict=step.evict, block_size=step.block_size)
 
 
+def kept_seqs_to_pb(entries, kept) -> list[stage_pb2.SeqEntry]:
+    """The entries a stage passes on after skipping carried rows (engine/kv_carry.py): each kept
+    entry as it came, with its new start and row count."""
+    out = []
+    for k in kept:
+        entry = stage_pb2.SeqEntry()
+        entry.CopyFrom(entries[k.index])
+        entry.start, entry.num_tokens = k.start, k.num_tokens
+        out.append(entry)
+    return out
+
+
 def step_from_pb(msg: stage_pb2.StepRequest, limits: StepLimits = WIRE_LIMITS) -> Step:
     """The step `msg` carries, checked against the limits of the plan it names (see step_limits.py)."""
     if len(msg.seqs) > limits.max_seqs:

@@ -30,7 +30,7 @@ from meshllm.errors import PeerUnreachable
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
-from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc
+from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc, stage_pb2, stage_pb2_grpc
 from tests.api.conftest import LiveServer, serve
 from tests.cluster_fixtures import wait_until
 from tests.pipeline.conftest import OPTIONS
@@ -182,6 +182,39 @@ def kill(pool: Pool, node_id: str) -> None:
     os.kill(pool.process(node_id).pid, signal.SIGKILL)
 
 
+def shard_rows(pool: Pool) -> dict[tuple[str, str], tuple[int, int]]:
+    """(rows computed, rows skipped as carried over) of every plan on every live node, as the node
+    says, by (node, plan). A plan's counts are cumulative: the same plan may serve several tests."""
+    rows = {}
+    for node in pool.live():
+        address = pool.local.addresses[int(node.removeprefix("node-"))]
+        stub = stage_pb2_grpc.StageStub(pool.channels.get(address, node))
+        for shard in stub.Info(stage_pb2.StageInfoRequest(), timeout=10).shards:
+            rows[node, shard.plan_id] = (shard.rows_computed, shard.rows_skipped)
+    return rows
+
+
+def last_recovery(live: LiveServer) -> dict:
+    return httpx.get(f"{live.url}/v1/cluster", timeout=10).json()["served"]["recent_failovers"][-1]
+
+
+def assert_carried_over_to(pool: Pool, live: LiveServer, adopters: set[int], before: dict) -> None:
+    """The stages in `adopters` kept the KV they held through the failover and did not compute
+    those positions again; the others re-prefilled every row the leader sent (counts since `before`)."""
+    now, carried = shard_rows(pool), last_recovery(live)["carried_positions"]
+    rows = []
+    for stage in live.owner.plan.stages:
+        key = (stage.node_id, live.owner.plan_id)
+        rows.append(tuple(a - b for a, b in zip(now[key], before.get(key, (0, 0)))))
+    sent = rows[0][0] + rows[0][1]  # stage 0 sees every row the leader sends
+    if adopters:
+        assert carried >= KILL_AFTER  # the prompt and the tokens streamed before the fault
+    else:
+        assert carried == 0
+    for i, (computed, skipped) in enumerate(rows):
+        assert (computed, skipped) == ((sent - carried, carried) if i in adopters else (sent, 0)), (i, rows, carried)
+
+
 @pytest.mark.parametrize("position", ["middle", "last"])
 def test_kill_9_of_a_stage_with_a_spare_keeps_the_stream_identical(pool, files, reference, position):
     nodes = pool.take(4)
@@ -190,10 +223,13 @@ def test_kill_9_of_a_stage_with_a_spare_keeps_the_stream_identical(pool, files, 
         ranges = [(s.first_layer, s.last_layer) for s in live.owner.plan.stages]
         [spare] = set(nodes) - set(stages)
         victim = stages[1 if position == "middle" else 2]
-        before = failovers(live)
+        before, rows_before = failovers(live), shard_rows(pool)
         text, n = stream_chat(live, on_token=at_token(KILL_AFTER, lambda: kill(pool, victim)))
         assert text == reference() and n == MAX_TOKENS
         assert failovers(live) == before + 1
+        # The last stage kept its range and node through a middle stage's death: it adopted the KV
+        # it held and computed only the positions it lacked; nothing is carried past a dead last stage.
+        assert_carried_over_to(pool, live, {2} if position == "middle" else set(), rows_before)
         after = stage_nodes(live)
         assert victim not in after and spare in after
         # Only the failed range moved: the survivors kept theirs, and reused their weights.
@@ -249,10 +285,11 @@ def test_seeded_sampling_across_a_failover_equals_the_undisturbed_run(pool, file
     nodes = pool.take(3)
     sampling = {"temperature": 0.8, "seed": 1234}
     with leader_over(pool, files, set(nodes), num_stages=2) as live:
-        victim = stage_nodes(live)[0]
+        victim, rows_before = stage_nodes(live)[0], shard_rows(pool)
         text, _ = stream_chat(live, on_token=at_token(KILL_AFTER, lambda: kill(pool, victim)), **sampling)
         assert text == reference(**sampling) and text != reference()
         assert failovers(live) == 1
+        assert_carried_over_to(pool, live, {1}, rows_before)  # the stage after the dead first one kept its KV
 
 
 @pytest.mark.parametrize("position, code", [("middle", "shard_corrupt"), ("last", "invalid_reply")])
@@ -266,10 +303,13 @@ def test_corrupt_activations_are_caught_and_the_sender_excluded(pool, files, ref
     with leader_over(pool, files, visible, num_stages=len(stages)) as live:
         assert stage_nodes(live) == stages
         visible.add(older[1])  # a spare joins the view
+        rows_before = shard_rows(pool)
         text, _ = stream_chat(live)  # the fault comes on the 4th step: 3 tokens into the stream
         assert text == reference()
         assert live.metric("meshllm_failovers_total", {"code": code}) == 1
         assert live.metric("meshllm_shard_corruption_detected_total") == 1
+        # The leader asked every stage to park what it held; the one after the excluded sender adopted it.
+        assert_carried_over_to(pool, live, {2} if position == "middle" else set(), rows_before)
         assert corrupt not in stage_nodes(live) and older[1] in stage_nodes(live)
         assert pool.answers_health_check(corrupt)  # alive and well, yet excluded: it corrupts data
         assert stream_chat(live)[0] == reference()  # and stays excluded for the next request

@@ -68,7 +68,7 @@ class Replanner:
         runners = local_transport(self.files, OPTIONS).runners
         return DyingPipeline(runners, self.die_at.pop(0) if self.die_at else None, self.hang)
 
-    def recover(self, failure):
+    def recover(self, failure, carry=None):
         self.failures.append(failure)
         assert self.gate.wait(30)
         if self.errors:

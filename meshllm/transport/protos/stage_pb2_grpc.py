@@ -64,6 +64,11 @@ class StageStub:
                 request_serializer=stage__pb2.RenewRequest.SerializeToString,
                 response_deserializer=stage__pb2.RenewReply.FromString,
                 _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/meshllm.Stage/Adopt',
+                request_serializer=stage__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=stage__pb2.AdoptReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -106,6 +111,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Adopt(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +149,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Renew,
                     request_deserializer=stage__pb2.RenewRequest.FromString,
                     response_serializer=stage__pb2.RenewReply.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=stage__pb2.AdoptRequest.FromString,
+                    response_serializer=stage__pb2.AdoptReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +318,33 @@ class Stage:
             '/meshllm.Stage/Renew',
             stage__pb2.RenewRequest.SerializeToString,
             stage__pb2.RenewReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshllm.Stage/Adopt',
+            stage__pb2.AdoptRequest.SerializeToString,
+            stage__pb2.AdoptReply.FromString,
             options,
             channel_credentials,
             insecure,
