@@ -42,7 +42,7 @@ class CountingStage(StageService):
     """The real stage service, counting the Forward streams opened to it."""
 
     def __init__(self, model: Path, channels: ChannelPool):
-        super().__init__(lambda model_id, fingerprint: model, channels)
+        super().__init__(lambda model_id, fingerprint: model, channels, plan_lease_s=300.0)
         self.num_streams = 0
 
     def Forward(self, request_iterator, context):
