@@ -164,9 +164,10 @@ def local_bench(model: Path, threads: int, decode: int, repeats: int = 5, core: 
     return {"decode_tok_s": round(row["avg_ts"], 2), "decode_tok_s_runs": [round(x, 2) for x in row["samples_ts"]]}
 
 
-def rss_mib(pid: int) -> float:
-    """Resident memory of a running process (what an RPC server holds of the model)."""
+def peak_rss_mib(pid: int) -> float:
+    """Peak resident memory of a running process (VmHWM): what an RPC server held of the model
+    (it frees the buffers when the client disconnects, so the current RSS says little)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith("VmHWM:"):
             return round(int(line.split()[1]) / 1024, 1)
     return float("nan")

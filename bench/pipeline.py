@@ -177,7 +177,7 @@ def llama_cpp_rpc(path: Path, threads: int, cores: list[int | None], new_tokens:
 
     with llama_cpp.rpc_servers(cores[:2], threads) as servers:
         two = llama_cpp.rpc_bench(path, [address for address, _ in servers], new_tokens, threads=threads)
-        two["server_rss_mib"] = [llama_cpp.rss_mib(pid) for _, pid in servers]  # each holds its half
+        two["server_peak_rss_mib"] = [llama_cpp.peak_rss_mib(pid) for _, pid in servers]  # each held its half
     one = llama_cpp.local_bench(path, threads, new_tokens, core=cores[0])
     return {"rpc_2_servers": two, "one_process": one, "server_cores": cores[:2], "threads_per_server": threads}
 
