@@ -34,7 +34,9 @@ def preferred_dtype(native_bf16: bool) -> str:
 
     Measured (bench/decode.py rows smollm2:dense-*, SmolLM2-135M dense through ggml's whole-layer
     graph, 2 threads, 2-core AVX-512 BF16 CPU shared with other jobs): decode batch 1 / batch 8 /
-    prefill 512 tok/s: float32 46 / 153 / 280, float16 83 / 145 / 257, bfloat16 77 / 214 / 306.
+    prefill 512 tok/s: float32 46 / 153 / 280, float16 83 / 145 / 257, bfloat16 77 / 214 / 306;
+    again (bench/results/decode-smollm2-dense-dtypes.json): float32 44 / 148 / 296, float16
+    55 / 137 / 209, bfloat16 82 / 186 / 311.
     bfloat16 halves the bytes every decode step streams and keeps float32's range; where the CPU
     has no bf16 instructions ggml and torch emulate it, so float32 stays the default there (float16
     was not measured on such a CPU). Identity tests pin float32 (or batch-invariant mode) explicitly.
