@@ -3,17 +3,23 @@
 `tools()` returns the directory holding llama-bench, llama-batched-bench, llama-quantize and
 ggml-rpc-server, building them on first use from the llama.cpp sources vendored in the
 llama-cpp-python sdist (pip download, ~15 min on 2 cores; never in CI). `make_variant` writes
-another quantization of a GGUF with llama-quantize, cached beside it.
+another quantization of a GGUF with llama-quantize, cached beside it. `rpc_servers` and
+`rpc_bench` measure llama.cpp's RPC mode (layers split over ggml-rpc-server processes), the
+peer of a meshllm pipeline.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 LLAMA_CPP_PYTHON = "0.3.36"  # vendors llama.cpp with ggml 0.25.x
@@ -83,3 +89,85 @@ def bench(model: Path, threads: int, prefill: int, decode: int, repeats: int = 3
     figures["decode_batch8_tok_s"] = round(batched[0]["speed_tg"], 2)
     figures["peak_rss_mib"] = round(max(rss, rss8) / 2**20, 1)
     return figures
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def rpc_servers(cores: list[int | None], threads: int = 1,
+                timeout_s: float = 30.0) -> Iterator[list[tuple[str, int]]]:
+    """One ggml-rpc-server per entry of `cores` on loopback, `threads` compute threads each,
+    pinned to that core with taskset (None: not pinned); yields their (host:port, pid) and stops
+    them (by pid) on exit."""
+    processes: list[subprocess.Popen] = []
+    addresses: list[str] = []
+    try:
+        for core in cores:
+            port = _free_port()
+            pin = ["taskset", "-c", str(core)] if core is not None else []
+            processes.append(subprocess.Popen([*pin, str(tools() / "ggml-rpc-server"), "-H", "127.0.0.1",
+                                               "-p", str(port), "-t", str(threads)],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            addresses.append(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + timeout_s
+        for process, address in zip(processes, addresses):
+            _wait_listening(process, address, deadline)
+        yield [(a, p.pid) for a, p in zip(addresses, processes)]
+    finally:
+        for process in processes:  # taskset execs the server: each pid is the server itself
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_listening(process: subprocess.Popen, address: str, deadline: float) -> None:
+    host, port = address.split(":")
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"ggml-rpc-server at {address} exited with {process.returncode}")
+        try:
+            with socket.create_connection((host, int(port)), timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ggml-rpc-server at {address} did not listen") from None
+            time.sleep(0.1)
+
+
+def rpc_bench(model: Path, servers: list[str], decode: int, repeats: int = 5, threads: int = 1) -> dict:
+    """llama-bench batch-1 decode with every layer on the RPC servers (-ngl 99, an even layer
+    split, the output layer on the last): llama.cpp's RPC mode. The llama-bench process itself
+    (token embeddings, sampling) runs `threads` threads. Each repetition's tok/s, and their mean."""
+    rows, rss = _run_json([str(tools() / "llama-bench"), "-m", str(model), "-rpc", ",".join(servers), "-ngl", "99",
+                           "-ts", "/".join("1" for _ in servers), "-t", str(threads), "-p", "0", "-n", str(decode),
+                           "-r", str(repeats), "-o", "json"])
+    (row,) = [r for r in rows if r["n_gen"] and not r["n_prompt"]]
+    return {"decode_tok_s": round(row["avg_ts"], 2), "decode_tok_s_runs": [round(x, 2) for x in row["samples_ts"]],
+            "stddev_tok_s": round(row["stddev_ts"], 2), "backends": row.get("backends"),
+            "client_peak_rss_mib": round(rss / 2**20, 1)}
+
+
+def local_bench(model: Path, threads: int, decode: int, repeats: int = 5, core: int | None = None) -> dict:
+    """llama-bench batch-1 decode in one process (the no-split reference), pinned to `core`."""
+    pin = ["taskset", "-c", str(core)] if core is not None else []
+    rows, _ = _run_json([*pin, str(tools() / "llama-bench"), "-m", str(model), "-t", str(threads), "-p", "0",
+                         "-n", str(decode), "-r", str(repeats), "-o", "json"])
+    (row,) = [r for r in rows if r["n_gen"] and not r["n_prompt"]]
+    return {"decode_tok_s": round(row["avg_ts"], 2), "decode_tok_s_runs": [round(x, 2) for x in row["samples_ts"]]}
+
+
+def peak_rss_mib(pid: int) -> float:
+    """Peak resident memory of a running process (VmHWM): what an RPC server held of the model
+    (it frees the buffers when the client disconnects, so the current RSS says little)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")

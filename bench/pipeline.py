@@ -1,19 +1,27 @@
 """Pipeline benchmark: decode tok/s at batch 1 for 1, 2 and 3 stages (each a `meshllm node`
 process on loopback with the same torch threads), per-hop transport latency, and aggregate
-tok/s at 1, 4 and 16 concurrent sequences. Prints one JSON object.
+tok/s at 1, 4 and 16 concurrent sequences; beside it, in the same run, llama.cpp's RPC mode on
+the same GGUF: two ggml-rpc-server processes with the same thread count each, the layers split
+evenly over them by llama-bench (-ngl 99), and llama-bench in one process as the no-split
+reference. Prints one JSON object (`--out` also writes it to a file).
 
-    python bench/pipeline.py [--model tinyllama|smollm2|PATH] [--threads 1] [--dtype float16]
+    flock -x /work/cpu.lock python bench/pipeline.py [--model tiny:BF16|tiny:Q8_0|tiny:Q4_0|smollm2:Q4_1|
+        tinyllama|PATH] [--threads 1] [--dtype bfloat16] [--no-pin] [--out bench/results/x.json]
 
-"tinyllama" is a random-weight model of TinyLlama-1.1B shape (hidden 2048, 22 layers, 32 heads,
-4 KV heads, intermediate 5632, vocab 32000) written once to --cache; the peer figure is llama.cpp's
-RPC mode splitting that shape (BF16) over two one-thread processes: 9.2 tok/s (9.3 in one process).
+"tiny:KIND" is bench/decode.py's 1.1B model of TinyLlama's shape (random weights, SmolLM2's
+vocabulary) as a GGUF of that quantization, so both sides load the same file. By default each
+worker (our stage nodes, llama.cpp's RPC servers) is pinned to its own core with taskset (one
+core per "machine"), and both leaders (our bench process, llama-bench) run unpinned.
+"tinyllama" is the same shape as float16 safetensors (ours only: llama.cpp cannot load it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -22,6 +30,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from meshllm.cluster.gossip import fetch_view
 from meshllm.cluster.placement import Plan, StageAssignment
@@ -149,27 +160,65 @@ def decode_rate(leader, prompt: list[int], concurrency: int, new_tokens: int) ->
     return sum(s[2] for s in spans) / (end - start)
 
 
+def pin_nodes(cluster: LocalCluster, cores: list[int]) -> dict[str, int]:
+    """Every thread of node i onto cores[i % len(cores)] (threads started later inherit it)."""
+    pinned = {}
+    for i, process in enumerate(cluster.processes):
+        core = cores[i % len(cores)]
+        subprocess.run(["taskset", "-a", "-p", "-c", str(core), str(process.pid)], check=True,
+                       capture_output=True)
+        pinned[cluster.node_ids[i]] = core
+    return pinned
+
+
+def llama_cpp_rpc(path: Path, threads: int, cores: list[int | None], new_tokens: int) -> dict:
+    """llama.cpp on the same file: RPC mode over two servers, and one process (no split)."""
+    import llama_cpp
+
+    with llama_cpp.rpc_servers(cores[:2], threads) as servers:
+        two = llama_cpp.rpc_bench(path, [address for address, _ in servers], new_tokens, threads=threads)
+        two["server_peak_rss_mib"] = [llama_cpp.peak_rss_mib(pid) for _, pid in servers]  # each held its half
+    one = llama_cpp.local_bench(path, threads, new_tokens, core=cores[0])
+    return {"rpc_2_servers": two, "one_process": one, "server_cores": cores[:2], "threads_per_server": threads}
+
+
+def model_path(name: str, cache: Path) -> Path | None:
+    if name == "tinyllama":
+        return tinyllama_folder(cache)
+    if name == "smollm2":
+        return None
+    if ":" in name:
+        import decode
+
+        return decode.model_path(name)
+    return Path(name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="tinyllama")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per stage process")
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--model", default="tiny:BF16")
+    parser.add_argument("--threads", type=int, default=1, help="threads per stage process (and per RPC server)")
+    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--int8", action="store_true", help="weight-only int8 linears on every stage")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--stages", default="1,2,3")
+    parser.add_argument("--no-pin", action="store_true", help="leave workers on any core")
+    parser.add_argument("--skip-llama-cpp", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "meshllm-bench")
     parser.add_argument("--insecure-plaintext", action="store_true",
                         help="nodes and leader without TLS, to measure what TLS costs the data plane")
     args = parser.parse_args()
-    path = {"tinyllama": lambda: tinyllama_folder(args.cache), "smollm2": lambda: None}.get(
-        args.model, lambda: Path(args.model))()
+    path = model_path(args.model, args.cache)
     files = open_model(path)
     stage_counts = [int(s) for s in args.stages.split(",")]
+    cores = sorted(os.sched_getaffinity(0))
     options = ServingOptions(context_length=512, max_batch=16, dtype=args.dtype,
                              quantization="int8" if args.int8 else None,
                              scheduler=SchedulerConfig(max_batched_tokens=512, prefill_chunk=256))
-    results = {"model": files.model_id, "tls": not args.insecure_plaintext, "dtype": args.dtype, "int8": args.int8, "threads_per_stage": args.threads,
-               "new_tokens": args.new_tokens, "stages": {}}
+    results = {"model": files.model_id, "file": str(files.path), "tls": not args.insecure_plaintext,
+               "dtype": args.dtype, "int8": args.int8, "threads_per_stage": args.threads,
+               "new_tokens": args.new_tokens, "cpu_count": len(cores), "stages": {}}
     with tempfile.TemporaryDirectory() as state:
         tls = PLAINTEXT if args.insecure_plaintext else None
         cluster = LocalCluster(max(stage_counts), [files.path], Path(state), threads_per_node=args.threads,
@@ -179,6 +228,8 @@ def main() -> int:
             key = load_key(cluster.key_file)
             wait_for_fleet(lambda: fetch_view(cluster.addresses[0], key, tls=tls), files.source.fingerprint(),
                            cluster.num_nodes, timeout_s=300)
+            if not args.no_pin:
+                results["node_cores"] = pin_nodes(cluster, cores)
             channels = ChannelPool(ChannelConfig("bench", key, tls))
             for count in stage_counts:
                 results["stages"][str(count)] = run_stages(cluster, channels, files, count, options,
@@ -189,9 +240,19 @@ def main() -> int:
     one = results["stages"].get("1", {}).get("decode_tok_s_batch1")
     two = results["stages"].get("2", {}).get("decode_tok_s_batch1")
     if one and two:
-        results["two_stage_vs_one"] = two / one
-        results["two_stage_vs_llamacpp_rpc_9.2"] = two / 9.2
-    print(json.dumps(results, indent=2))
+        results["two_stage_vs_one"] = round(two / one, 3)
+    if not args.skip_llama_cpp and files.path.suffix == ".gguf":
+        theirs = results["llama_cpp"] = llama_cpp_rpc(files.path, args.threads,
+                                                      [None, None] if args.no_pin else cores, args.new_tokens)
+        if two:
+            results["two_stage_vs_llama_cpp_rpc"] = round(two / theirs["rpc_2_servers"]["decode_tok_s"], 3)
+        if one:
+            results["one_stage_vs_llama_cpp_one_process"] = round(one / theirs["one_process"]["decode_tok_s"], 3)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
     return 0
 
 

@@ -112,6 +112,9 @@ def runtime(num_threads: int | None = None) -> Runtime | None:
         log.debug("ggml unused: this CPU lacks AVX2, ggml's CPU kernels would be no faster than torch's")
         return None
     g.ggml_cpu_init()
+    if not g.ggml_cpu_has_llamafile():
+        log.info("ggml was built without llamafile's GEMM kernels (GGML_LLAMAFILE): prefill and batched decode "
+                 "run slower; ./install.sh rebuilds it")
     device = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
     extra = _extra_buffer_types(g, device)
     repack = next((b for b in extra if g.ggml_backend_buft_name(b) == b"CPU_REPACK"), None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from meshllm.cluster.card import Card, WeightForm
 from meshllm.cluster.placement import Plan, PlacementRequest, plan_placement
-from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPE_BYTES, DTYPES, dtype_name
+from meshllm.engine.dtypes import AUTO, DTYPE_BYTES, DTYPES, dtype_name
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.stage_weights import held_weight_bytes, load_stage_decoder
@@ -41,7 +41,7 @@ class ServingOptions:
     max_batch: int = 16  # sequences decoding at once
     num_stages: int | None = None  # None: the fewest stages that fit
     tensor_parallel: int | None = None  # nodes per stage: None decides by link speed, 1 never groups (--tp)
-    dtype: str = DEFAULT_DTYPE  # dense weights, KV and activations on every stage (engine/dtypes.py)
+    dtype: str = AUTO  # dense weights, KV and activations on every stage; "auto" resolved (engine/dtypes.py)
     batch_invariant: bool = False  # same bits for a sequence whatever shares its batch (slower)
     quantization: str | None = None  # "int8" / "int4": quantize a 16/32-bit model's linears at load
     # No reply for this long is a stalled pipeline even if every stage answers health checks (the
@@ -56,7 +56,8 @@ class ServingOptions:
 
     def __post_init__(self):
         try:
-            object.__setattr__(self, "dtype", dtype_name(self.dtype))  # aliases (bf16, fp32, ...) accepted
+            # aliases (bf16, fp32, ...) accepted; "auto" is the default for the mode
+            object.__setattr__(self, "dtype", dtype_name(self.dtype, self.batch_invariant))
         except BadRequest as error:
             raise ValueError(str(error)) from None
 

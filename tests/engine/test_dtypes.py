@@ -3,11 +3,14 @@ and demo, the same canonical name in ServingOptions, and a clear error for anyth
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from meshllm.cli import build_parser
-from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPES, dtype_name, torch_dtype
+from meshllm.engine.dtypes import (BATCH_INVARIANT_DTYPE, DEFAULT_DTYPE, DTYPES, cpu_has_native_bf16, dtype_name,
+                                   preferred_dtype, torch_dtype)
 from meshllm.errors import BadRequest
 from meshllm.pipeline.cluster import ServingOptions
 
@@ -23,6 +26,22 @@ def test_aliases_resolve_to_torch_names(alias, name):
     assert ServingOptions(dtype=alias).dtype == name
 
 
+def test_default_is_bfloat16_only_where_the_cpu_has_bf16_instructions():
+    """bf16 halves the bytes a decode step streams where the CPU multiplies it natively; elsewhere it
+    is emulated and float32 stays the default (engine/dtypes.py states the measurement)."""
+    assert preferred_dtype(native_bf16=True) == "bfloat16"
+    assert preferred_dtype(native_bf16=False) == "float32"
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        assert cpu_has_native_bf16() and DEFAULT_DTYPE == "bfloat16"
+    elif flags:  # an x86 or ARM Linux CPU without them
+        assert DEFAULT_DTYPE == "float32"
+    assert dtype_name("auto") == DEFAULT_DTYPE
+    # Batch-invariant mode runs torch's tiled matmuls, where float32 is the fast one.
+    assert dtype_name("auto", batch_invariant=True) == BATCH_INVARIANT_DTYPE == "float32"
+    assert dtype_name("bf16", batch_invariant=True) == "bfloat16"  # an explicit choice stands
+
+
 def test_unknown_dtype_is_a_clear_error_listing_the_names():
     with pytest.raises(BadRequest, match="float32, float16, bfloat16"):
         dtype_name("int3")
@@ -34,8 +53,11 @@ def test_unknown_dtype_is_a_clear_error_listing_the_names():
 def test_every_command_takes_the_same_names_and_default(command):
     parser = build_parser(command)
     base = [command, *COMMANDS[command]]
-    assert parser.parse_args(base).dtype == DEFAULT_DTYPE == ServingOptions().dtype
-    for alias in ("fp32", "bf16", "float16", "auto"):
+    default = parser.parse_args(base).dtype
+    assert ServingOptions(dtype=default).dtype == DEFAULT_DTYPE == ServingOptions().dtype
+    assert ServingOptions(dtype=default, batch_invariant=True).dtype == BATCH_INVARIANT_DTYPE
+    for alias in ("fp32", "bf16", "float16"):
         assert parser.parse_args([*base, "--dtype", alias]).dtype in DTYPES
+    assert parser.parse_args([*base, "--dtype", "AUTO"]).dtype == default == "auto"
     with pytest.raises(SystemExit):
         parser.parse_args([*base, "--dtype", "int3"])
