@@ -56,6 +56,8 @@ def from_bytes(dtype: str, shape: tuple[int, ...] | list[int], data: bytes, *, c
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
         raise MalformedTensor(f"tensor shape {shape} is invalid: at most {MAX_NDIM} dims, none negative")
+    if math.prod(max(d, 1) for d in shape) >= 1 << 62:  # strides past int64, even for an empty tensor
+        raise MalformedTensor(f"tensor shape {shape} is invalid: its dims multiply past 2**62")
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     expected = math.prod(shape) * itemsize
     if expected != len(data):

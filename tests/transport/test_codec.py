@@ -56,3 +56,11 @@ def test_unknown_dtype_or_bad_shape_is_refused(dtype, shape):
 def test_unsupported_source_dtype_is_refused_with_a_fix():
     with pytest.raises(MalformedTensor, match="float64"):
         codec.to_pb(torch.zeros(2, dtype=torch.float64))
+
+
+def test_an_empty_tensor_whose_dims_overflow_strides_is_refused_by_name():
+    # Found by the codec fuzz: zero elements, so no bytes to disagree with, but torch cannot even
+    # compute the strides ("Stride calculation overflowed", a bare RuntimeError).
+    with pytest.raises(MalformedTensor, match="multiply past"):
+        codec.from_bytes("bfloat16", (0, 45662, 45759, 45852, 96272), b"")
+    assert codec.from_bytes("float32", (0, 3), b"").shape == (0, 3)
