@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +44,7 @@ from meshllm.model.source import default_model_path, open_model  # noqa: E402
 from meshllm.pipeline.cluster import ServingOptions  # noqa: E402
 from meshllm.pipeline.local_cluster import LocalCluster  # noqa: E402
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc  # noqa: E402
+from tests.pipeline import leader_process  # noqa: E402
 
 WORDS = ("the cluster of small machines serves one model together while each node holds a few layers "
          "and passes hidden states onward over the local network to the next one").split()
@@ -151,11 +150,7 @@ def rss_mib(cluster: LocalCluster) -> list[float]:
 
 def kill_a_leader_mid_stream(cluster: LocalCluster, model: Path, stubs) -> dict:
     """A leader in its own process streams 2 sequences over the 3 stages; kill -9 it mid-stream."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.pipeline.leader_process", str(model), str(cluster.key_file), "400", "2",
-         *cluster.addresses],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    process = leader_process.spawn(model, cluster.key_file, 400, 2, cluster.addresses)
     try:
         line = json.loads(process.stdout.readline())
         plan_id = line["plan_id"]

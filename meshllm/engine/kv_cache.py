@@ -6,7 +6,7 @@ rolling back (speculative decoding, failover re-prefill) is `truncate`.
 
 After a failover a sequence may outlive the stream that computed it: parked (owned by nobody,
 until a deadline) so that the re-planned plan's stage over the same weights can adopt it
-(pipeline/kv_carry.py) and skip re-computing the `carried` positions it holds.
+(pipeline/kv_parking.py) and skip re-computing the `carried` positions it holds.
 """
 
 from __future__ import annotations

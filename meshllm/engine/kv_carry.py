@@ -3,7 +3,7 @@
 After a failover the leader re-prefills every running sequence from its first token, because
 the new plan has at least one stage (the replaced one) that holds nothing. A stage downstream
 of every replaced stage adopted the sequence's KV (SequenceKV.carried positions, see
-pipeline/kv_carry.py), so it only needs the rows it lacks: it computes rows [carried, end) of
+pipeline/kv_parking.py), so it only needs the rows it lacks: it computes rows [carried, end) of
 the work and passes only those on; the stages after it adopted the same positions. Stages
 upstream of a replaced stage still compute every row: the replaced stage needs their output
 (boundary activations are not cached anywhere).

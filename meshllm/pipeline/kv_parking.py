@@ -7,7 +7,7 @@ a failure the leader will re-plan around:
 - a stage's stream from the previous stage broke (that node died or was cut off).
 Either way the stage passes the `park` request on downstream, and the stream's sequences stay,
 owned by nobody, for PARK_S. The leader's plan owner then asks each stage of the new plan that
-serves the same weights on the same node to Adopt them (pipeline/kv_carry.py): they move to the
+serves the same weights on the same node to Adopt them (`adopt` below): they move to the
 new plan, truncated to the positions the leader knows every stage held, and that stage skips
 re-computing them (engine/kv_carry.py). What is not adopted goes with the old plan's Unload, or
 at the deadline. A tensor-parallel stage's KV lives on every rank: it is never parked.

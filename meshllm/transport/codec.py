@@ -56,8 +56,6 @@ def from_bytes(dtype: str, shape: tuple[int, ...] | list[int], data: bytes, *, c
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
         raise MalformedTensor(f"tensor shape {shape} is invalid: at most {MAX_NDIM} dims, none negative")
-    if math.prod(max(d, 1) for d in shape) >= 1 << 62:  # strides past int64, even for an empty tensor
-        raise MalformedTensor(f"tensor shape {shape} is invalid: its dims multiply past 2**62")
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     expected = math.prod(shape) * itemsize
     if expected != len(data):
@@ -65,6 +63,10 @@ def from_bytes(dtype: str, shape: tuple[int, ...] | list[int], data: bytes, *, c
             f"tensor of dtype {dtype} and shape {list(shape)} needs {expected} bytes but the message "
             f"carries {len(data)}; the sender and receiver disagree on the tensor layout")
     if expected == 0:
+        # No bytes bound the dims here (a non-empty tensor's are bounded by its data): a zero dim
+        # beside huge ones would overflow torch's stride computation.
+        if math.prod(max(d, 1) for d in shape) >= 1 << 62:
+            raise MalformedTensor(f"tensor shape {shape} is invalid: its dims multiply past 2**62")
         return torch.empty(shape, dtype=torch_dtype)
     tensor = torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
     return tensor.clone() if copy else tensor

@@ -11,7 +11,9 @@ per later token. Exits when they finish.
 from __future__ import annotations
 
 import json
+import os
 import queue
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,6 +56,16 @@ def main(model: str, key_file: str, max_tokens: int, num_seqs: int, addresses: l
             print(json.dumps({"token": event.token_id}), flush=True)
         finished += event.finish_reason is not None
     leader.close()
+
+
+def spawn(model: Path, key_file: Path, max_tokens: int, num_seqs: int, addresses: list[str]) -> subprocess.Popen:
+    """This module as a process (one thread), its JSON lines on stdout; the caller kills it."""
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.pipeline.leader_process", str(model), str(key_file), str(max_tokens),
+         str(num_seqs), *addresses],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
 
 
 if __name__ == "__main__":

@@ -7,10 +7,7 @@ leader named for the same lease. Real `meshllm node` processes on loopback."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -29,8 +26,9 @@ from meshllm.spec.remote import RemoteProposer
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
-from tests.cluster_fixtures import REPO_ROOT, wait_until
+from tests.cluster_fixtures import wait_until
 from tests.pipeline.conftest import OPTIONS
+from tests.pipeline import leader_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -74,11 +72,8 @@ def lease_cluster(pipeline_models, model_files, tmp_path_factory):
 
 
 def test_a_killed_leaders_plan_is_unloaded_within_its_lease(lease_cluster, pipeline_models):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.pipeline.leader_process", str(pipeline_models["aidreams"]),
-         str(lease_cluster.local.key_file), "90", "1", *lease_cluster.local.addresses],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    process = leader_process.spawn(pipeline_models["aidreams"], lease_cluster.local.key_file, 90, 1,
+                                   lease_cluster.local.addresses)
     try:
         plan_id = json.loads(process.stdout.readline())["plan_id"]
         assert all(plan_id in held for held in lease_cluster.plans())

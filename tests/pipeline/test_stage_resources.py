@@ -6,11 +6,8 @@ streams beyond the advertised maximum are refused while gossip and health still 
 from __future__ import annotations
 
 import json
-import os
 import queue
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import replace
 
@@ -24,8 +21,9 @@ from meshllm.engine.step import SeqWork, Step
 from meshllm.pipeline.cluster import local_leader
 from meshllm.pipeline.transport import RemotePipeline, next_step_id
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
-from tests.cluster_fixtures import REPO_ROOT, wait_until
+from tests.cluster_fixtures import wait_until
 from tests.pipeline.conftest import OPTIONS
+from tests.pipeline import leader_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -74,11 +72,7 @@ def test_closing_a_leader_frees_its_kv_and_prefix_blocks_on_every_stage_before_c
 def test_a_killed_leader_process_leaves_no_kv_behind(cluster, pipeline_models):
     """A leader in its own process, kill -9 mid-stream: the stages see its stream break and free it."""
     addresses = cluster.local.addresses
-    process = subprocess.Popen(
-        [sys.executable, "-m", "tests.pipeline.leader_process", str(pipeline_models["qwen2"]),
-         str(cluster.local.key_file), "200", "3", *addresses],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"})
+    process = leader_process.spawn(pipeline_models["qwen2"], cluster.local.key_file, 200, 3, addresses)
     try:
         line = json.loads(process.stdout.readline())
         assert line["generating"], line

@@ -32,14 +32,6 @@ CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermed
                      num_attention_heads=2, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
 
 
-@pytest.fixture
-def store():
-    host = StoreHost("127.0.0.1")
-    host.start()
-    yield host
-    host.stop()
-
-
 def _pair(store: StoreHost, group_id: str, timeout_s: float = TIMEOUT_S):
     """Both ranks' collectives, joined concurrently (joining blocks until all ranks are in)."""
     specs = [GroupSpec(group_id, r, 2, store.endpoint, "127.0.0.1", timeout_s=timeout_s) for r in (0, 1)]

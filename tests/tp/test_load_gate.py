@@ -14,14 +14,6 @@ from meshllm.tp.group import RankRole, StoreHost
 from meshllm.tp.load_gate import LoadGate, report_failure
 
 
-@pytest.fixture
-def store():
-    host = StoreHost("127.0.0.1")
-    host.start()
-    yield host
-    host.stop()
-
-
 def _roles(store: StoreHost, group: str, size: int) -> list[RankRole]:
     return [RankRole(r, size, store.endpoint, group) for r in range(size)]
 
