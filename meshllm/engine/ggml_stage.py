@@ -14,6 +14,7 @@ ggml buffers, and dense fp32/fp16/bf16 parameters, which ggml reads straight fro
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
 from meshllm.engine.ggml_weights import GraphScope
+from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
 
@@ -29,6 +31,10 @@ _F32 = 4
 # Graph capacity: ~25 nodes per layer plus 14 per sequence and layer (views count), with room to spare.
 _NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 48, 24
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
+# Products of a bf16 weight with at most this many rows run meshllm's kernel as a ggml custom op
+# (kernels/gemv.c says why): up to 8 rows it beats ggml's tinyBLAS (~2x at 2-5 rows, even at 8,
+# 1 thread, SmolLM2), one row it ties ggml's gemv. Past it (prefill) ggml's GEMM is faster.
+FEW_ROWS_MAX = 8
 
 
 class _Weights:
@@ -37,6 +43,7 @@ class _Weights:
     def __init__(self, scope: _WeightContext, module: nn.Module):
         # [(tensor, first_row, num_rows)] in output-row order
         self.parts: list[tuple[object, int, int]] = []
+        self.dense_bf16 = False  # one bf16 torch matrix: few-row products may take meshllm's kernel
         if isinstance(module, QuantizedLinear):
             row = 0
             for m in module.matrices:
@@ -46,6 +53,7 @@ class _Weights:
         else:
             assert isinstance(module, nn.Linear), type(module)
             self.parts.append((scope.wrap(module.weight), 0, module.out_features))
+            self.dense_bf16 = module.weight.dtype == torch.bfloat16
             bias = module.bias
         self.bias = None if bias is None else scope.wrap(scope.keep(bias.detach().float().contiguous()))
 
@@ -129,14 +137,22 @@ class GGMLStage:
         self._decode_allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
         self._cached: _Step | None = None
         self.freq_factors = None if bool((factors == 1).all()) else wrap_f32(factors)
+        op = ggml_few_rows_op()
+        self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
 
     # --- graph pieces ---------------------------------------------------------------------------
     def _linear(self, s: GraphScope, w: _Weights, x):
         """[(output, first_row, num_rows)] of x [in, n] through each row part of w."""
         g = s.g
         outs = []
-        for tensor, first, rows in w.parts:
-            outs.append((g.ggml_mul_mat(s.ctx, tensor, x), first, rows))
+        n = x.contents.ne[1]
+        if w.dense_bf16 and self._few_rows_op is not None and n <= FEW_ROWS_MAX:
+            (tensor, first, rows), = w.parts
+            args = (ctypes.POINTER(type(tensor.contents)) * 2)(tensor, x)
+            outs.append((g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 2, self._few_rows_op, -1, None), first, rows))
+        else:
+            for tensor, first, rows in w.parts:
+                outs.append((g.ggml_mul_mat(s.ctx, tensor, x), first, rows))
         if w.bias is not None:
             assert len(outs) == 1, "a bias over mixed-type parts is not supported"
             outs = [(g.ggml_add(s.ctx, outs[0][0], w.bias), *outs[0][1:])]

@@ -11,12 +11,16 @@ import logging
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = KERNEL_DIR / "gemv.c"
 LIBRARY = KERNEL_DIR / "libgemv.so"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# The pinned ggml's header, installed beside the ggml package: with it the kernel is also built
+# as a ggml custom op (meshllm_ggml_bf16_few_rows), which needs ggml's tensor struct.
+GGML_INCLUDE = Path(sysconfig.get_paths()["purelib"]) / "include"
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,8 @@ def build(compiler: str = "gcc") -> Path | None:
     if shutil.which(compiler) is None:
         log.warning("no %s on PATH: the fast bf16 CPU kernel is not built (torch's path is used)", compiler)
         return None
-    result = subprocess.run([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", str(LIBRARY)],
+    ggml_op = ["-DMESHLLM_GGML_OP", f"-I{GGML_INCLUDE}"] if (GGML_INCLUDE / "ggml.h").exists() else []
+    result = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(SOURCE), "-o", str(LIBRARY)],
                             capture_output=True, text=True)
     if result.returncode != 0:
         log.warning("building the bf16 CPU kernel failed (torch's path is used):\n%s", result.stderr)

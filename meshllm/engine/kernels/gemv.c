@@ -129,3 +129,89 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *bias, uint1
         }
     }
 }
+
+#ifdef MESHLLM_GGML_OP
+/* A ggml custom op for a bf16 weight inside a stage's ggml graph (ggml_stage.py):
+ * dst [n, N] f32 = x [n, K] f32 . W [N, K] bf16 ^T, for n <= OP_MAX_ROWS: decode batches and the
+ * k+1 rows of a speculative verify pass. Why not ggml's own mul_mat: it sends n >= 2 to llamafile's
+ * tinyBLAS, where (SmolLM2 shapes, 1 thread) 2 rows cost 2.3x one and 5 rows 3x, though the
+ * weight stream, the real cost, is the same. Here each W row is streamed once, sequentially (the
+ * shape of ggml's vec_dot_bf16, which the hardware prefetcher follows at full speed; the 4-row
+ * tiles of gemv_bf16 above streamed at half that), against all n x rows: 1 row as fast as ggml's
+ * gemv, 2 rows +5%, 5 rows ~2x one where ggml takes ~3x (compute-bound from there).
+ * A row's result does not depend on n (one accumulator per x row, the same k order), so a k-row
+ * verify pass gives bitwise the logits of k one-row steps. x is rounded to bf16 as ggml rounds it
+ * for a bf16 weight. ggml.h is the pinned ggml's own header (site-packages/include), found by build.py. */
+#include <stdlib.h>
+#include "ggml.h"
+
+#define OP_MAX_ROWS 16
+#define ROWS_PER_PASS 8 /* accumulators in registers; more x rows re-read the W row from L1 */
+
+static inline __attribute__((always_inline)) void row_dots(const uint16_t *w, const uint16_t *x, float *out,
+                                                           int64_t K, int mx) {
+    __m512 acc[ROWS_PER_PASS];
+    for (int m = 0; m < mx; m++) acc[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k), w1 = (__m512bh)_mm512_loadu_si512(w + k + 32);
+        for (int m = 0; m < mx; m++) {
+            acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+            acc[m] = _mm512_dpbf16_ps(acc[m], w1, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32));
+        }
+    }
+    for (; k < K; k += 32) { /* masked tail: missing lanes load as zero on both sides */
+        __mmask32 mask = K - k >= 32 ? (__mmask32)~0u : (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + k);
+        for (int m = 0; m < mx; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k));
+    }
+    for (int m = 0; m < mx; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
+}
+
+#define ROW_CASE(MX) row_dots(w, x, out, K, MX); return
+static void row_dispatch(const uint16_t *w, const uint16_t *x, float *out, int64_t K, int mx) {
+    switch (mx) { /* constant counts so the accumulators stay in registers */
+    case 1: ROW_CASE(1);
+    case 2: ROW_CASE(2);
+    case 3: ROW_CASE(3);
+    case 4: ROW_CASE(4);
+    case 5: ROW_CASE(5);
+    case 6: ROW_CASE(6);
+    case 7: ROW_CASE(7);
+    default: ROW_CASE(8);
+    }
+}
+
+void meshllm_ggml_bf16_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
+    const int64_t K = w->ne[0], N = w->ne[1], n = x->ne[1];
+    if (n > OP_MAX_ROWS) abort(); /* ggml_stage.py never builds more */
+    const int64_t per = (N + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < N ? r0 + per : N;
+    if (r0 >= r1) return;
+    /* x in bf16, in a buffer each ggml worker thread keeps (a stack copy could overflow a
+     * secondary thread's stack: 16 rows of a 14336-wide MLP are 448 KiB) */
+    static __thread uint16_t *xb = NULL;
+    static __thread size_t xb_len = 0;
+    if ((size_t)(n * K) > xb_len) {
+        free(xb);
+        xb_len = (size_t)(n * K);
+        xb = malloc(xb_len * sizeof *xb);
+        if (!xb) abort();
+    }
+    for (int64_t m = 0; m < n; m++) {
+        const float *row = (const float *)((const char *)x->data + m * x->nb[1]);
+        for (int64_t k = 0; k < K; k++) xb[m * K + k] = float_to_bf16(row[k]);
+    }
+    const uint16_t *W = (const uint16_t *)w->data; /* contiguous rows: ggml_stage.py wraps torch weights */
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
+            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
+            float out[ROWS_PER_PASS];
+            row_dispatch(W + r * K, xb + m0 * K, out, K, mx);
+            for (int m = 0; m < mx; m++) ((float *)((char *)dst->data + (m0 + m) * dst->nb[1]))[r] = out[m];
+        }
+    }
+}
+#endif

@@ -55,6 +55,16 @@ def load_gemv():
     return function
 
 
+@functools.cache
+def ggml_few_rows_op() -> int | None:
+    """Address of the C ggml custom op meshllm_ggml_bf16_few_rows (gemv.c), or None where the
+    kernel cannot run or was built without ggml's header."""
+    if load_gemv() is None:
+        return None
+    op = getattr(ctypes.CDLL(str(LIBRARY)), "meshllm_ggml_bf16_few_rows", None)
+    return None if op is None else ctypes.cast(op, ctypes.c_void_p).value
+
+
 def gemv_bf16(weight: Tensor, x: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:
     """x [rows, K] @ weight[N, K].T (+ bias) with the C kernel; all bf16, contiguous, on CPU."""
     function = load_gemv()

@@ -1,0 +1,108 @@
+"""meshllm's bf16 few-row kernel as a ggml custom op (engine/kernels/gemv.c), inside stage graphs.
+
+Against fp32 products of the same bf16 values (x rounded to bf16, as ggml rounds it for a bf16
+weight), and the property the stage relies on: a row's result does not depend on how many rows
+share the product, so a k+1-row verify pass scores exactly what k+1 one-row steps score.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from meshllm.engine import ggml_stage
+from meshllm.engine.ggml_lib import runtime
+from meshllm.engine.ggml_weights import GraphScope
+from meshllm.engine.kernels.gemv import ggml_few_rows_op
+from meshllm.engine.kv_cache import SequenceKV
+from meshllm.engine.stage_weights import load_stage_decoder
+from meshllm.model.decoder import SeqSlice
+from meshllm.model.source import open_model
+
+
+@pytest.fixture(scope="module")
+def rt():
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    if ggml_few_rows_op() is None:
+        pytest.skip("the bf16 kernel was not built with ggml's header, or this CPU lacks AVX-512 BF16")
+    return rt
+
+
+def _product(rt, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x [n, K] fp32 . weight [N, K] bf16 ^T through the op in a one-node ggml graph."""
+    g = rt.lib
+    y = torch.empty(x.shape[0], weight.shape[0])
+    with GraphScope(rt) as s:
+        wt, xt = s.wrap(weight), s.wrap(x)
+        args = (ctypes.POINTER(type(wt.contents)) * 2)(wt, xt)
+        yt = g.ggml_custom_4d(s.ctx, 0, weight.shape[0], x.shape[0], 1, 1, args, 2,
+                              g.ggml_custom_op_t(ggml_few_rows_op()), -1, None)
+        s.point(yt, y)
+        s.compute(yt)
+    return y
+
+
+# K not a multiple of 64 or 32 runs the masked tail; N of 1 and odd N split unevenly over threads.
+@pytest.mark.parametrize("out_features,in_features", [(1, 32), (7, 45), (130, 96), (33, 577), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
+def test_op_matches_fp32_products_of_the_bf16_values(rt, out_features, in_features, rows):
+    g = torch.Generator().manual_seed(out_features * 1000 + rows)
+    weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=g)
+    expected = x.to(torch.bfloat16).float() @ weight.float().T
+    torch.testing.assert_close(_product(rt, weight, x), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_each_row_is_independent_of_the_rows_beside_it(rt):
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(300, 1536, generator=g).to(torch.bfloat16)
+    x = torch.randn(16, 1536, generator=g)
+    alone = torch.cat([_product(rt, weight, x[i:i + 1].clone()) for i in range(16)])
+    for n in (2, 3, 8, 9, 16):
+        assert torch.equal(_product(rt, weight, x[:n].clone()), alone[:n]), n
+
+
+@pytest.fixture(scope="module")
+def bf16_decoder(rt, aidreams_path):
+    files = open_model(aidreams_path)
+    decoder = load_stage_decoder(files.source, files.config, dtype=torch.bfloat16)
+    assert isinstance(decoder.fast_path, ggml_stage.GGMLStage)
+    return decoder
+
+
+def test_a_verify_pass_scores_what_one_row_steps_score(bf16_decoder):
+    """k+1 rows of one sequence in one step (a speculative verify pass, its rejected rows then
+    rolled back) against the same positions one step each: the same logits bitwise."""
+    d = bf16_decoder
+    vocab = d.config.vocab_size
+    prompt = torch.randint(3, vocab, (11,), generator=torch.Generator().manual_seed(2))
+    block = torch.randint(3, vocab, (5,), generator=torch.Generator().manual_seed(3))
+    kv = SequenceKV(d.kv_layout(), 8)
+    d(prompt, torch.arange(11), [SeqSlice(kv, 0, 11)], torch.tensor([10]))
+    verify = d(block, torch.arange(11, 16), [SeqSlice(kv, 0, 5)], torch.arange(5))
+    kv.truncate(11)
+    steps = torch.cat([d(block[i:i + 1], torch.tensor([11 + i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+                       for i in range(5)])
+    assert torch.equal(verify, steps)
+
+
+def test_a_batch_of_decodes_scores_what_each_alone_scores(bf16_decoder):
+    d = bf16_decoder
+    vocab = d.config.vocab_size
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, vocab, (n,), generator=g) for n in (3, 9, 6)]
+    kvs = [SequenceKV(d.kv_layout(), 8) for _ in prompts]
+    for kv, p in zip(kvs, prompts):
+        d(p, torch.arange(len(p)), [SeqSlice(kv, 0, len(p))], torch.tensor([len(p) - 1]))
+    nxt = torch.randint(3, vocab, (3,), generator=g)
+    lengths = [kv.length for kv in kvs]
+    batched = d(nxt, torch.tensor(lengths), [SeqSlice(kv, i, 1) for i, kv in enumerate(kvs)], torch.arange(3))
+    for kv, n in zip(kvs, lengths):
+        kv.truncate(n)
+    alone = torch.cat([d(nxt[i:i + 1], torch.tensor([lengths[i]]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+                       for i, kv in enumerate(kvs)])
+    assert torch.equal(batched, alone)
