@@ -160,20 +160,22 @@ class ForwardStreams:
             # (not the leader), that node failed: the leader will re-plan, so park instead.
             park = park or (_after_a_stage(touched) and not _broken(downstream))
         finally:
-            if downstream is not None:
-                downstream.close(park)  # the next stage frees (or parks) this stream's share there
-            for plan_id, stage in touched.items():
-                if park and parks(stage):
-                    num_seqs, num_blocks = park_stream(stage, owner)
-                    what = "parked"
-                else:
-                    with stage.lock:
-                        num_seqs, num_blocks = stage.runner.release_owner(owner)
-                    what = "freed"
-                if num_seqs or num_blocks:
-                    log.info("stream ended: plan %s %s %d sequences (freed %d prefix blocks)", plan_id, what,
-                             num_seqs, num_blocks)
-            replies.put(None)
+            try:
+                if downstream is not None:
+                    downstream.close(park)  # the next stage frees (or parks) this stream's share there
+                for plan_id, stage in touched.items():
+                    if park and parks(stage):
+                        num_seqs, num_blocks = park_stream(stage, owner)
+                        what = "parked"
+                    else:
+                        with stage.lock:
+                            num_seqs, num_blocks = stage.runner.release_owner(owner)
+                        what = "freed"
+                    if num_seqs or num_blocks:
+                        log.info("stream ended: plan %s %s %d sequences (freed %d prefix blocks)", plan_id,
+                                 what, num_seqs, num_blocks)
+            finally:
+                replies.put(None)  # whatever happened above: else the call and its server thread never end
 
 
 def _after_a_stage(touched: dict[str, LoadedStage]) -> bool:

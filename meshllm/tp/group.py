@@ -4,7 +4,10 @@ Rank 0's node hosts a torch.distributed TCPStore (StoreHost, on the address its 
 advertises as `collective_endpoint`); every rank of a group, rank 0 included, joins by
 building its backend over `PrefixStore(group_id, store)`. The group id is fresh for each
 load, so a re-formed group never reads a previous group's rendezvous keys, and groups of
-different plans share the one store without meeting.
+different plans share the one store without meeting. Each group (each load gate, each link
+probe) talks to the store over a connection of its own (StoreHost.client): a TCPStore client
+runs one operation at a time, so a rendezvous waiting for a stopped rank would otherwise hold
+up every other use of the store, such as the Load of the group that replaces it.
 """
 
 from __future__ import annotations
@@ -75,8 +78,8 @@ class RankRole:
 class StoreHost:
     """The TCPStore this node hosts for the groups it leads and the link probes it runs.
 
-    Started with the node when it offers a collective endpoint, stopped with it. Thread-safe
-    (TCPStore clients lock internally)."""
+    Started with the node when it offers a collective endpoint, stopped with it. Users connect
+    with `client()`, one connection each; `store` (the hosting object) is not for them."""
 
     def __init__(self, host: str, port: int = 0):
         self.host, self._port = host, port
@@ -95,6 +98,19 @@ class StoreHost:
                                  f"pick another --collective-port") from None
             self._port = self.store.port
 
+    def client(self, timeout_s: float) -> TCPStore:
+        """A connection of its own to the hosted store; `timeout_s` bounds its blocking operations.
+
+        Never share one between threads that may block: a TCPStore client serialises its operations
+        (one socket, one lock), so a `get` waiting out its timeout for a key a stopped rank never
+        writes stalls every other operation on that client just as long. The server answers each
+        connection on its own. Raises RuntimeError when the store cannot be reached."""
+        with self._lock:
+            if self.store is None:
+                raise RuntimeError("the tensor-parallel store is not running (StoreHost not started or stopped)")
+            host, port = self.host, self._port
+        return TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
     @property
     def endpoint(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -108,13 +124,14 @@ class StoreHost:
 def join_group(spec: GroupSpec, hosted: StoreHost | None = None) -> Collective:
     """Join the group as `spec.rank`; blocks until every rank has joined (or the rendezvous timeout).
 
-    Rank 0 passes the StoreHost its node runs (started); the others connect to it as clients.
+    Rank 0 passes the StoreHost its node runs (started); the others connect to `spec.store_address`.
+    Either way the group gets a client connection of its own (see StoreHost.client).
     """
     rendezvous = datetime.timedelta(seconds=spec.rendezvous_timeout_s)
     try:
         if hosted is not None:
             assert hosted.store is not None, "start the StoreHost first"
-            store = hosted.store
+            store = hosted.client(spec.rendezvous_timeout_s)
         else:
             store = TCPStore(spec.store_host, spec.store_port, is_master=False, timeout=rendezvous)
         prefixed = PrefixStore(f"meshllm/tp/{spec.group_id}", store)

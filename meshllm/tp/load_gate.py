@@ -47,7 +47,7 @@ class LoadGate:
         self.role = role
         try:
             if role.rank == 0 and hosted is not None and hosted.store is not None:
-                store = hosted.store
+                store = hosted.client(CONNECT_TIMEOUT_S)  # its own connection: see StoreHost.client
             else:
                 store = _connect(role.store_address, CONNECT_TIMEOUT_S)
         except (RuntimeError, OSError, ValueError) as e:
@@ -88,8 +88,8 @@ def report_failure(store_address: str, group_id: str, rank: int, reason: str, ho
     """Tell the group's other ranks that `rank` will not join (best effort); True if it was written."""
     reason = reason.strip() or "failed"
     try:
-        store = hosted.store if hosted is not None and hosted.store is not None else _connect(store_address,
-                                                                                              timeout_s)
+        store = hosted.client(timeout_s) if hosted is not None and hosted.store is not None else _connect(
+            store_address, timeout_s)
         _prefixed(store, group_id).set(str(rank), reason.encode()[:2000])
         return True
     except (RuntimeError, OSError, ValueError) as e:

@@ -9,7 +9,8 @@ stage, or the tokens it sampled from the gathered logits).
 A heartbeat thread broadcasts a no-op when the group has been idle for a quarter of
 its timeout, so idle workers know rank 0 is alive. Any collective failure fails the
 whole group: it closes, `on_failed` runs (the node drops the stage), and every later
-call raises TensorParallelFailed, which the leader treats as this stage failing.
+step raises TensorParallelFailed, which the leader treats as this stage failing; a release
+after that frees rank 0's own state only (a stream ending, an Unload), without raising.
 """
 
 from __future__ import annotations
@@ -92,11 +93,15 @@ class TensorParallelRunner(RankStage):
     def release(self, seq_ids, owner: Owner | None = None) -> int:
         with self._lock:
             seq_ids = tuple(SeqId(s) for s in seq_ids)
+            if self._ended:
+                return self.runner.release(seq_ids, owner)  # the workers' state went with the group
             self._send(Release(seq_ids, owner))
             return self._guarded(lambda: self.runner.release(seq_ids, owner))
 
     def release_owner(self, owner: Owner) -> tuple[int, int]:
         with self._lock:
+            if self._ended:
+                return self.runner.release_owner(owner)
             self._send(ReleaseOwner(owner))
             return self._guarded(lambda: self.runner.release_owner(owner))
 
@@ -116,6 +121,12 @@ class TensorParallelRunner(RankStage):
     @property
     def failed(self) -> bool:
         return self._failure is not None
+
+    @property
+    def _ended(self) -> bool:
+        """Failed or closed: no worker listens any more, so freeing state is rank 0's own business.
+        (A stream ending, or an Unload, after its group failed frees rank 0's KV without raising.)"""
+        return self._failure is not None or self._closed.is_set()
 
     # --- inside the lock ---------------------------------------------------------------------------
     def _send(self, command: Command) -> None:

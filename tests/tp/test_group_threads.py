@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.kv_cache import Owner, SeqId
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import SeqWork, Step
@@ -22,7 +22,8 @@ from meshllm.model.config import ModelConfig
 from meshllm.model.decoder import Decoder
 from meshllm.tp.channel import CommandChannel
 from meshllm.tp.command import Release, RunStep, worker_view
-from meshllm.tp.group import GroupSpec, StoreHost, join_group
+from meshllm.tp.group import GroupSpec, RankRole, StoreHost, join_group
+from meshllm.tp.load_gate import LoadGate
 from meshllm.tp.runner import TensorParallelRunner
 from meshllm.tp.worker import TensorParallelWorker
 
@@ -110,3 +111,56 @@ def test_forming_and_closing_groups_leaks_no_threads_or_sockets(store):
     time.sleep(0.3)
     after = (len(os.listdir("/proc/self/fd")), threading.active_count())
     assert after[0] <= before[0] and after[1] <= before[1], (before, after)
+
+
+def test_a_rendezvous_waiting_for_a_stopped_rank_holds_up_no_other_use_of_the_store(store):
+    # Rank 0's node hosts one store for every group it leads and every link probe it runs. A link
+    # probe (or a group) whose peer was just SIGSTOPped waits out its whole rendezvous timeout (30 s
+    # for a probe) inside the backend's constructor. A re-planned group forming on the same node
+    # meanwhile (its load gate, its rendezvous) must not queue behind that wait: a TCPStore client
+    # runs one operation at a time, so each user has its own connection (StoreHost.client).
+    stuck_s = 8.0
+    stuck = threading.Thread(target=_join_quietly, daemon=True, args=(
+        GroupSpec("probe/stopped-peer", 0, 2, store.endpoint, "127.0.0.1", rendezvous_timeout_s=stuck_s), store))
+    stuck.start()
+    time.sleep(0.5)  # inside the rendezvous, waiting for rank 1's address
+    assert stuck.is_alive()
+    started = time.monotonic()
+    gates = [LoadGate(role, store) for role in (RankRole(r, 2, store.endpoint, "replanned") for r in (0, 1))]
+    for gate in gates:
+        gate.loaded()
+    gates[0].wait_for_all(5)
+    c0, c1 = _pair(store, "replanned")
+    formed_s = time.monotonic() - started
+    with ThreadPoolExecutor(2) as pool:
+        sums = list(pool.map(lambda c: c.all_reduce(torch.ones(4)), (c0, c1)))
+    assert all(torch.equal(t, torch.full((4,), 2.0)) for t in sums)
+    c0.close()
+    c1.close()
+    assert formed_s < 2.0, f"the new group formed {formed_s:.1f}s after the stuck rendezvous began"
+    stuck.join(stuck_s + MARGIN_S)
+
+
+def _join_quietly(spec: GroupSpec, store: StoreHost) -> None:
+    try:
+        join_group(spec, store).close()
+    except TensorParallelFailed:
+        pass  # the rendezvous timed out: the silent peer never came
+
+
+def test_after_its_group_failed_rank0_frees_its_own_state_without_raising(store):
+    # A Forward stream that ends (or an Unload) after the group failed releases rank 0's KV: the
+    # workers left with the group, so nothing is sent and nothing raises (the stream's pump must
+    # still end its gRPC call, the Unload must answer).
+    c0, c1 = _pair(store, "failed-then-freed")
+    failures = []
+    tp = TensorParallelRunner(_runner(True), CommandChannel(c0), on_failed=failures.append)
+    step = Step(1, (SeqWork(SeqId(5), 0, 3, 1, SamplingParams(temperature=0.0, seed=1)),), torch.tensor([1, 2, 3]))
+    c1.close()  # the worker rank is gone
+    with pytest.raises(TensorParallelFailed):
+        tp.run(step)
+    assert tp.failed and len(failures) == 1
+    assert tp.release([SeqId(5)]) == 0
+    assert tp.release_owner(Owner(7)) == (0, 0)
+    tp.close()
+    assert tp.release_owner(Owner(7)) == (0, 0)

@@ -41,6 +41,8 @@ FAILING = 3  # node-3's Loads fail
 PROMPT = "Once upon a time"
 MAX_TOKENS = 32
 STOP_AFTER = 6  # streamed tokens before the worker is stopped
+STEP_TIMEOUT_S = 10.0  # the leader's step deadline at most (its stall watch starts far lower)
+RECOVERY_S = 5.0  # re-plan, the new group's Load and the re-prefill, on a loaded 2-core machine
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +154,8 @@ def test_a_rank_whose_load_fails_fails_its_group_at_once_and_the_leader_plans_wi
 
 def test_a_stopped_worker_rank_is_detected_and_its_group_fails_over(nodes, warm, files, channels, reference):
     healthy = set(nodes.node_ids[:3])
-    backend, owner = build_cluster_backend(files, lambda: view(nodes, healthy), channels,
-                                           replace(OPTIONS, tensor_parallel=2, num_stages=1, step_timeout_s=10.0))
+    options = replace(OPTIONS, tensor_parallel=2, num_stages=1, step_timeout_s=STEP_TIMEOUT_S)
+    backend, owner = build_cluster_backend(files, lambda: view(nodes, healthy), channels, options)
     stopped_pid = None
     try:
         [stage] = owner.plan.stages
@@ -174,12 +176,10 @@ def test_a_stopped_worker_rank_is_detected_and_its_group_fails_over(nodes, warm,
         [after] = owner.plan.stages
         print(f"stopped worker: stream finished {recovered_s:.2f}s after the SIGSTOP")
         assert worker not in after.node_ids and set(after.node_ids) == {rank0, spare}
-        # Detection ~1.5 s, re-plan, the new group's Load, re-prefill: 3.6-6 s in most runs. About
-        # one run in four (seen under the full suite and alone) the new plan is serving 2 s after
-        # the stop but the stream finishes only ~34 s after it: something on rank 0's node waits
-        # ~30 s behind the old group's stuck all-reduce. Not found yet (issue 10); this bound keeps
-        # the request from hanging, and the figure is printed above.
-        assert recovered_s < 45.0
+        # Detection within the step deadline (~1.5 s here), then re-plan, the new group's Load and
+        # the re-prefill (~2 s): 3.5-4 s measured. Nothing of the old group's stuck all-reduce
+        # may delay the new plan.
+        assert recovered_s < STEP_TIMEOUT_S + RECOVERY_S
         assert text == reference
     finally:
         if stopped_pid is not None:
