@@ -35,6 +35,9 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # (kernels/gemv.c says why): up to 8 rows it beats ggml's tinyBLAS (~2x at 2-5 rows, even at 8,
 # 1 thread, SmolLM2), one row it ties ggml's gemv. Past it (prefill) ggml's GEMM is faster.
 FEW_ROWS_MAX = 8
+# Steps whose sequences have at most this many rows each reuse their graph (see forward); a few
+# shapes are kept (batch 1 with adaptive draft lengths cycles through several).
+_MAX_REUSED_ROWS, _MAX_CACHED_GRAPHS = 16, 6
 
 
 class _Weights:
@@ -134,8 +137,9 @@ class GGMLStage:
         # Memory for a step's intermediate tensors, reused (and grown when needed) step after step;
         # the cached decode graph has its own, so a prefill step never moves its tensors.
         self._allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
-        self._decode_allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
-        self._cached: _Step | None = None
+        # Reusable graphs of few-row steps (decodes, verify passes of a few lengths), each with
+        # its own allocator so they keep their tensors' addresses; least recently used last.
+        self._cached: dict[tuple, _Step] = {}
         self.freq_factors = None if bool((factors == 1).all()) else wrap_f32(factors)
         op = ggml_few_rows_op()
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
@@ -229,23 +233,25 @@ class GGMLStage:
     def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> Tensor:
         """Decoder.forward's contract; the caller reserved KV room and commits the lengths.
 
-        A decode step shaped like the previous one (same sequences, same KV tensors, one token
-        each) reuses that step's graph: only the KV write offsets, the attended lengths and the
-        inputs change, and those are patched in place instead of rebuilding ~40 nodes per layer
-        from Python.
+        A few-row step shaped like an earlier one (same sequences, same KV tensors, as many rows
+        each: a decode step, or a speculative verify pass of the same length) reuses that step's
+        graph: only the KV write offsets, the attended lengths, the causal masks and the inputs
+        change, and those are patched in place instead of rebuilding ~40 nodes per layer from
+        Python (~2 ms on SmolLM2).
         """
         started = time.perf_counter()
-        key = self._decode_key(x, slices, logit_rows)
-        step = self._cached if key is not None and self._cached is not None and self._cached.key == key else None
+        key = self._reuse_key(x, slices, logit_rows)
+        step = self._cached.pop(key, None) if key is not None else None
         if step is None:
-            self._drop_cached()
             step = self._build(x, slices, logit_rows, key)
         step.patch(x, positions, slices, logit_rows)
         out = torch.empty(step.out_shape, dtype=torch.float32)
         built = time.perf_counter()
         step.run(out)
         if key is not None:
-            self._cached = step
+            self._cached[key] = step  # most recently used last
+            while len(self._cached) > _MAX_CACHED_GRAPHS:
+                self._cached.pop(next(iter(self._cached))).close()
         else:
             step.close()
         # Where a step's time goes (bench/decode.py reports it): Python building the graph, ggml running it.
@@ -253,17 +259,17 @@ class GGMLStage:
         return out if self.has_head else out.to(self.dtype)
 
     @staticmethod
-    def _decode_key(x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
-        """What a reusable decode graph depends on; None for steps that build their own graph."""
-        if any(s.num_tokens != 1 for s in slices):
+    def _reuse_key(x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
+        """What a reusable graph depends on; None for steps that build their own (prefill chunks)."""
+        if any(s.num_tokens > _MAX_REUSED_ROWS for s in slices):
             return None
         return (x.dtype, x.shape, None if logit_rows is None else logit_rows.numel(),
-                tuple((s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.capacity) for s in slices))
+                tuple((s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.capacity, s.num_tokens) for s in slices))
 
     def _drop_cached(self) -> None:
-        if self._cached is not None:
-            self._cached.close()
-            self._cached = None
+        for step in self._cached.values():
+            step.close()
+        self._cached = {}
 
     def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
         g, c, n = self.g, self.config, x.shape[0]
@@ -272,10 +278,11 @@ class GGMLStage:
         ctx = s.ctx
         s.writes, s.reads = [], []
         graph = s.new_graph()
-        step = _Step(key, s, graph, self._decode_allocator if key is not None else self._allocator)
+        step = _Step(key, s, graph, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
+                     else self._allocator)
         step.pos = torch.zeros(n, dtype=torch.int32)
         pos = s.wrap(step.pos)
-        masks = [self._mask(s, seq) for seq in slices]
+        masks = [self._mask(s, step, seq) for seq in slices]
         s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
         if self.embedding is not None:
             step.ids = torch.zeros(n, dtype=torch.int32)
@@ -297,23 +304,40 @@ class GGMLStage:
         step.out = h
         return step
 
-    def _mask(self, s: GraphScope, seq: SeqSlice):
-        """f16 [t, end] additive causal mask, or None when every key is visible (a decode row)."""
-        t, start = seq.num_tokens, seq.start
+    @staticmethod
+    def _mask(s: GraphScope, step: _Step, seq: SeqSlice):
+        """f16 [t, end] additive causal mask, or None when every key is visible (a decode row).
+
+        Its memory holds [t, capacity] so a reused graph can grow `end` in place (_Step.patch)."""
+        t = seq.num_tokens
         if t == 1:
+            step.masks.append(None)
             return None
-        end = start + t
-        q_pos = torch.arange(start, end).unsqueeze(1)
-        k_pos = torch.arange(0, end).unsqueeze(0)
-        mask = torch.zeros(t, end, dtype=torch.float16).masked_fill_(k_pos > q_pos, float("-inf"))
-        return s.wrap(s.keep(mask))
+        room = seq.kv.capacity if step.key is not None else seq.start + t
+        buffer = s.keep(torch.empty(t * room, dtype=torch.float16))
+        mask = s.wrap(buffer[: t * (seq.start + t)].view(t, seq.start + t))
+        step.masks.append((mask, buffer))
+        _write_mask(mask, buffer, seq.start, t)
+        return mask
 
     def __del__(self):
         if getattr(self, "_allocator", None):
             self._drop_cached()
             self.g.ggml_gallocr_free(self._allocator)
-            self.g.ggml_gallocr_free(self._decode_allocator)
             self._allocator = None
+
+
+def _write_mask(mask, buffer: Tensor, start: int, t: int) -> None:
+    """Row i of the [t, start + t] mask: keys up to position start + i visible, later ones -inf.
+    Contiguous at its current length (ne and nb set to match), in `buffer`'s memory."""
+    end = start + t
+    view = buffer[: t * end].view(t, end)
+    view.zero_()
+    view.masked_fill_(torch.arange(end).unsqueeze(0) > torch.arange(start, end).unsqueeze(1), float("-inf"))
+    m = mask.contents
+    m.ne[0] = end
+    m.nb[1] = end * 2
+    m.nb[2] = m.nb[3] = t * end * 2
 
 
 class _Step:
@@ -322,6 +346,7 @@ class _Step:
     def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
         self.ids = self.hidden = self.rows = self.pos = self.out = None
+        self.masks: list[tuple[object, Tensor] | None] = []  # per slice: (ggml mask, its memory)
         self.out_shape: tuple[int, int] = (0, 0)
         self._allocated = False
 
@@ -342,9 +367,13 @@ class _Step:
             dst.contents.data = address
             write.contents.data = address
         for i, (keys, values) in enumerate(self.scope.reads):
-            end = slices[i % num_seqs].start + 1
+            seq = slices[i % num_seqs]
+            end = seq.start + seq.num_tokens
             keys.contents.ne[1] = end
             values.contents.ne[1] = end
+        for entry, seq in zip(self.masks, slices):
+            if entry is not None:
+                _write_mask(entry[0], entry[1], seq.start, seq.num_tokens)
 
     def run(self, out: Tensor) -> None:
         if out.numel():
@@ -360,3 +389,5 @@ class _Step:
 
     def close(self) -> None:
         self.scope.__exit__(None, None, None)
+        if self.key is not None:  # reused graphs own their allocator
+            self.scope.g.ggml_gallocr_free(self.allocator)

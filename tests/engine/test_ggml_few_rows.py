@@ -106,3 +106,30 @@ def test_a_batch_of_decodes_scores_what_each_alone_scores(bf16_decoder):
     alone = torch.cat([d(nxt[i:i + 1], torch.tensor([lengths[i]]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
                        for i, kv in enumerate(kvs)])
     assert torch.equal(batched, alone)
+
+
+def _verify_passes(d, prompt: torch.Tensor, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Verify passes one after another, each keeping 2 of its rows (rollback of the rest)."""
+    kv = SequenceKV(d.kv_layout(), 64)
+    d(prompt, torch.arange(len(prompt)), [SeqSlice(kv, 0, len(prompt))], torch.tensor([len(prompt) - 1]))
+    out = []
+    for block in blocks:
+        start = kv.length
+        out.append(d(block, torch.arange(start, start + len(block)), [SeqSlice(kv, 0, len(block))],
+                     torch.arange(len(block))))
+        kv.truncate(start + 2)
+    return out
+
+
+def test_a_reused_verify_graph_equals_a_fresh_one(bf16_decoder, monkeypatch):
+    """Few-row graphs are kept and patched (KV offsets, lengths, causal masks) step to step."""
+    d = bf16_decoder
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, d.config.vocab_size, (7,), generator=g)
+    blocks = [torch.randint(3, d.config.vocab_size, (n,), generator=g) for n in (4, 4, 3, 4, 3, 4, 4)]
+    reused = _verify_passes(d, prompt, blocks)
+    assert d.fast_path._cached, "few-row graphs were not kept"
+    monkeypatch.setattr(ggml_stage.GGMLStage, "_reuse_key", staticmethod(lambda *a: None))
+    fresh = _verify_passes(d, prompt, blocks)
+    for a, b in zip(reused, fresh):
+        assert torch.equal(a, b)

@@ -72,7 +72,7 @@ def test_fast_path_matches_torch_path(decoder):
 
 def test_reused_decode_graph_equals_a_fresh_one(decoder, monkeypatch):
     reused = _run(decoder, PROMPTS, 12, True)  # grows the KV tensors past 8: rebuilds, then reuses
-    monkeypatch.setattr(GGMLStage, "_decode_key", staticmethod(lambda *a: None))
+    monkeypatch.setattr(GGMLStage, "_reuse_key", staticmethod(lambda *a: None))
     fresh = _run(decoder, PROMPTS, 12, True)
     for a, b in zip(reused, fresh):
         assert torch.equal(a, b)
