@@ -4,9 +4,10 @@ killed (kill -9), stopped (SIGSTOP) or sends corrupt activations (fault injectio
 
 The text must equal the single-process run's (same batch-invariant fp32 arithmetic, served
 by the same API code in this process). One pool of node processes serves the whole module;
-each test takes live idle nodes from it (starting more when needed, e.g. with fault
-injection or a memory cap) and shows its leader only the nodes it uses, through the fleet
-view it plans on: the other processes of the pool are not part of that test's fleet.
+each test takes live idle nodes from it (starting more when needed) and shows its leader only
+the nodes it uses, through the fleet view it plans on: the other processes of the pool are not
+part of that test's fleet. A node started for one test's purpose (fault injection, a memory
+cap) stays that test's: `take` never hands it to a later test, whose leader would plan on it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import grpc
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshllm.api.backend import build_local_backend
 from meshllm.api.cluster_backend import build_cluster_backend
@@ -45,6 +47,7 @@ KILL_AFTER = 8  # streamed tokens before the fault: mid-stream, every time
 # plus embedding and head): two fit from 14 MB, one from 26 MB.
 SMALL_NODE = "18MB"
 FAULT_ENV = "MESHLLM_FAULT_INJECTION"
+NODE_FAULTS = ("stage_unreachable", "pipeline_stalled", "shard_corrupt", "invalid_reply")  # failover codes
 
 
 class Pool:
@@ -55,6 +58,9 @@ class Pool:
         self.key = load_key(local.key_file)
         self.fingerprint = model_fingerprint
         self.channels = ChannelPool(ChannelConfig("failover-test-leader", self.key))
+        # Started with an environment or arguments of their own: a corrupt@3 node corrupts every step
+        # after its third for the rest of its life, and a leader that only read its card cannot know.
+        self.special: set[str] = set()
 
     def live(self) -> list[str]:
         return [f"node-{i}" for i, p in enumerate(self.local.processes) if p.poll() is None]
@@ -72,13 +78,15 @@ class Pool:
 
     def spawn(self, env: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> str:
         node_id = f"node-{self.local.add_node(env=env, args=args)}"
+        if env or args:
+            self.special.add(node_id)
         wait_until(lambda: any(c.node_id == node_id and any(m.fingerprint == self.fingerprint for m in c.models)
                                for c in self.view()), timeout=60, message=f"{node_id} in the fleet view")
         return node_id
 
     def take(self, count: int, avoid: set[str] = frozenset()) -> list[str]:
-        """`count` live nodes (lowest ids first), starting new ones when too few are left."""
-        nodes = [n for n in self.live() if n not in avoid][:count]
+        """`count` live plain nodes (lowest ids first), starting new ones when too few are left."""
+        nodes = [n for n in self.live() if n not in avoid and n not in self.special][:count]
         while len(nodes) < count:
             nodes.append(self.spawn())
         return nodes
@@ -158,8 +166,11 @@ def stream_chat(live: LiveServer, on_token: Callable[[int], None] = lambda n: No
 
 
 def failovers(live: LiveServer) -> float:
-    return sum(live.metric("meshllm_failovers_total", {"code": code})
-               for code in ("stage_unreachable", "pipeline_stalled", "shard_corrupt", "invalid_reply"))
+    """Failovers blamed on a node, from one scrape: a sum over one scrape per code could miss a
+    failover that comes between two of them (and count 1 where there were 2)."""
+    text = httpx.get(f"{live.url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "meshllm_failovers_total" and sample.labels.get("code") in NODE_FAULTS)
 
 
 def health(live: LiveServer) -> tuple[int, dict]:
@@ -357,6 +368,7 @@ def test_a_stage_killed_between_requests_is_replaced_before_the_next_request(poo
     nodes = pool.take(3)
     with leader_over(pool, files, set(nodes), num_stages=2) as live:
         assert stream_chat(live)[0] == reference()
+        assert failovers(live) == 0, "a failover before the kill: is a faulty node in the plan?"
         victim = stage_nodes(live)[1]
         kill(pool, victim)  # nothing in flight: only the leader's routine health checks can notice
         wait_until(lambda: failovers(live) == 1 and health(live)[0] == 200 and victim not in stage_nodes(live),
