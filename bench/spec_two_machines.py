@@ -94,6 +94,8 @@ def driver(args) -> None:
                 raise SystemExit(f"the leader failed ({leader.returncode}):\n{leader.stderr[-4000:]}") from None
             # Seen here: gRPC's C++ threads abort the leader at interpreter exit after its report.
             report["leader_exit_code"] = leader.returncode
+            report["leader_log_tail"] = [line for line in leader.stderr.splitlines()
+                                         if "Warning" not in line and "warn(" not in line][-40:]
         finally:
             for process in (relay, node):  # `ip netns exec` and taskset exec: each pid is the python itself
                 process.terminate()
@@ -151,6 +153,8 @@ def leader_role(args) -> None:
     from meshllm.transport.channels import ChannelConfig, ChannelPool
     from speculative import PROMPTS, Counts, chat_ids, run
 
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d %(name)s %(message)s")
     torch.set_num_threads(1)
     files = open_model(args.model)
     key = load_key(Path(args.key_file))

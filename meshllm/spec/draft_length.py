@@ -72,6 +72,20 @@ class StepCosts:
         t = (rows - lo) / (hi - lo)
         return (1 - t) * self._seconds[lo] + t * self._seconds[hi]
 
+    def seconds(self, count: int) -> float | None:
+        """Estimated seconds at `count`: measured, interpolated, or extrapolated along the line
+        through the two nearest measured counts (through the origin when only one is measured:
+        a proposer's call time by tokens drafted, before calls of two sizes were seen)."""
+        estimate = self._estimate(count)
+        if estimate is not None or not self._seconds:
+            return estimate
+        counts = sorted(self._seconds)
+        if len(counts) == 1:
+            return self._seconds[counts[0]] * count / counts[0]
+        lo, hi = (counts[0], counts[1]) if count < counts[0] else (counts[-2], counts[-1])
+        slope = max(0.0, (self._seconds[hi] - self._seconds[lo]) / (hi - lo))
+        return max(0.0, self._seconds[hi] + slope * (count - hi))
+
     @property
     def typical_step_s(self) -> float | None:
         return self._seconds[min(self._seconds)] if self._seconds else None
@@ -156,3 +170,38 @@ class OfferedLength:
 
 def _bucket(offered: int) -> int:
     return next((i for i, bound in enumerate(_OFFER_BUCKETS) if offered <= bound), len(_OFFER_BUCKETS))
+
+
+def pipelined_length(alpha: float, k_max: int, costs: StepCosts, rows: int, draft_s: StepCosts) -> int:
+    """The draft length for a proposer slower than a verifier pass (a draft model, remote or not).
+
+    Drafting runs a block ahead: while block i verifies, the proposer drafts block i+1 assuming
+    all of block i and the verifier's bonus token are its own, i.e. k + 1 tokens per block. In
+    the steady state a block therefore takes max(T(k + 1), D(k + 1)) and commits
+    E(k) tokens: the verifier's k + 1 rows are cheap on the few-row kernels, so what bounds the
+    rate is the proposer's speed. The k <= k_max with the best rate, 0 where none beats plain
+    decoding (E(0) = 1 token per T(1)) by 2%: a proposer as slow as the verifier never pays.
+    D(n) is the proposer's measured call time for n tokens (`draft_s`, by tokens drafted).
+    """
+    typical = costs.typical_step_s
+    if typical is None:
+        return k_max
+    a = min(alpha, 0.99)
+    best, best_rate, expected = 0, 1.0 / typical, 1.0
+    for k in range(1, k_max + 1):
+        expected += a ** k
+        rate = expected / max(typical * costs.ratio(rows, k), draft_s.seconds(k + 1) or 0.0)
+        if rate > best_rate * 1.02:
+            best, best_rate = k, rate
+    return best
+
+
+def wait_pays(alpha: float, k: int, costs: StepCosts, rows: int, wait_s: float) -> bool:
+    """Whether holding a step `wait_s` for a k-token draft commits more tokens per second than
+    decoding plainly: E(k) / (wait + T(k + 1)) > 1 / T(1)."""
+    typical = costs.typical_step_s
+    if typical is None or k == 0:
+        return False
+    a = min(alpha, 0.99)
+    expected = sum(a ** i for i in range(k + 1))
+    return expected * typical > wait_s + typical * costs.ratio(rows, k)

@@ -12,9 +12,13 @@ proposer's round trip and compute overlap the verifier's pass. When the verifier
 the committed tokens are compared with the mirror: where they agree, the mirror's next
 tokens are the next draft, ready at once; where they differ, the mirror is cut there, the
 proposer is told to roll back (the next request's position), and a fresh draft is asked for.
-A fast proposer (its answers take under `hold_fraction` of a step) is waited for briefly
-(the leader defers forming the next micro-batch); a slow one is not: the sequence decodes
-plainly and the proposer's continuation resumes the chain if the plain token matches it.
+A sequence that would go out without a draft while its proposer is drafting for it holds
+the next micro-batch when waiting pays: when the draft, expected at the proposer's measured
+latency, commits more tokens per second (E(k) / (wait + T(k+1))) than plain steps would in
+the meantime; else it decodes plainly, and the proposer's continuation resumes the chain if
+the plain token matches it. A proposer slower than a verifier pass drafts blocks of the
+length that maximises the pipelined rate (draft_length.pipelined_length), none where it cannot
+keep up (a same-size model drafting on an equally fast machine).
 Requests of many sequences travel as one batch; a draft that misses its block's deadline is
 dropped by the proposer client, and failures only cost speed.
 
@@ -41,7 +45,8 @@ from meshllm.engine.scheduler import MicroBatch, Work
 from meshllm.engine.sequence import Sequence
 from meshllm.engine.step import DraftDist
 from meshllm.errors import MeshError
-from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts
+from meshllm.spec.draft_length import (DraftLength, DraftLengthConfig, OfferedLength, StepCosts, pipelined_length,
+                                       wait_pays)
 from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest, catch_up_tokens, checked_draft
 
 log = logging.getLogger(__name__)
@@ -52,7 +57,6 @@ DRAFT_SEED_POSITION = 1 << 40  # drafts draw from (seed, this + position): never
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     lengths: DraftLengthConfig = field(default_factory=DraftLengthConfig)
-    hold_fraction: float = 0.5  # wait for a fresh draft when the proposer answers within this share of a step
     sample_drafts: bool = True  # ask sampling proposers for q (min(1, p/q)) for unseeded sampled requests
     draft_support: int = 16  # entries of each sparse q
     retry_after_s: float = 0.2  # after a failed proposer call, plain decoding for this long
@@ -63,8 +67,8 @@ class SpecConfig:
     max_wait_s: float = 5.0
 
     def __post_init__(self):
-        if not 0.0 <= self.hold_fraction <= 1.0 or self.retry_after_s < 0:
-            raise ValueError(f"hold_fraction must be in [0, 1] and retry_after_s >= 0: {self}")
+        if self.retry_after_s < 0 or self.max_wait_s < 0:
+            raise ValueError(f"retry_after_s and max_wait_s must be >= 0: {self}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +101,9 @@ class _State:
         self.outstanding = False
         self.exhausted = False  # the proposer had nothing more for this context: wait for a commit
         self.hold_until: float | None = None
+        self.expected_at: float | None = None  # when the outstanding call's answer is expected
+        self.requested_k = 0  # draft tokens the outstanding call brings for the next step
+        self.skipped = 0  # requests not made since the last one (the proposer could not keep ahead)
 
     @property
     def k(self) -> int:
@@ -114,7 +121,7 @@ class Drafter:
         self._states: dict[SeqId, _State] = {}
         self._costs = StepCosts()
         self._latency_s: float | None = None  # decaying average of one proposer call
-        self._token_s: float | None = None  # decaying average of a call's seconds per drafted token
+        self._draft_s = StepCosts()  # a proposer call's seconds by tokens drafted (catch-ups aside)
         self._paused_until = 0.0
         self._work: queue.Queue = queue.Queue()
         self._released: list[SeqId] = []
@@ -174,6 +181,7 @@ class Drafter:
         st.exhausted = False
         self._offer(st)
         self._request(st)
+        self._hold_if_it_pays(st)
 
     def arrived(self, message: DraftsReady) -> None:
         now = time.perf_counter()
@@ -187,14 +195,13 @@ class Drafter:
                 0.8 * self._latency_s + 0.2 * message.seconds
             drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
             if drafted:
-                per_token = message.seconds / drafted
-                self._token_s = per_token if self._token_s is None else 0.8 * self._token_s + 0.2 * per_token
+                self._draft_s.observe(drafted, message.seconds)
         for i, (request, generation) in enumerate(zip(message.requests, message.generations)):
             st = self._states.get(request.seq_id)
             if st is None:
                 continue
             st.outstanding = False
-            st.hold_until = None
+            st.hold_until = st.expected_at = None
             if generation != st.generation:
                 continue  # the mirror was cut after this request: its tokens assumed the wrong context
             if message.error is not None:
@@ -211,6 +218,7 @@ class Drafter:
                 st.exhausted = len(draft.tokens) < request.k
             self._offer(st)
             self._request(st)
+            self._hold_if_it_pays(st)
 
     def holding(self, now: float) -> bool:
         """Whether the leader should wait a moment before forming a micro-batch: a fast proposer
@@ -265,7 +273,15 @@ class Drafter:
             return
         position = len(st.mirror)
         tokens = tuple(st.seq.token_ids(position, n)) if position < n else ()
-        request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, self._block_fit(st.k) + 1), st.sampling)
+        k = self._block_length(st)
+        if k == 0 and not self.config.wait_for_drafts:
+            # This proposer cannot keep ahead of the verifier: plain decoding costs less. A probe now
+            # and then keeps its speed measured (the verifier may slow down, or the proposer speed up).
+            st.skipped += 1
+            if st.skipped < self.config.lengths.probe_every:
+                return
+            st.skipped, k = 0, 1
+        request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, max(k, 1) + 1), st.sampling)
         st.mirror.extend(tokens)
         st.confirmed = max(st.confirmed, min(len(st.mirror), n))
         st.outstanding = True
@@ -273,23 +289,38 @@ class Drafter:
         if self.inline:
             self.arrived(self._call([(request, st.generation, tuple(released))]))
             return
-        # The next step has no draft without this answer (prefill chunks do not wait for drafts).
-        fresh = len(st.mirror) <= n and not st.seq.in_flight and not st.seq.is_prefilling
-        typical = self._costs.typical_step_s
+        now = time.perf_counter()
+        st.requested_k = max(0, len(st.mirror) + request.k - n)  # draft tokens for the next step
+        expected_s = self._draft_s.seconds(request.k) if self._draft_s.typical_step_s is not None else self._latency_s
+        st.expected_at = None if expected_s is None else now + expected_s
         if self.config.wait_for_drafts:
-            st.hold_until = time.perf_counter() + self.config.max_wait_s
-        elif fresh and self._latency_s is not None and typical is not None \
-                and self._latency_s < self.config.hold_fraction * typical:
-            st.hold_until = time.perf_counter() + self.config.hold_fraction * typical
+            st.hold_until = now + self.config.max_wait_s
         self._work.put((request, st.generation, tuple(released)))
 
-    def _block_fit(self, k: int) -> int:
-        """k, shrunk so a slow proposer drafts a block within about one verifier step: drafting
-        ahead hides its time only if the next block is ready when the current one is verified."""
-        typical = self._costs.typical_step_s
-        if self.inline or self._token_s is None or typical is None:
-            return k
-        return max(1, min(k, int(typical / self._token_s) - 1))
+    def _block_length(self, st: _State) -> int:
+        """Tokens per draft block: st.k, or for a proposer slower than a verifier pass the length
+        whose pipelined rate is best (0: none keeps ahead of plain decoding)."""
+        if self.inline or self._draft_s.typical_step_s is None or self._costs.typical_step_s is None \
+                or st.offered_length is not None:
+            return st.k
+        return pipelined_length(st.length.alpha, st.k, self._costs, st.rows, self._draft_s)
+
+    def _hold_if_it_pays(self, st: _State) -> None:
+        """Hold the next step for `st`'s outstanding draft if it goes out without one otherwise and
+        waiting for the draft commits more per second than plain steps meanwhile (wait_pays)."""
+        if self.config.wait_for_drafts:
+            return  # held until the draft arrives (set with the request)
+        st.hold_until = None
+        if self.inline or not st.outstanding or st.expected_at is None:
+            return
+        seq = st.seq
+        if seq.in_flight or seq.is_prefilling or seq.draft or st.requested_k == 0:
+            return
+        now = time.perf_counter()
+        wait = max(0.0, st.expected_at - now)
+        alpha = st.length.alpha if st.offered_length is None else 0.5
+        if wait_pays(alpha, min(st.requested_k, st.k_cap), self._costs, st.rows, wait):
+            st.hold_until = st.expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
 
     # --- drafter thread (proposers that are not inline) ---------------------------------------------
     def _run(self) -> None:

@@ -3,7 +3,9 @@ offered length and the measured cost of extra rows; no model, microseconds."""
 
 from __future__ import annotations
 
-from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts
+import pytest
+
+from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts, pipelined_length, wait_pays
 
 CONFIG = DraftLengthConfig(k_max=8, k_start=4, probe_every=8)
 
@@ -52,3 +54,37 @@ def test_cheap_rows_keep_drafting_at_modest_acceptance():
         lengths.update(2, 2, 1)  # half of two-token offers accepted
     assert lengths.send_length(2, costs(0.03), 1) == 2
     assert lengths.send_length(2, costs(2.0), 1) == 0  # the same acceptance cannot pay for dear rows
+
+
+def _costs(seconds_by_count: dict[int, float]) -> StepCosts:
+    costs = StepCosts()
+    for count, seconds in seconds_by_count.items():
+        costs.observe(count, seconds)
+    return costs
+
+
+def test_call_time_is_extrapolated_along_the_measured_line():
+    draft = _costs({2: 0.027, 5: 0.063})  # 3 ms per call, 12 ms per token
+    assert draft.seconds(3) == pytest.approx(0.039)
+    assert draft.seconds(8) == pytest.approx(0.099)
+    assert draft.seconds(1) == pytest.approx(0.015)
+    assert _costs({4: 0.040}).seconds(2) == pytest.approx(0.020)  # one size seen: proportional
+
+
+def test_a_proposer_slower_than_the_verifier_gets_the_block_it_can_keep_ahead_of():
+    """SmolLM2 measured here: an fp32 verifier (24 ms a step, 44/50/54/58 ms for 2-5 rows) and a
+    Q4_1 drafter on another core (3 ms a call + 12 ms a token), acceptance 0.95: blocks of 3-4
+    drafts keep both busy (E(k) / max(T(k+1), D(k+1)) is best there), 1.6x plain decoding."""
+    verifier = _costs({1: 0.024, 2: 0.044, 3: 0.050, 4: 0.054, 5: 0.058, 6: 0.062})
+    drafter = _costs({2: 0.027, 5: 0.063})
+    assert pipelined_length(0.95, 8, verifier, 1, drafter) in (3, 4)
+    # The same drafter for a verifier as fast as itself (bf16, 13 ms): it cannot keep ahead.
+    bf16 = _costs({1: 0.013, 2: 0.014, 3: 0.017, 4: 0.022, 5: 0.029})
+    assert pipelined_length(0.95, 8, bf16, 1, drafter) == 0
+
+
+def test_waiting_for_a_draft_pays_only_when_it_commits_more_per_second():
+    verifier = _costs({1: 0.024, 4: 0.054})
+    assert wait_pays(0.95, 3, verifier, 1, wait_s=0.010)  # 3.7 tokens in 64 ms beats 2.7 plain steps
+    assert not wait_pays(0.95, 3, verifier, 1, wait_s=0.050)  # 3.7 in 104 ms loses to 4.3 plain steps
+    assert not wait_pays(0.3, 3, verifier, 1, wait_s=0.001)  # drafts that mostly fail never pay
