@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts, pipelined_length, wait_pays
+from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts, best_length, pipelined_length, wait_pays
 
 CONFIG = DraftLengthConfig(k_max=8, k_start=4, probe_every=8)
 
@@ -88,3 +88,12 @@ def test_waiting_for_a_draft_pays_only_when_it_commits_more_per_second():
     assert wait_pays(0.95, 3, verifier, 1, wait_s=0.010)  # 3.7 tokens in 64 ms beats 2.7 plain steps
     assert not wait_pays(0.95, 3, verifier, 1, wait_s=0.050)  # 3.7 in 104 ms loses to 4.3 plain steps
     assert not wait_pays(0.3, 3, verifier, 1, wait_s=0.001)  # drafts that mostly fail never pay
+
+
+def test_a_draft_in_a_full_batch_must_pay_for_its_rows_against_the_whole_step():
+    """bf16 SmolLM2 on the few-row kernel, one thread: 8 decode rows are compute-bound, each more
+    row ~12% of the step. A 0.6-acceptance draft pays alone, not beside 7 other decodes."""
+    per_row = costs(0.12)
+    assert best_length(0.6, 4, per_row, 1) > 0
+    assert best_length(0.6, 4, per_row, 8) == 0
+    assert best_length(0.97, 4, per_row, 8) > 0  # a copied passage still pays
