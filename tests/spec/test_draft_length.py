@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm.spec.draft_length import DraftLength, DraftLengthConfig, OfferedLength, StepCosts, best_length, pipelined_length, wait_pays
+from meshllm.spec.draft_length import (DraftLength, DraftLengthConfig, OfferedLength, StepCosts, best_length,
+                                       pipelined_length, probe_interval, wait_pays)
 
 CONFIG = DraftLengthConfig(k_max=8, k_start=4, probe_every=8)
 
@@ -30,8 +31,12 @@ def test_long_offers_that_copy_are_sent_whole_while_short_chance_matches_are_dro
         lengths.update(8, 8, 8)  # long matches: copied passages, every token accepted
         lengths.update(1, 1, 0)  # one-token matches: chance, rejected
     assert lengths.send_length(8, rows_cost, 1) == 8
-    sent = [lengths.send_length(1, rows_cost, 1) for _ in range(2 * CONFIG.probe_every)]
-    assert sent.count(1) == 2 and sent.count(0) == 2 * CONFIG.probe_every - 2  # only the probes go out
+    # Only the probes go out, and rarely: a second fp32 row costs 0.79 of a step here, so a probe
+    # every 8 steps would cost ~10% of them; scaled to ~1%, one every ~79 steps.
+    interval = probe_interval(CONFIG, rows_cost, 1)
+    assert 70 <= interval <= 90
+    sent = [lengths.send_length(1, rows_cost, 1) for _ in range(2 * interval)]
+    assert sent.count(1) == 2 and sent.count(0) == 2 * interval - 2
 
 
 def test_one_alpha_per_sequence_would_cap_the_copied_passages():
