@@ -211,12 +211,14 @@ def pipelined_length(alpha: float, k_max: int, costs: StepCosts, rows: int, draf
     return best
 
 
-def wait_pays(alpha: float, k: int, costs: StepCosts, rows: int, wait_s: float) -> bool:
+def wait_pays(alpha: float, k: int, costs: StepCosts, rows: int, wait_s: float, k_now: int = 0) -> bool:
     """Whether holding a step `wait_s` for a k-token draft commits more tokens per second than
-    decoding plainly: E(k) / (wait + T(k + 1)) > 1 / T(1)."""
+    sending now the `k_now` tokens at hand (0: a plain step): E(k) / (wait + T(k + 1)) against
+    E(k_now) / T(k_now + 1)."""
     typical = costs.typical_step_s
-    if typical is None or k == 0:
+    if typical is None or k <= k_now:
         return False
     a = min(alpha, 0.99)
-    expected = sum(a ** i for i in range(k + 1))
-    return expected * typical > wait_s + typical * costs.ratio(rows, k)
+    expected = lambda n: sum(a ** i for i in range(n + 1))  # noqa: E731
+    now = expected(k_now) / costs.ratio(rows, k_now)
+    return expected(k) * typical > now * (wait_s + typical * costs.ratio(rows, k))

@@ -102,7 +102,7 @@ class _State:
         self.exhausted = False  # the proposer had nothing more for this context: wait for a commit
         self.hold_until: float | None = None
         self.expected_at: float | None = None  # when the outstanding call's answer is expected
-        self.requested_k = 0  # draft tokens the outstanding call brings for the next step
+        self.requested_end = 0  # the mirror's length once the outstanding call has answered
         self.skipped = 0  # requests not made since the last one (the proposer could not keep ahead)
 
     @property
@@ -221,10 +221,12 @@ class Drafter:
             self._hold_if_it_pays(st)
 
     def holding(self, now: float) -> bool:
-        """Whether the leader should wait a moment before forming a micro-batch: a fast proposer
-        is about to answer for a sequence that would otherwise go out without a draft."""
+        """Whether the leader should wait a moment before forming a micro-batch: a proposer is
+        about to answer for a sequence whose step would otherwise go out with a shorter draft or
+        none (set where waiting pays, _hold_if_it_pays; in wait_for_drafts mode, while none is at hand)."""
         return any(st.hold_until is not None and now < st.hold_until and not st.seq.in_flight
-                   and not st.seq.is_prefilling and len(st.mirror) <= st.seq.num_tokens
+                   and not st.seq.is_prefilling
+                   and (not self.config.wait_for_drafts or len(st.mirror) <= st.seq.num_tokens)
                    for st in self._states.values())
 
     def next_deadline(self) -> float | None:
@@ -290,7 +292,7 @@ class Drafter:
             self.arrived(self._call([(request, st.generation, tuple(released))]))
             return
         now = time.perf_counter()
-        st.requested_k = max(0, len(st.mirror) + request.k - n)  # draft tokens for the next step
+        st.requested_end = len(st.mirror) + request.k
         expected_s = self._draft_s.seconds(request.k) if self._draft_s.typical_step_s is not None else self._latency_s
         st.expected_at = None if expected_s is None else now + expected_s
         if self.config.wait_for_drafts:
@@ -306,20 +308,22 @@ class Drafter:
         return pipelined_length(st.length.alpha, st.k, self._costs, st.rows, self._draft_s)
 
     def _hold_if_it_pays(self, st: _State) -> None:
-        """Hold the next step for `st`'s outstanding draft if it goes out without one otherwise and
-        waiting for the draft commits more per second than plain steps meanwhile (wait_pays)."""
+        """Hold the next step for `st`'s outstanding draft if waiting for it commits more per second
+        than sending at once what is at hand (a shorter draft, or none: wait_pays)."""
         if self.config.wait_for_drafts:
             return  # held until the draft arrives (set with the request)
         st.hold_until = None
         if self.inline or not st.outstanding or st.expected_at is None:
             return
         seq = st.seq
-        if seq.in_flight or seq.is_prefilling or seq.draft or st.requested_k == 0:
+        k_now = len(seq.draft)
+        k_then = min(st.k, st.requested_end - seq.num_tokens)
+        if seq.in_flight or seq.is_prefilling or k_then <= k_now:
             return
         now = time.perf_counter()
         wait = max(0.0, st.expected_at - now)
         alpha = st.length.alpha if st.offered_length is None else 0.5
-        if wait_pays(alpha, min(st.requested_k, st.k_cap), self._costs, st.rows, wait):
+        if wait_pays(alpha, k_then, self._costs, st.rows, wait, k_now):
             st.hold_until = st.expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
 
     # --- drafter thread (proposers that are not inline) ---------------------------------------------

@@ -102,3 +102,10 @@ def test_a_draft_in_a_full_batch_must_pay_for_its_rows_against_the_whole_step():
     assert best_length(0.6, 4, per_row, 1) > 0
     assert best_length(0.6, 4, per_row, 8) == 0
     assert best_length(0.97, 4, per_row, 8) > 0  # a copied passage still pays
+
+
+def test_waiting_for_a_longer_draft_pays_only_against_what_is_at_hand():
+    verifier = _costs({1: 0.024, 2: 0.044, 4: 0.054})  # fp32: the second row is the dear one
+    assert wait_pays(0.95, 3, verifier, 1, wait_s=0.010, k_now=1)  # 3.7 in 64 ms beats 1.95 in 44
+    assert not wait_pays(0.95, 3, verifier, 1, wait_s=0.040, k_now=1)
+    assert not wait_pays(0.95, 1, verifier, 1, wait_s=0.0, k_now=1)  # nothing more to wait for
