@@ -42,6 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--draft", default=None, help="draft model for machine B (default: the target's files)")
+    parser.add_argument("--draft-quantize", default="int8", choices=["int8", "int4", "none"],
+                        help="the draft node's --draft-quantize")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--delay-ms", type=float, default=0.5, help="relay delay each way (RTT gains twice it)")
     parser.add_argument("--rate", default="1gbit", help="tbf rate on each end of the veth")
@@ -76,7 +78,8 @@ def driver(args) -> None:
         on_b = ["ip", "netns", "exec", ns.ns_b, "taskset", "-c", str(core_b), sys.executable]
         node = start(on_b + ["-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--advertise-host", IP_PROPOSER,
                              "--port", str(PROPOSER_PORT), "--key-file", str(key_file), "--node-id", "proposer",
-                             "--no-discovery", "--state-dir", str(Path(state) / "node"), "--draft-model", draft],
+                             "--no-discovery", "--state-dir", str(Path(state) / "node"), "--draft-model", draft,
+                             "--draft-quantize", args.draft_quantize],
                      env, "listening on")
         relay = start(on_b + [str(ROOT / "tests" / "pipeline" / "delay_relay.py"), IP_PROPOSER, str(PROPOSER_PORT),
                               "127.0.0.1", str(PROPOSER_PORT), str(args.delay_ms)], env, "relay ready")
@@ -104,7 +107,7 @@ def driver(args) -> None:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-    report.update(draft=str(draft), cores={"verifier": core_a, "proposer": core_b})
+    report.update(draft=str(draft), draft_quantize=args.draft_quantize, cores={"verifier": core_a, "proposer": core_b})
     print(json.dumps(report, indent=1))
 
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from meshllm.pipeline.node_stage import attach_stage_service
+from meshllm.spec.factory import DraftOptions
 from meshllm.spec.node_proposer import attach_proposer_service
 from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
@@ -38,7 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=d.device, help=f"compute device: cpu, cuda:0, mps (default {d.device})")
     parser.add_argument("--draft-model", action="append", default=[], type=Path, metavar="PATH",
                         help="serve this model as a draft-model proposer for other nodes' speculative decoding "
-                             "(repeatable; loaded at start, int8 weights). Every node also serves an n-gram proposer")
+                             "(repeatable; loaded at start). Every node also serves an n-gram proposer")
+    parser.add_argument("--draft-quantize", choices=["int8", "int4", "none"], default="int8",
+                        help="what a 16/32-bit draft model's linear weights become at load (GGUF blocks of 4-5 bits "
+                             "stay as they are): int8 (Q8_0, default), int4 (Q4_0: ggml's fastest CPU kernels, for "
+                             "a draft that must outpace a verifier as big as itself; costs acceptance) or none")
     parser.add_argument("--max-memory", type=parse_size, default=None, metavar="SIZE",
                         help="the most memory this node offers to plans, e.g. 6GiB or 512MiB (default: all that "
                              "is free); leaves the rest to other programs")
@@ -54,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
+
+
+def draft_options(args: argparse.Namespace) -> DraftOptions:
+    return DraftOptions(quantization=None if args.draft_quantize == "none" else args.draft_quantize)
 
 
 def parse_size(text: str) -> int:
@@ -94,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     key = resolve_key(args.key_file, state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
-    attach_proposer_service(node, list(args.draft_model))
+    attach_proposer_service(node, list(args.draft_model), draft_options(args))
     run_until_signalled(node, on_ready=lambda n: print(f"meshllm node {n.node_id} listening on {n.address}",
                                                        flush=True))
     return 0

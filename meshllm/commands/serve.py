@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     key = node_command.resolve_key(args.key_file, config.state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
-    attach_proposer_service(node, list(args.draft_model))
+    attach_proposer_service(node, list(args.draft_model), node_command.draft_options(args))
     running: dict = {}
 
     def on_ready(n: Node) -> None:
