@@ -51,6 +51,9 @@ from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest
 
 log = logging.getLogger(__name__)
 
+# A call whose requests carry at most this many context tokens (the verifier's bonus token, and
+# one more) times drafting alone.
+_STEADY_CONTEXT = 2
 DRAFT_SEED_POSITION = 1 << 40  # drafts draw from (seed, this + position): never the verifier's (seed, position)
 
 
@@ -194,7 +197,10 @@ class Drafter:
             self._latency_s = message.seconds if self._latency_s is None else \
                 0.8 * self._latency_s + 0.2 * message.seconds
             drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
-            if drafted:
+            # Call time by tokens drafted, from calls that prefill (almost) nothing first: what a
+            # block costs while drafting keeps ahead. A call after a plain stretch also prefills
+            # the tokens decoded meanwhile and would make drafting look too slow to ever resume.
+            if drafted and max(len(r.tokens) for r in message.requests) <= _STEADY_CONTEXT:
                 self._draft_s.observe(drafted, message.seconds)
         for i, (request, generation) in enumerate(zip(message.requests, message.generations)):
             st = self._states.get(request.seq_id)
