@@ -6,7 +6,10 @@ its slices are bound to its group, so they are never shared with another plan, a
 goes when its group ends (a rank failed, an Unload, a node shutdown).
 
 Called by the gRPC servicer (stage_service.py) on pool threads; raises MeshErrors that
-the servicer maps to status codes. A plan whose layers this node already holds for
+the servicer maps to status codes. Loads of different plans run side by side except while
+reading weights (one read at a time); a rank waiting for its group never holds up another
+plan's Load, an Unload or the lease sweep (loads_under_way.py), and an Unload never waits for
+a step stuck in a collective (retire). A plan whose layers this node already holds for
 another plan shares their weights (loaded_stages.py): a re-plan after a failure costs the
 survivors nothing but a fresh KV cache.
 """
@@ -28,18 +31,20 @@ from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, Weights
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.engine.kv_cache import SeqId
 from meshllm.pipeline.kv_parking import adopt
+from meshllm.pipeline.loads_under_way import LoadsUnderWay
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages, SharedWeights, WeightKey
 from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.tp.group import RankRole
 from meshllm.tp.load_gate import failures_reported
 from meshllm.tp.node_collective import NodeCollective
-from meshllm.tp.stage import open_rank
+from meshllm.tp.stage import join_rank, load_rank
 from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
 
 ModelResolver = Callable[[str, str], Path | None]  # (model_id, fingerprint) -> local path
+RETIRE_GRACE_S = 0.5  # how long freeing a tensor-parallel stage waits for its running step before going on
 
 
 class StageControl:
@@ -52,24 +57,30 @@ class StageControl:
         self._resolve_model = resolve_model
         self._on_change = on_change  # the node refreshes its card's shard list
         self._collective = collective  # the node's part in tensor parallelism, when it takes one
-        self._load_lock = threading.Lock()  # one load at a time: loads are memory-heavy
+        # One read at a time: loads are memory-heavy, and a Load's memory check (_check_memory) must
+        # see the bytes of the read before it already in use, or two Loads could pass it for the same
+        # free memory. Held only while reading weights: never while a tensor-parallel rank waits for
+        # its group (minutes at most), which would stall every other plan's Load on this node.
+        self._read_lock = threading.Lock()
+        self._loading = LoadsUnderWay()  # per plan: one Load at a time, and the flag its Unload sets
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
-        with self._load_lock:
+        with self._loading.turn(request.plan_id) as unloaded:  # a second Load of the plan waits, then reuses
             existing = self._stages.use(request.plan_id)
             if existing is not None and same_load(existing, request):
                 return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
             key = WeightKey.of(request)
-            weights = self._stages.weights(key)
-            num_bytes_read, runner = 0, None
             if request.HasField("tp"):
-                weights, runner, num_bytes_read = self._open_rank(request, key)
-            elif weights is None:
-                weights, num_bytes_read = self._load_weights(request, key)
-                self._faults.after_load()
-            close_runner(self._stages.put(request.plan_id, request, weights, runner))
+                num_bytes_read = self._open_rank(request, key, unloaded)
+            else:
+                with self._read_lock:  # and while it checks for weights to share: one plan reads them once
+                    weights, num_bytes_read = self._stages.weights(key), 0
+                    if weights is None:
+                        weights, num_bytes_read = self._load_weights(request, key)
+                        self._faults.after_load()
+                    self._put(request, weights, None, unloaded)
             seconds = time.perf_counter() - started
             log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
                      request.first_layer, request.last_layer, request.stage_index,
@@ -77,6 +88,17 @@ class StageControl:
         self._on_change()
         return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=num_bytes_read, load_seconds=seconds,
                                    reused_weights=not num_bytes_read)
+
+    def _put(self, request: stage_pb2.LoadRequest, weights: SharedWeights, runner, unloaded: threading.Event) -> None:
+        """Serve the loaded stage, unless an Unload of its plan came during the Load: then nothing of
+        it stays (ordered against Unload by the same lock, so one of the two always wins whole)."""
+        with self._loading.lock:
+            dropped = unloaded.is_set()  # decided once: an Unload right after this finds the stage and pops it
+            previous = None if dropped else self._stages.put(request.plan_id, request, weights, runner)
+        if dropped:
+            retire(LoadedStage(request, runner, weights) if runner is not None else None)
+            raise ModelLoadError(f"plan {request.plan_id} was unloaded while this node loaded it")
+        retire(previous)
 
     def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, "torch.dtype"]:
         path = self._resolve_model(request.model_id, request.fingerprint)
@@ -106,44 +128,48 @@ class StageControl:
                                      request.quantization or None, request.batch_invariant, device=self._device)
         return SharedWeights(key, decoder, decoder_bytes(decoder)), files.source.num_bytes_read()
 
-    def _open_rank(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, object, int]:
+    def _open_rank(self, request: stage_pb2.LoadRequest, key: WeightKey, unloaded: threading.Event) -> int:
+        """Load this node's rank and serve it; returns the bytes read."""
         role: RankRole = stage_convert.rank_role_from_pb(request)
         hosted = self._collective.store if self._collective is not None else None
         node_name = self._collective.prober.node_id if self._collective is not None else "(no collective endpoint)"
         with failures_reported(role, hosted, node_name):  # the other ranks stop waiting for this one at once
-            return self._open_rank_reported(request, key, role)
+            if self._device != "cpu":
+                raise BadRequest(f"tensor-parallel ranks run on the CPU (gloo over the LAN); this node runs "
+                                 f"--device {self._device}: plan it as an ordinary stage (--tp 1)")
+            with self._read_lock:
+                files, dtype = self._open_files(request)
+                slices = load_rank(files, role, self._collective, request.first_layer, request.last_layer, dtype,
+                                   request.quantization or None, request.batch_invariant, self._faults.after_load)
+            runners = []
 
-    def _open_rank_reported(self, request: stage_pb2.LoadRequest, key: WeightKey,
-                            role: RankRole) -> tuple[SharedWeights, object, int]:
-        if self._device != "cpu":
-            raise BadRequest(f"tensor-parallel ranks run on the CPU (gloo over the LAN); this node runs "
-                             f"--device {self._device}: plan it as an ordinary stage (--tp 1)")
-        files, dtype = self._open_files(request)
-        runners = []
+            def gone(reason: str) -> None:
+                # The group ended without an Unload (a rank failed, rank 0 went away): drop the stage
+                # now, so no rank outlives its group and the card stops advertising it.
+                if runners and self._stages.pop_runner(request.plan_id, runners[0]) is not None:
+                    log.warning("plan %s: tensor-parallel rank %d of %d dropped: %s", request.plan_id, role.rank,
+                                role.size, reason)
+                    self._on_change()
 
-        def gone(reason: str) -> None:
-            # The group ended without an Unload (a rank failed, rank 0 went away): drop the stage
-            # now, so no rank outlives its group and the card stops advertising it.
-            if runners and self._stages.pop_runner(request.plan_id, runners[0]) is not None:
-                log.warning("plan %s: tensor-parallel rank %d of %d dropped: %s", request.plan_id, role.rank,
-                            role.size, reason)
-                self._on_change()
-
-        runner = open_rank(files, role, self._collective, request.first_layer, request.last_layer, dtype,
-                           request.quantization or None, request.batch_invariant, gone, self._faults.after_load)
-        runners.append(runner)
-        weights = SharedWeights(key, runner.decoder, decoder_bytes(runner.decoder))
-        return weights, runner, files.source.num_bytes_read()
+            # Outside the read lock: this waits for the other ranks (their reads, the rendezvous).
+            runner = join_rank(slices, self._collective, gone, unloaded.is_set)
+            runners.append(runner)
+            self._put(request, SharedWeights(key, runner.decoder, decoder_bytes(runner.decoder)), runner, unloaded)
+        return files.source.num_bytes_read()
 
     def close(self) -> None:
         """Node shutdown: tensor-parallel groups are told to stop, not left to time out."""
+        with self._loading.lock:
+            self._loading.unload_all()  # Loads under way end at their next look (a group forming: at once)
         for plan_id, _ in self._stages.items():
             stage, _ = self._stages.pop(plan_id)
-            close_runner(stage)
+            retire(stage)
 
     def unload(self, request: stage_pb2.UnloadRequest) -> stage_pb2.UnloadReply:
-        """Forget a plan: its KV goes now, its weights once no other plan uses them."""
-        with self._load_lock:
+        """Forget a plan: its KV goes now, its weights once no other plan uses them. A Load of the
+        plan under way is told to drop what it loads (a group forming stops waiting for its ranks)."""
+        with self._loading.lock:  # never waits for a Load: see _put for the order of the two
+            self._loading.unload(request.plan_id)
             stage, freed = self._stages.pop(request.plan_id)
         if stage is None:
             return stage_pb2.UnloadReply(was_loaded=False)
@@ -154,9 +180,9 @@ class StageControl:
     def expire(self, lease_s: float) -> list[str]:
         """Drop the plans no leader used for `lease_s` (their leaders are gone: killed, cut off, or
         re-planned elsewhere without reaching this node); returns their ids. A leader that comes
-        back finds its plan unknown (Renew, shard_not_loaded) and loads it again."""
-        with self._load_lock:  # not while a Load of the same plan is under way
-            idle = self._stages.pop_idle(lease_s)
+        back finds its plan unknown (Renew, shard_not_loaded) and loads it again. A plan being
+        loaded is not in the registry yet: its Load renews it when it puts it there."""
+        idle = self._stages.pop_idle(lease_s)
         for plan_id, stage, freed in idle:
             self._retire(plan_id, stage, freed, f"unused for its {lease_s:g}s lease; dropped")
         if idle:
@@ -166,11 +192,7 @@ class StageControl:
     @staticmethod
     def _retire(plan_id: str, stage: LoadedStage, freed: int, why: str) -> None:
         """Free a removed plan's runner state: KV, prefix blocks, a tensor-parallel group."""
-        with stage.lock:  # a step of that plan still running finishes first
-            stage.runner.release(stage.runner.held_sequences())
-            stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
-        close_runner(stage)  # a tensor-parallel rank ends its group (rank 0 tells the workers)
-        log.info("plan %s %s (%d weight bytes freed)", plan_id, why, freed)
+        retire(stage, lambda: log.info("plan %s %s (%d weight bytes freed)", plan_id, why, freed))
 
     def renew(self, request: stage_pb2.RenewRequest) -> stage_pb2.RenewReply:
         return stage_pb2.RenewReply(loaded=self._stages.use(request.plan_id) is not None)
@@ -232,12 +254,41 @@ def same_load(existing: LoadedStage, request: stage_pb2.LoadRequest) -> bool:
     return mine == theirs
 
 
-def close_runner(stage: LoadedStage | None) -> None:
-    """Close a tensor-parallel stage's group (a plain stage has nothing to close)."""
-    close = getattr(stage.runner, "close", None) if stage is not None else None
+def retire(stage: LoadedStage | None, then: Callable[[], None] = lambda: None) -> None:
+    """Free a stage already out of the registry (no step can find it now): its KV and prefix blocks,
+    and a tensor-parallel rank's group (rank 0 tells the workers to stop); `then` runs after.
+
+    A step still running finishes first. In a tensor-parallel group that step may be stuck in a
+    collective on a silent rank until the group's timeout (10 s by default), longer than a leader
+    waits for its Unload (plan_owner.UNLOAD_TIMEOUT_S): after a short grace the stage is freed on a
+    thread of its own, once that step lets go, and the caller (an Unload, a Load replacing the
+    plan) answers now."""
+    if stage is None:
+        return
+    in_group = getattr(stage.runner, "close", None) is not None
+    if stage.lock.acquire(timeout=RETIRE_GRACE_S if in_group else -1):
+        try:
+            _free(stage)
+        finally:
+            stage.lock.release()
+        then()
+        return
+
+    def when_idle() -> None:
+        with stage.lock:  # the stuck step's collective ends (at the group's timeout at most)
+            _free(stage)
+        then()
+
+    threading.Thread(target=when_idle, daemon=True, name=f"retire-{stage.request.plan_id}").start()
+
+
+def _free(stage: LoadedStage) -> None:
+    """Under the stage's lock."""
+    stage.runner.release(stage.runner.held_sequences())
+    stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
+    close = getattr(stage.runner, "close", None)
     if close is not None:
-        with stage.lock:  # a step still running finishes first
-            close()
+        close()
 
 
 def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:

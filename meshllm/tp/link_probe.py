@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import grpc
 import torch
@@ -39,7 +39,11 @@ NUM_WARMUP, NUM_SMALL, NUM_LARGE = 5, 25, 8
 SCHEDULE = [SMALL_BYTES] * (NUM_WARMUP + NUM_SMALL) + [LARGE_BYTES] * (2 + NUM_LARGE)
 IDLE_GAP_S = 2e-3  # the prober idles this long before each small all-reduce it times
 SMALL_INDICES = range(NUM_WARMUP, NUM_WARMUP + NUM_SMALL)
-PROBE_TIMEOUT_S = 30.0
+# A probe is worth something only if the peer answers at once: a stopped, dead or busy peer must
+# cost the prober's thread a few seconds, not a group's minutes. It bounds both sides' rendezvous
+# and each all-reduce (the largest, 1 MiB, takes well under a second on any LAN).
+PROBE_TIMEOUT_S = 5.0
+PROBE_CALL_FACTOR = 3  # the peer's whole part (rendezvous, then the schedule) within this many timeouts
 MAX_SIZES, MAX_SIZE_BYTES = 256, 16 << 20  # what a callee accepts
 
 
@@ -68,40 +72,43 @@ def summarize(peer: NodeId, sizes: list[int], times: list[float]) -> LinkProbe:
 
 def probe_peer(store: StoreHost, bind_host: str, peer: NodeId, peer_address: str, channels: ChannelPool,
                timeout_s: float = PROBE_TIMEOUT_S) -> LinkProbe:
-    """Measure our link to `peer` (gRPC at `peer_address`); raises TensorParallelFailed if it fails."""
+    """Measure our link to `peer` (gRPC at `peer_address`); raises TensorParallelFailed if it fails.
+    Returns or raises within about `timeout_s` when the peer does not take part (stopped, dead, busy)."""
     group_id = f"probe/{uuid.uuid4().hex}"
     request = cluster_pb2.LinkProbeRequest(store_address=store.endpoint, group_id=group_id, sizes=SCHEDULE,
                                            timeout_s=timeout_s)
     stub = cluster_pb2_grpc.CollectiveStub(channels.get(peer_address, peer))
-    with ThreadPoolExecutor(1) as pool:
-        call = pool.submit(stub.ProbeLink, request, timeout=timeout_s)
-        spec = GroupSpec(group_id, 0, 2, store.endpoint, bind_host, timeout_s=timeout_s,
-                         rendezvous_timeout_s=timeout_s)
+    # The call runs on a thread of its own that nobody waits for when the group cannot form: a
+    # stopped peer never answers it, and the prober must not wait out the call's deadline too.
+    # (Signed calls have no cancellable .future(); the thread ends at the deadline at most.)
+    call: Future = Future()
+
+    def ask() -> None:
         try:
-            collective = join_group(spec, store)
-        except TensorParallelFailed:
-            _wait_quietly(call)
-            raise
-        try:
-            times = run_schedule(collective, SCHEDULE, SMALL_INDICES)
-        finally:
-            collective.close()
-        try:
-            call.result()
-        except grpc.RpcError as e:
-            raise TensorParallelFailed(f"link probe of {peer}: {e.code().name} {e.details()}") from None
+            call.set_result(stub.ProbeLink(request, timeout=PROBE_CALL_FACTOR * timeout_s))
+        except BaseException as e:  # noqa: BLE001 - handed to the prober through the future
+            call.set_exception(e)
+
+    threading.Thread(target=ask, daemon=True, name="link-probe-call").start()
+    spec = GroupSpec(group_id, 0, 2, store.endpoint, bind_host, timeout_s=timeout_s, rendezvous_timeout_s=timeout_s)
+    collective = join_group(spec, store)
+    try:
+        times = run_schedule(collective, SCHEDULE, SMALL_INDICES)
+    finally:
+        collective.close()
+    try:
+        call.result()
+    except grpc.RpcError as e:
+        raise TensorParallelFailed(f"link probe of {peer}: {e.code().name} {e.details()}") from None
     return summarize(peer, SCHEDULE, times)
 
 
-def _wait_quietly(call) -> None:
-    try:
-        call.result()
-    except grpc.RpcError:
-        pass
-
-
 class CollectiveServicer(cluster_pb2_grpc.CollectiveServicer):
-    """Joins a prober's 2-rank group as rank 1 and mirrors its all-reduces (one probe at a time)."""
+    """Joins a prober's 2-rank group as rank 1 and mirrors its all-reduces, one probe at a time.
+
+    A probe runs on one of the node's gRPC threads kept for short calls (Load, Info, gossip):
+    a probe that arrives while another runs is refused at once (the prober tries again at its
+    next round), never queued, so probes from many peers never hold more than one such thread."""
 
     def __init__(self, bind_host: str):
         self.bind_host = bind_host
@@ -110,13 +117,18 @@ class CollectiveServicer(cluster_pb2_grpc.CollectiveServicer):
     def ProbeLink(self, request: cluster_pb2.LinkProbeRequest, context):
         try:
             sizes, timeout_s = _checked(request)
-            with self._lock:
+            if not self._lock.acquire(blocking=False):
+                context.abort(grpc.StatusCode.UNAVAILABLE, "[tp_group_failed] this node is answering another "
+                                                           "link probe; probe it again later")
+            try:
                 collective = join_group(GroupSpec(request.group_id, 1, 2, request.store_address, self.bind_host,
                                                   timeout_s=timeout_s, rendezvous_timeout_s=timeout_s))
                 try:
                     run_schedule(collective, sizes)
                 finally:
                     collective.close()
+            finally:
+                self._lock.release()
         except (MalformedMessage, ValueError) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"[malformed_message] {e}")
         except TensorParallelFailed as e:

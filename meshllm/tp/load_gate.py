@@ -16,7 +16,7 @@ import contextlib
 import datetime
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from torch.distributed import PrefixStore, TCPStore
 
@@ -58,11 +58,17 @@ class LoadGate:
     def loaded(self) -> None:
         self._store.set(str(self.role.rank), LOADED)
 
-    def wait_for_all(self, timeout_s: float) -> None:
-        """Until every rank has loaded; TensorParallelAborted at the first that failed, naming it."""
+    def wait_for_all(self, timeout_s: float, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Until every rank has loaded; TensorParallelAborted at the first that failed, naming it.
+
+        `cancelled` is polled too: an Unload of the plan while its group forms ends this rank's
+        wait at once (TensorParallelFailed, which its node reports to the other ranks)."""
         deadline = time.monotonic() + timeout_s
         waiting = [r for r in range(self.role.size) if r != self.role.rank]
         while waiting:
+            if cancelled():
+                raise TensorParallelFailed(f"tensor-parallel group {self.role.group_id}: rank {self.role.rank}'s "
+                                           f"plan was unloaded while the group formed")
             try:
                 for rank in list(waiting):
                     if not self._store.check([str(rank)]):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from meshllm.cluster.card import Card, LinkProbe, NodeId
 from meshllm.errors import TensorParallelFailed
 from meshllm.tp.group import StoreHost
-from meshllm.tp.link_probe import CollectiveServicer, probe_peer
+from meshllm.tp.link_probe import PROBE_TIMEOUT_S, CollectiveServicer, probe_peer
 from meshllm.transport.channels import ChannelPool
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class LinkProber:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=35)
+            self._thread.join(timeout=2 * PROBE_TIMEOUT_S)  # a probe under way fails that fast at most
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):

@@ -1,9 +1,11 @@
 """A node's rank of a tensor-parallel stage, built when the leader loads the group.
 
-Every rank gets the same LoadRequest but its own `tp.rank`. Each reads only its slices,
-says so in the store rank 0's node hosts (tp/load_gate.py: a rank whose Load failed fails
-the others' at once instead of leaving them in the rendezvous), then joins the group; rank 0 becomes the stage
-the pipeline talks to (TensorParallelRunner), the others mirror it (WorkerStage).
+Every rank gets the same LoadRequest but its own `tp.rank`. Each reads only its slices
+(load_rank), then (join_rank) says so in the store rank 0's node hosts (tp/load_gate.py: a
+rank whose Load failed fails the others' at once instead of leaving them in the rendezvous),
+then joins the group; rank 0 becomes the stage the pipeline talks to (TensorParallelRunner),
+the others mirror it (WorkerStage). Two calls, because only the first is memory-heavy: the
+node serialises reads, not the (possibly minutes-long) wait for the other ranks.
 `on_gone` runs once when the rank's group ends without an Unload (a rank failed, or
 rank 0 went away): the node then drops the stage, so no rank outlives its group.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +22,7 @@ from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import Step
 from meshllm.errors import BadRequest
+from meshllm.model.decoder import Decoder
 from meshllm.model.source import ModelFiles
 from meshllm.tp.channel import CommandChannel
 from meshllm.tp.group import GroupSpec, RankRole, join_group
@@ -60,11 +64,21 @@ class WorkerStage(RankStage):
         self.worker.join(5)
 
 
-def open_rank(files: ModelFiles, role: RankRole, node: NodeCollective | None, first_layer: int, last_layer: int,
+@dataclass
+class RankSlices:
+    """A rank's slices in memory, its group not formed yet (see load_rank and join_rank)."""
+
+    role: RankRole
+    layout: ShardLayout
+    decoder: Decoder
+    gate: LoadGate
+
+
+def load_rank(files: ModelFiles, role: RankRole, node: NodeCollective | None, first_layer: int, last_layer: int,
               dtype: torch.dtype, quantization: str | None, batch_invariant: bool,
-              on_gone: Callable[[str], None], after_load: Callable[[], None] = lambda: None
-              ) -> TensorParallelRunner | WorkerStage:
-    """Load this rank's slices, join the group (blocks until every rank has), and start it.
+              after_load: Callable[[], None] = lambda: None) -> RankSlices:
+    """Read this rank's slices (nothing waits on other nodes here: the node runs this under its
+    one-read-at-a-time lock, and join_rank, which waits for the slowest rank, outside it).
 
     `after_load` runs once the slices are in memory (fault injection may fail the Load there)."""
     if node is None:
@@ -75,13 +89,21 @@ def open_rank(files: ModelFiles, role: RankRole, node: NodeCollective | None, fi
     decoder = load_rank_weights(files.source, files.config, layout, first_layer, last_layer, dtype, quantization,
                                 batch_invariant)
     after_load()
-    gate.loaded()
-    gate.wait_for_all(TP_RENDEZVOUS_TIMEOUT_S)
+    return RankSlices(role, layout, decoder, gate)
+
+
+def join_rank(slices: RankSlices, node: NodeCollective, on_gone: Callable[[str], None],
+              cancelled: Callable[[], bool] = lambda: False) -> TensorParallelRunner | WorkerStage:
+    """Say this rank loaded, wait for every rank (up to TP_RENDEZVOUS_TIMEOUT_S), join the group and
+    start it. `cancelled` ends the wait for the other ranks' loads early (the plan was unloaded)."""
+    role = slices.role
+    slices.gate.loaded()
+    slices.gate.wait_for_all(TP_RENDEZVOUS_TIMEOUT_S, cancelled)
     spec = GroupSpec(role.group_id, role.rank, role.size, role.store_address, node.bind_host,
                      timeout_s=role.timeout_s, rendezvous_timeout_s=TP_RENDEZVOUS_TIMEOUT_S)
     collective = join_group(spec, node.store if role.rank == 0 else None)
-    shard_decoder(decoder, layout, collective)
-    runner = StageRunner(decoder, samples=role.rank == 0)
+    shard_decoder(slices.decoder, slices.layout, collective)
+    runner = StageRunner(slices.decoder, samples=role.rank == 0)
     channel = CommandChannel(collective)
     if role.rank == 0:
         return TensorParallelRunner(runner, channel, on_failed=lambda e: on_gone(str(e)))

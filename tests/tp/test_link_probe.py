@@ -1,12 +1,18 @@
 """Link probes: a real gRPC Collective service and a real 2-rank gloo group on loopback (both
-ranks in this process), the prober's once-per-pair rule, and refusal of malformed probes."""
+ranks in this process), the prober's once-per-pair rule, refusal of malformed probes, and what a
+stopped or busy peer costs (seconds for the prober, no queued threads on the peer)."""
 
 from __future__ import annotations
+
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 
 from meshllm.cluster.card import Card, NodeId
+from meshllm.errors import TensorParallelFailed
 from meshllm.tp.group import StoreHost
 from meshllm.tp.link_probe import SCHEDULE, CollectiveServicer, probe_peer, summarize
 from meshllm.tp.node_collective import LinkProber
@@ -79,3 +85,44 @@ def test_malformed_probes_are_refused(peer, fields):
         cluster_pb2_grpc.CollectiveStub(channels.get(address, "peer")).ProbeLink(
             cluster_pb2.LinkProbeRequest(**request), timeout=10)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+PROMPT_S = 10.0  # a probe of a peer that does not take part ends within this (it waited 30 s, then the call's 30 s)
+
+
+def test_a_probe_of_a_stopped_peer_ties_up_the_prober_for_seconds_only(peer):
+    # A SIGSTOPped node: its kernel still accepts connections, nothing answers on them.
+    _, channels, store = peer
+    stopped = socket.create_server(("127.0.0.1", 0))
+    try:
+        started = time.monotonic()
+        with pytest.raises(TensorParallelFailed):
+            probe_peer(store, "127.0.0.1", NodeId("stopped"), f"127.0.0.1:{stopped.getsockname()[1]}", channels)
+        failed_s = time.monotonic() - started
+    finally:
+        stopped.close()
+    assert failed_s < PROMPT_S, f"the probe of a stopped peer took {failed_s:.1f}s"
+
+
+def test_a_peer_answering_a_probe_refuses_another_at_once_instead_of_queueing_it(peer):
+    # Each probe holds one of the peer's gRPC threads kept for short calls (Load, Info, gossip):
+    # probes from several nodes at once must not queue there, holding one thread each.
+    address, channels, store = peer
+    stub = cluster_pb2_grpc.CollectiveStub(channels.get(address, "peer"))
+
+    def probe(group_id: str):
+        # Rank 0 (this prober) never joins: the peer waits in the rendezvous for the whole timeout.
+        return cluster_pb2.LinkProbeRequest(store_address=store.endpoint, group_id=group_id, sizes=[1024],
+                                            timeout_s=5.0)
+
+    with ThreadPoolExecutor(1) as pool:  # (signed calls have no .future())
+        first = pool.submit(stub.ProbeLink, probe("probe/first"), timeout=15)
+        time.sleep(0.5)  # the peer is in the first probe's rendezvous
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ProbeLink(probe("probe/second"), timeout=4)
+        refused_s = time.monotonic() - started
+        with pytest.raises(grpc.RpcError):
+            first.result()  # its rank 0 never came
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "another link probe" in refused.value.details()
+    assert refused_s < 2.0
