@@ -10,6 +10,8 @@ import pytest
 from meshllm.api.backend import Backend
 from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId
 
+from tests.cluster_fixtures import wait_until
+
 from .conftest import MODEL, serve
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,7 +53,12 @@ def test_dashboard_page_is_plain_html_polling_the_cluster_view(server):
     assert "<script src" not in page.text  # no build step, no external assets
     view = httpx.get(f"{server.url}/v1/cluster", timeout=10).json()
     if server.stage_addresses:  # the cluster backend: both stage nodes, each holding its shard
+        # A node's card with its new shard reaches the serving node by gossip (a round or two after
+        # the Load: run alone, this test asks right after the deploy), so wait for the view to agree.
+        def first_layers() -> list[int]:
+            view = httpx.get(f"{server.url}/v1/cluster", timeout=10).json()
+            return sorted(s["first_layer"] for n in view["nodes"] for s in n["shards"])
+        wait_until(lambda: first_layers() == [0, 2], timeout=20, message="both shards in the fleet view")
         assert sorted(n["node_id"] for n in view["nodes"]) == ["node-0", "node-1"]
-        assert sorted(s["first_layer"] for n in view["nodes"] for s in n["shards"]) == [0, 2]
     else:
         assert view["nodes"] == []  # a single process has no fleet
