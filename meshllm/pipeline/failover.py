@@ -6,6 +6,10 @@ Blame the node at fault, not the one that noticed:
   stage i-1, the sender (stage 0 receives token ids from the leader: nobody to exclude);
 - a reply the leader refuses (`invalid_reply`): the last stage, which produced it;
 - a stage that stopped answering (deadline, then Health.Check): that stage;
+- between requests: a stream to stage 0 broken by a gRPC error: stage 0; one stage 0 closed
+  (a later stage failed and the chain of streams ended): whoever the probe it triggers finds;
+- a stage that refuses this leader's calls (`plan_refused`: authentication, permission): that
+  node, for as long as it refuses;
 - a tensor-parallel stage whose group failed (`tp_group_failed`, a rank died or hung): that
   stage; the plan owner leaves out the group's nodes that do not answer;
 - `shard_not_loaded` / `kv_missing`: the node restarted or lost state; re-deploy, exclude nobody.
@@ -115,6 +119,7 @@ class StageProbe:
 
     unresponsive: tuple[int, ...] = ()  # a node of the stage did not answer in time: dead or hung
     unloaded: tuple[int, ...] = ()  # it answered but no longer holds the plan (its lease ran out): re-deploy
+    refused: tuple[int, ...] = ()  # a node of the stage refuses this leader's calls: it cannot serve the plan
 
 
 class Replanner(Protocol):
@@ -153,6 +158,7 @@ class Probed:
     unresponsive: tuple[int, ...]
     idle: bool = False  # a routine check between requests, not a suspected stall
     unloaded: tuple[int, ...] = ()  # stages that answered but no longer hold the plan
+    refused: tuple[int, ...] = ()  # stages with a node that refuses this leader's calls
 
 
 class Recovery:
@@ -169,6 +175,7 @@ class Recovery:
         self.last_attempt = float("-inf")
         self.probing = False  # a probe's answer is awaited
         self.last_probe = time.monotonic()
+        self.suspect = False  # a stream ended while the probe in flight was under way: it may predate the failure
 
     def start(self, failure: StageFailure | None, carry: Mapping[SeqId, int] | None = None) -> None:
         """Loop thread: begin a re-plan (no-op while one runs)."""
@@ -202,11 +209,23 @@ class Recovery:
         except Exception:  # noqa: BLE001 - an answer must come, or no probe would ever start again
             log.exception("probing the stages failed")
             found = StageProbe()
-        self._post(Probed(epoch, found.unresponsive, idle, found.unloaded))
+        self._post(Probed(epoch, found.unresponsive, idle, found.unloaded, found.refused))
 
     def idle_probe_due(self) -> bool:
         return not self.running and not self.probing and \
             time.monotonic() - self.last_probe >= self.config.idle_probe_interval_s
+
+    def probe_now(self) -> None:
+        """Loop thread: a stream ended while idle, so a stage probably failed: probe at once rather
+        than at the next routine check. One probe at a time: when one is under way (it may have
+        renewed the dead node's lease just before it died), a second follows its answer instead.
+        It counts as the routine check too (last_probe): no second probe right behind it."""
+        if self.running:
+            return  # a re-plan is under way: it replaces this transport anyway
+        if self.probing:
+            self.suspect = True
+            return
+        self.probe(self.config.idle_probe_timeout_s, idle=True)
 
     def finished(self) -> None:
         """Loop thread: the re-plan's outcome was handled."""

@@ -10,6 +10,9 @@ pipeline that stops answering (deadline.py), makes the loop drop every step in f
 mark every running sequence as having lost its KV (it re-prefills its committed tokens,
 prompt and output, and samples only the token after them), and re-plan on a worker
 thread; new requests wait meanwhile. The new transport is swapped in by a message.
+Between requests no step can fail: the stream to stage 0 ending (a stage died: the chain of
+streams ends) starts a probe, or a failover of stage 0 when it broke, at once; routine
+probes catch the rest (a hung stage keeps its streams open).
 Without a replanner, a stream that ended (the stages freed all it held: its epoch moved)
 makes the running sequences re-prefill on the next stream.
 
@@ -47,7 +50,7 @@ from meshllm.pipeline.failover import (Deployment, FailoverConfig, Probed, Recov
                                        RecoveryTiming, Replanner, StageFailure, blame, invalid_reply_failure)
 from meshllm.pipeline.leader_failover import LeaderFailover
 from meshllm.pipeline.leader_lifecycle import LeaderLifecycle
-from meshllm.pipeline.leader_messages import Cancel, InFlight, Request, StepDone, Submit, Wake
+from meshllm.pipeline.leader_messages import Cancel, InFlight, Request, StepDone, StreamEnded, Submit, Wake
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
 from meshllm.pipeline.replies import ReplyCheck
 from meshllm.pipeline.seq_constraints import SeqConstraints
@@ -105,6 +108,8 @@ class Leader(LeaderFailover, LeaderLifecycle):
         self._closed = threading.Event()
         # Speculative decoding: drafts come back as DraftsReady messages in the inbox.
         self.drafter = None if proposer is None else Drafter(proposer, vocab_size, self._inbox.put, spec_config)
+        if transport is not None:
+            self._watch_stream(transport)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="leader")
         self._thread.start()
 
@@ -258,6 +263,9 @@ class Leader(LeaderFailover, LeaderLifecycle):
             case Recovered() | RecoveryFailed() | Probed():
                 self._turn = Turn()  # a failover touches every running sequence
                 self._on_recovery(message)
+            case StreamEnded():
+                self._turn = Turn()
+                self._on_stream_end(message)
             case Wake():
                 pass
         self.observer.on_queue(len(self.scheduler.waiting), len(self.scheduler.running))

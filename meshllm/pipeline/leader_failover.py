@@ -1,5 +1,6 @@
 """The leader's failover, split out of leader.py by concern: noticing that the pipeline
-stopped making progress (or, between requests, that a stage stopped answering), dropping the
+stopped making progress (or, between requests, that a stage stopped answering or that the
+stream to stage 0 ended: a stage died while idle, looked into at once), dropping the
 transport, marking running sequences for a KV rebuild, and swapping in the re-planned
 transport. A mixin over the Leader's loop-thread state: every method runs on the loop thread."""
 
@@ -13,7 +14,9 @@ from meshllm.engine.scheduler import MicroBatch
 from meshllm.engine.step import StepResult
 from meshllm.errors import PipelineStalled
 from meshllm.pipeline.failover import Probed, Recovered, RecoveryFailed, StageFailure
+from meshllm.pipeline.leader_messages import StreamEnded
 from meshllm.pipeline.replies import ReplyCheck
+from meshllm.pipeline.transport import StepTransport
 
 log = logging.getLogger("meshllm.pipeline.leader")  # one logger for the loop, whichever file
 
@@ -52,6 +55,24 @@ class LeaderFailover:
                         len(flight.batch.works))
             self._apply(flight.batch, StepResult(step_id, error_code="pipeline_stalled", failed_stage=None,
                                                  error_message=f"no answer within {stalled_s:.1f}s"))
+
+    def _watch_stream(self, transport: StepTransport) -> None:
+        """Any thread: hear about the transport's streams ending while idle (StreamEnded)."""
+        transport.watch(lambda end: self._inbox.put(StreamEnded(transport, end)))
+
+    def _on_stream_end(self, message: StreamEnded) -> None:
+        """The stream to stage 0 ended with nothing in flight: a stage failed between requests.
+        Broken (a gRPC error): stage 0 is gone, a failure at once, as it would be for a step in
+        flight. Closed by stage 0: a later stage failed (stage_relay.py); the stream does not say
+        which, so probe the stages now, not at the next routine check: the probe names it."""
+        if message.transport is not self.transport or self._recovery is None:
+            return  # about a transport since replaced (or nothing can re-plan: the next submit reopens it)
+        if message.end.broken:
+            self._fail_over(StageFailure(0, "stage_unreachable", f"stage 0's stream broke between requests "
+                                         f"({message.end.why})"))
+        else:
+            log.info("stage 0 ended the idle stream (a later stage failed?); probing the stages now")
+            self._recovery.probe_now()
 
     def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
         """Stop using the transport, mark every running sequence for a rebuild of its KV, and
@@ -96,9 +117,16 @@ class LeaderFailover:
     def _on_recovery(self, message: Recovered | RecoveryFailed | Probed) -> None:
         if isinstance(message, Probed):
             self._recovery.probing = False
+            if self._recovery.suspect and message.idle:  # a stream ended while it ran: it may have asked
+                self._recovery.suspect = False  # every node before the failure, so ask again when it found nothing
+                if self.transport is not None and not (message.unresponsive or message.refused or message.unloaded):
+                    self._recovery.probe_now()
+                    return
         if message.epoch != self._recovery.epoch:
             return  # about a transport that has been replaced since
         match message:
+            case Probed(refused=refused) if refused and self.transport is not None:
+                self._fail_over(_refused(refused[0]))
             case Probed(unresponsive=unresponsive, idle=True):
                 if unresponsive and self.transport is not None:
                     i = unresponsive[0]
@@ -126,6 +154,7 @@ class LeaderFailover:
             case Recovered(deployment=deployment):
                 self._recovery.finished()
                 self.transport = deployment.transport
+                self._watch_stream(deployment.transport)
                 self._config = replace(self._config, num_stages=deployment.transport.num_stages)
                 self.scheduler.config = replace(self.scheduler.config, num_stages=deployment.transport.num_stages)
                 self._replies = ReplyCheck(self._vocab_size, deployment.transport.stage_names)
@@ -141,6 +170,12 @@ class LeaderFailover:
                 log.warning("no plan: [%s] %s", error.code, error)
                 for request in list(self._requests.values()):
                     self._finish(request, "error", error)
+
+
+def _refused(stage_index: int) -> StageFailure:
+    """A node of the stage answers but refuses this leader's calls (authentication, permission):
+    it cannot serve this leader's plan; the plan owner leaves it out while it refuses."""
+    return StageFailure(stage_index, "plan_refused", f"stage {stage_index} refuses this leader's calls")
 
 
 def _plan_dropped(stage_index: int) -> StageFailure:

@@ -16,6 +16,7 @@ from meshllm.engine.stopping import StopChecker
 from meshllm.errors import MeshError
 from meshllm.pipeline.events import GenerationEvent
 from meshllm.pipeline.seq_constraints import SeqConstraints
+from meshllm.pipeline.transport import IdleEnd
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,14 @@ class StepDone:
 @dataclass(frozen=True, slots=True)
 class Wake:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEnded:
+    """The transport's stream ended while idle (transport.IdleEnd): a stage failed, no step says which."""
+
+    transport: object  # the StepTransport it happened on: ignored once that one is replaced
+    end: IdleEnd
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,8 @@ builds its Leader here.
 Re-planning (`recover`, called by the leader on a worker thread):
 1. exclude the failed node: until it answers a health check again (dead or hung), or for
    `quarantine_s` (it sent corrupt activations, or failed its Load as a rank of a
-   tensor-parallel group: it answers health checks fine). A failed
+   tensor-parallel group: it answers health checks fine), or while it refuses this leader's
+   calls (lease_renewal.py: answering health checks proves nothing then). A failed
    tensor-parallel stage is a group of nodes: those that do not answer are excluded (a
    killed or hung rank), or the whole group when all of them answer (its collectives broke);
 2. move the failed stage to a spare that can hold it, so the survivors keep their ranges
@@ -17,8 +18,10 @@ Re-planning (`recover`, called by the leader on a worker thread):
    plan (carry_over.py: the re-prefill skips those positions there), swap the transport,
    and unload the plans no longer used (in the background: a dead node's unload is retried
    when it answers again).
-Health (health.py) follows: degraded from the failure until a plan works again, unavailable
-with the missing memory when nothing fits, ok once a plan is deployed.
+Health (health.py) follows: degraded from the failure until a plan works again (from the
+moment a probe finds a node silent, refusing or without the plan, or a re-plan starts: before
+the re-plan's health checks of excluded nodes), unavailable with the missing memory when
+nothing fits, ok once a plan is deployed.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import Deployment, StageFailure, StageProbe
 from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth, StageSummary
 from meshllm.pipeline.leader import Leader
+from meshllm.pipeline.lease_renewal import Lease, LeaseRenewer
 from meshllm.pipeline.transport import RemotePipeline
 from meshllm.spec.factory import SpeculativeChoice, build_proposer
 from meshllm.spec.proposer import Proposer
@@ -64,6 +68,7 @@ UNLOAD_TIMEOUT_S = 5.0
 class _Exclusion:
     reason: str
     until: float | None  # monotonic; None: until the node answers a health check
+    refused: bool = False  # it refused this leader's calls: until a Renew is no longer refused
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,11 @@ class PlanOwner:
         self._excluded: dict[NodeId, _Exclusion] = {}
         self._stale: set[tuple[str, str, str]] = set()  # (address, node id, plan id) to unload once reachable
         self._num_failovers = 0
+        self._leases = LeaseRenewer(channels)
+        # Never held across a call: what probe threads share with a re-plan (which holds _lock for
+        # seconds): the plan in service and its health, changed together, and the nodes that refused.
+        self._swap = threading.Lock()
+        self._refusals: dict[NodeId, str] = {}
 
     @property
     def plan(self) -> Plan | None:
@@ -126,13 +136,14 @@ class PlanOwner:
     def recover(self, failure: StageFailure | None, carry: Mapping[SeqId, int] | None = None) -> Deployment:
         with self._lock:
             started = time.perf_counter()
-            self._readmit()  # before excluding the node that just failed: no point probing it now
-            failed = self._exclude_failed(failure)
             if failure is not None:
                 self._num_failovers += 1
-                what = f"stage {failure.stage_index} on {failed}" if failed else "the pipeline"
-                self._set_health(HealthStatus.DEGRADED, f"{what} failed ([{failure.code}] {failure.message}); "
-                                 f"re-planning", failed_node=failed)
+                # Degraded now: the health checks below may wait out silent nodes (READMIT_PROBE_S).
+                self._degrade(failure, self._blamed(failure))
+            self._readmit()  # before excluding the node that just failed: no point probing it now
+            failed = self._exclude_failed(failure)
+            if failure is not None and failed != self._blamed(failure):
+                self._degrade(failure, failed)  # a group's rank that is silent, not its rank 0
             try:
                 deployment = self._deploy_new_plan(failed, started, carry or {})
             except ShardUnavailable as e:
@@ -155,16 +166,56 @@ class PlanOwner:
         # A group's stage is alive while all its ranks are: a hung worker stalls rank 0's collectives.
         members = [(i, node, address) for i, s in enumerate(current.plan.stages) for node, address in _members(s)]
         with ThreadPoolExecutor(max_workers=len(members)) as pool:
-            answers = list(pool.map(lambda m: self._renew(m[2], m[1], current.plan_id, timeout_s), members))
-        return StageProbe(unresponsive=tuple(sorted({i for (i, _, _), a in zip(members, answers) if a is None})),
-                          unloaded=tuple(sorted({i for (i, _, _), a in zip(members, answers) if a is False})))
+            answers = list(pool.map(lambda m: self._leases.renew(m[2], m[1], current.plan_id, timeout_s), members))
+        found = {lease: [(i, node, a.detail) for (i, node, _), a in zip(members, answers) if a.lease is lease]
+                 for lease in Lease}
+        with self._swap:
+            self._refusals.update((node, detail) for _, node, detail in found[Lease.REFUSED])
+        self._degrade_on_probe(current, found)
+        return StageProbe(unresponsive=tuple(sorted({i for i, _, _ in found[Lease.SILENT]})),
+                          unloaded=tuple(sorted({i for i, _, _ in found[Lease.DROPPED]})),
+                          refused=tuple(sorted({i for i, _, _ in found[Lease.REFUSED]})))
+
+    def _degrade_on_probe(self, current: _Current, found: dict[Lease, list[tuple[int, NodeId, str]]]) -> None:
+        """A probe found the plan broken: say so now, not once the leader's re-plan starts. Only
+        over an ok report of the plan probed: a re-plan may have replaced it (or found nothing
+        that fits) while the probe ran, and its report stands."""
+        if found[Lease.REFUSED]:
+            i, node, detail = found[Lease.REFUSED][0]
+            reason = f"stage {i} on {node} refuses this leader's calls ({detail}); re-planning without it"
+        elif found[Lease.SILENT]:
+            i, node, _ = found[Lease.SILENT][0]
+            reason = f"stage {i} on {node} does not answer; re-planning"
+        elif found[Lease.DROPPED]:
+            i, node, _ = found[Lease.DROPPED][0]
+            reason, node = f"stage {i} on {node} no longer holds the plan (its lease ran out); loading it again", None
+        else:
+            return
+        with self._swap:
+            if self._current is current and self.health.report().ok:
+                self._set_health(HealthStatus.DEGRADED, reason, failed_node=node)
 
     # --- under the lock ----------------------------------------------------------------------------
+    def _blamed(self, failure: StageFailure) -> NodeId | None:
+        """The failed stage's node (rank 0 of a group), before _exclude_failed has looked closer."""
+        current = self._current
+        if failure.stage_index is None or current is None or current.plan is None:
+            return None
+        return current.plan.stages[failure.stage_index].node_id
+
+    def _degrade(self, failure: StageFailure, failed: NodeId | None) -> None:
+        what = f"stage {failure.stage_index} on {failed}" if failed else "the pipeline"
+        with self._swap:
+            self._set_health(HealthStatus.DEGRADED, f"{what} failed ([{failure.code}] {failure.message}); "
+                             f"re-planning", failed_node=failed)
+
     def _exclude_failed(self, failure: StageFailure | None) -> NodeId | None:
         current = self._current
         if failure is None or failure.stage_index is None or current is None or current.plan is None:
             return None
         stage = current.plan.stages[failure.stage_index]
+        if failure.code == "plan_refused":
+            return self._exclude_refusing(stage)
         corrupt = failure.code in ("shard_corrupt", "invalid_reply")
         exclusion = _Exclusion(f"[{failure.code}] {failure.message}",
                                time.monotonic() + QUARANTINE_S if corrupt else None)
@@ -172,6 +223,20 @@ class PlanOwner:
         for node in nodes:
             self._excluded[node] = exclusion
         return nodes[0]
+
+    def _exclude_refusing(self, stage: StageAssignment) -> NodeId:
+        """Leave out the stage's nodes that refused this leader's Renew, until they stop refusing
+        (_readmit asks them with a Renew: their health checks are answered all along)."""
+        with self._swap:
+            refusing = [(n, self._refusals.pop(n)) for n in stage.node_ids if n in self._refusals]
+        refusing = refusing or [(stage.node_id, "refused")]  # the probe's record was taken by an earlier re-plan
+        for node, detail in refusing:
+            if not (node in self._excluded and self._excluded[node].refused):  # once per refusal, not per re-plan
+                log.warning("node %s refuses this leader's calls (%s): it cannot serve this leader's plans and is "
+                            "left out while it refuses; check that it shares this cluster's key and that its "
+                            "clock is right", node, detail)
+            self._excluded[node] = _Exclusion(f"[plan_refused] {detail}", None, refused=True)
+        return refusing[0][0]
 
     def _failed_members(self, stage: StageAssignment) -> list[NodeId]:
         """The ranks of a failed group that do not answer Health.Check (a killed or hung node),
@@ -194,7 +259,8 @@ class PlanOwner:
         if not waiting:
             return
         with ThreadPoolExecutor(max_workers=len(waiting)) as pool:
-            answers = list(pool.map(lambda n: self._answers(addresses[n], READMIT_PROBE_S), waiting))
+            answers = list(pool.map(lambda n: self._no_longer_refuses(addresses[n], n) if self._excluded[n].refused
+                                    else self._answers(addresses[n], READMIT_PROBE_S), waiting))
         for node, answered in zip(waiting, answers):
             if answered:
                 log.info("node %s answers again; it may be planned again", node)
@@ -222,14 +288,15 @@ class PlanOwner:
         if previous is not None and previous.plan is not None and carry:
             # Before the old plan's unload below: that frees what its stages parked.
             carried, carried_by = carry_over(self.channels, previous.plan, previous.plan_id, plan, plan_id, carry)
-        self._current = _Current(plan, plan_id)
+        with self._swap:  # a probe of the old plan must not report on the new one
+            self._current = _Current(plan, plan_id)
+            self._set_health(HealthStatus.OK, None, stages=tuple(
+                StageSummary(s.node_id, s.address, s.first_layer, s.last_layer) for s in plan.stages))
         if previous is not None and previous.plan is not None and previous.plan_id != plan_id:
             self._stale.update((a, n, previous.plan_id) for s in previous.plan.stages for n, a in _members(s))
         self._stale -= {(a, n, plan_id) for s in plan.stages for n, a in _members(s)}
         threading.Thread(target=self._unload_stale, daemon=True, name="unload-stale").start()
         description = " ".join(f"{'+'.join(s.node_ids)}[{s.first_layer},{s.last_layer})" for s in plan.stages)
-        self._set_health(HealthStatus.OK, None, stages=tuple(
-            StageSummary(s.node_id, s.address, s.first_layer, s.last_layer) for s in plan.stages))
         log.info("plan %s for %s: %s (planned in %.2fs, loaded in %.2fs)", plan_id, self.files.model_id,
                  description, plan_s, load_s)
         first = plan.stages[0]
@@ -262,9 +329,10 @@ class PlanOwner:
         if self._current is not None and self._current.plan is None:
             return None  # already running here: nothing more to fall back to
         transport = local_transport(self.files, self.options)
-        self._current = _Current(None, None)
+        with self._swap:
+            self._current = _Current(None, None)
+            self._set_health(HealthStatus.OK, f"serving on the leader alone (--fallback-local): {error}")
         self.observer.on_fallback_local()
-        self._set_health(HealthStatus.OK, f"serving on the leader alone (--fallback-local): {error}")
         log.warning("falling back to the leader alone: %s", error)
         return Deployment(transport, load_s=time.perf_counter() - started, description="the leader alone")
 
@@ -292,13 +360,9 @@ class PlanOwner:
         except grpc.RpcError:
             return False
 
-    def _renew(self, address: str, node_id: NodeId, plan_id: str, timeout_s: float) -> bool | None:
-        """Whether the node still holds the plan (its lease renewed); None: no answer in time."""
-        try:
-            return stage_pb2_grpc.StageStub(self.channels.get(address, node_id)).Renew(
-                stage_pb2.RenewRequest(plan_id=plan_id), timeout=timeout_s).loaded
-        except grpc.RpcError:
-            return None
+    def _no_longer_refuses(self, address: str, node_id: NodeId) -> bool:
+        """A Renew of no plan (it changes nothing there) is answered, not refused."""
+        return self._leases.renew(address, node_id, "", READMIT_PROBE_S).lease in (Lease.HELD, Lease.DROPPED)
 
     def _unload_stale(self) -> None:
         with self._lock:

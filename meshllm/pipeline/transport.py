@@ -11,8 +11,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import grpc
@@ -26,12 +27,25 @@ from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class IdleEnd:
+    """A stream to stage 0 that ended with no step pending and not closed by this side: a stage
+    failed while the leader was idle, and no step's error will say so."""
+
+    broken: bool  # a gRPC error: stage 0 itself (or the link to it) failed; else stage 0 closed it: a later stage
+    why: str
+
+
 class StepTransport(Protocol):
     num_stages: int
     stage_names: tuple[str, ...]  # how errors name stage i (its node and address), one per stage
     epoch: int  # counts the streams that ended: the stages freed the sequences and blocks each one held
 
     def submit(self, step: Step) -> Future: ...
+
+    def watch(self, on_idle_end: Callable[[IdleEnd], None]) -> None:
+        """Call `on_idle_end` (on a reader thread) whenever a stream ends as IdleEnd describes."""
+        ...
 
     def close(self, timeout_s: float = 10.0, park: bool = False) -> None:
         """End it, waiting up to `timeout_s`; `park`: after a failure, ask the stages to keep what
@@ -51,7 +65,11 @@ class RemotePipeline:
         self._pending: dict[int, Future] = {}
         self._requests: queue.Queue | None = None
         self._reader: threading.Thread | None = None
+        self._on_idle_end: Callable[[IdleEnd], None] | None = None
         self.epoch = 0
+
+    def watch(self, on_idle_end: Callable[[IdleEnd], None]) -> None:
+        self._on_idle_end = on_idle_end
 
     def submit(self, step: Step) -> Future:
         future: Future = Future()
@@ -71,7 +89,7 @@ class RemotePipeline:
         self._reader.start()
 
     def _read(self, call, requests: queue.Queue) -> None:
-        error = "stream closed"
+        error, broken = "stream closed", False
         try:
             for reply in call:
                 with self._lock:
@@ -79,16 +97,23 @@ class RemotePipeline:
                 if future is not None:
                     future.set_result(stage_convert.result_from_pb(reply))
         except grpc.RpcError as e:
-            error = f"{e.code().name}: {e.details()}"
+            error, broken = f"{e.code().name}: {e.details()}", True
             log.warning("pipeline %s stream to stage 0 failed: %s", self.plan_id, error)
         with self._lock:
-            if self._requests is requests:
+            unasked = self._requests is requests  # close() had not ended it
+            if unasked:
                 self._requests = None  # the next submit opens a fresh stream
+                requests.put(None)  # ends gRPC's thread that waits on it for our next request
             pending, self._pending = self._pending, {}
             self.epoch += 1
+            on_idle_end = self._on_idle_end
         for step_id, future in pending.items():
             future.set_result(StepResult(step_id, error_code="stage_unreachable",
                                          error_message=f"stage 0 stream ended: {error}", failed_stage=0))
+        # With steps pending, their errors tell the leader; idle, only this can: a dead later stage
+        # ends every stream of the chain (stage_relay.py) but answers no step.
+        if unasked and not pending and on_idle_end is not None:
+            on_idle_end(IdleEnd(broken, error))
 
     def close(self, timeout_s: float = 10.0, park: bool = False) -> None:
         """End the stream and wait (up to `timeout_s`) until stage 0 has answered everything sent.
@@ -120,6 +145,9 @@ class LocalPipeline:
         self._work: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, daemon=True, name="local-pipeline")
         self._thread.start()
+
+    def watch(self, on_idle_end: Callable[[IdleEnd], None]) -> None:
+        """Nothing to watch: no stream, and in-process stages do not die on their own."""
 
     def submit(self, step: Step) -> Future:
         future: Future = Future()

@@ -29,6 +29,8 @@ from meshllm.api.backend import build_local_backend
 from meshllm.api.cluster_backend import build_cluster_backend
 from meshllm.cluster.gossip import fetch_view
 from meshllm.errors import PeerUnreachable
+from meshllm.pipeline.failover import FailoverConfig
+from meshllm.pipeline.health import HealthReport
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
@@ -375,3 +377,42 @@ def test_a_stage_killed_between_requests_is_replaced_before_the_next_request(poo
                    timeout=30, message="the idle leader re-planned around the dead stage")
         assert live.metric("meshllm_failovers_total", {"code": "stage_unreachable"}) == 1
         assert stream_chat(live)[0] == reference()
+
+
+@pytest.mark.parametrize("position", ["last", "first"])
+def test_an_idle_stage_killed_turns_health_degraded_at_once_and_is_replaced(pool, files, reference, position):
+    """Idle, nothing in flight: the dead last stage breaks the chain of streams (stage 1's stream
+    to it, then stage 0's to the leader, which stage 0 closes); a dead first stage breaks the
+    leader's stream itself. That stream's end, not the next routine health check, must start the
+    leader's failover, so the routine checks are set far apart here (10 s): only the stream's end
+    can explain a detection within a second. Before that was wired up, health said ok for ~9 s
+    here after the last stage's kill (with the default 2 s checks: up to ~3 s; ~20 ms now)."""
+    nodes = pool.take(4)
+    with leader_over(pool, files, set(nodes), num_stages=3,
+                     failover=FailoverConfig(idle_probe_interval_s=10.0)) as live:
+        assert stream_chat(live)[0] == reference()
+        assert failovers(live) == 0, "a failover before the kill: is a faulty node in the plan?"
+        stages = stage_nodes(live)
+        victim = stages[-1 if position == "last" else 0]
+        # Every change of health as it happens: a poll of /health could miss a degraded spell
+        # shorter than its interval (with a spare holding the weights, a re-plan takes ~50 ms).
+        reports: list[tuple[float, HealthReport]] = []
+        live.owner.health.subscribe(lambda r: reports.append((time.monotonic(), r)))
+        time.sleep(0.5)  # the request's streams settle: the leader is idle
+        kill(pool, victim)
+        killed_at = time.monotonic()
+        wait_until(lambda: any(r.ok and victim not in {s.node_id for s in r.stages} for _, r in reports),
+                   timeout=15, interval=0.02, message="a new plan without the dead stage")
+        flipped_at, flipped = next((t, r) for t, r in reports if not r.ok)
+        replanned_at = next(t for t, r in reports if r.ok and victim not in {s.node_id for s in r.stages})
+        flipped_s, replanned_s = flipped_at - killed_at, replanned_at - killed_at
+        print(f"idle kill of the {position} stage: health {flipped.status.value} after {flipped_s:.3f} s "
+              f"({flipped.reason}), ok on a new plan after {replanned_s:.3f} s")
+        assert flipped.status.value == "degraded" and flipped.failed_node == victim, flipped
+        assert flipped_s < 1.0, f"health said ok for {flipped_s:.2f} s after the kill"
+        assert replanned_s < 5.0, f"no new plan {replanned_s:.2f} s after the kill"
+        assert live.metric("meshllm_failovers_total", {"code": "stage_unreachable"}) == 1
+        served_at = time.monotonic()
+        assert stream_chat(live)[0] == reference()
+        print(f"the next request took {time.monotonic() - served_at:.2f} s")
+        assert stage_nodes(live) == [n if n != victim else (set(nodes) - set(stages)).pop() for n in stages]

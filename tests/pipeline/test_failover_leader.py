@@ -19,7 +19,7 @@ from meshllm.errors import ShardUnavailable
 from meshllm.pipeline.cluster import local_leader, local_transport, new_leader
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import Deployment, FailoverConfig, StageProbe
-from meshllm.pipeline.transport import LocalPipeline
+from meshllm.pipeline.transport import IdleEnd, LocalPipeline
 from tests.pipeline.conftest import OPTIONS
 
 PROMPT = "Once upon a time there was a little robot who"
@@ -46,6 +46,9 @@ class DyingPipeline(LocalPipeline):
             return future
         return super().submit(step)
 
+    def watch(self, on_idle_end) -> None:
+        self.on_idle_end = on_idle_end  # the test plays the stream's end (RemotePipeline calls it)
+
 
 class Replanner:
     """Hands out pipelines from `die_at` in order (None: healthy), or raises `errors` first."""
@@ -59,6 +62,7 @@ class Replanner:
         self.gate = threading.Event()
         self.gate.set()
         self.current: DyingPipeline | None = None
+        self.num_probes = 0
 
     def first(self) -> DyingPipeline:
         self.current = self._next()
@@ -77,6 +81,7 @@ class Replanner:
         return Deployment(self.current, plan_s=0.01, load_s=0.02, description="in process")
 
     def probe(self, timeout_s: float) -> StageProbe:
+        self.num_probes += 1
         return StageProbe(unresponsive=(0,) if self.current is not None and self.current.hang else ())
 
 
@@ -271,5 +276,46 @@ def test_a_stage_dying_between_requests_is_noticed_without_a_request(files, refe
         out, events = run(leader, ids, GREEDY)
         assert out == reference(ids, GREEDY) and events[-1].error is None
         assert replanner.current is not first  # served by the replacement
+    finally:
+        leader.close()
+
+
+def test_a_stream_ending_between_requests_starts_the_failover_at_once(files, reference):
+    """Idle, a stage dies: its stream's end (transport.IdleEnd) is all the leader hears. Closed by
+    stage 0 (a later stage died): probe now, once, not at the next routine check (60 s away
+    here); broken (stage 0 itself): fail over at once, blaming stage 0."""
+    replanner = Replanner(files, [None, None, None])
+    recorder = Recorder()
+    leader = failover_leader(files, replanner, recorder, failover=FailoverConfig(idle_probe_interval_s=60.0))
+    ids = files.tokenizer.encode(PROMPT)
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 2.0
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
+
+    try:
+        assert run(leader, ids, GREEDY)[0] == reference(ids, GREEDY)
+        first = replanner.current
+        for _ in range(3):  # closed while every stage answers (a spurious end): probed, nothing more
+            first.on_idle_end(IdleEnd(False, "stream closed"))
+        wait_for(lambda: replanner.num_probes >= 1, "no probe after the stream ended")
+        time.sleep(0.3)
+        assert 1 <= replanner.num_probes <= 2 and not replanner.failures  # one probe (a second when they overlap)
+        first.hang = True  # now a stage is dead: the next end finds it at once
+        first.on_idle_end(IdleEnd(False, "stream closed"))
+        wait_for(lambda: replanner.failures, "the closed stream did not lead to a re-plan")
+        assert recorder.failures[0].code == "stage_unreachable" and recorder.failures[0].stage_index == 0
+        wait_for(lambda: replanner.current is not first and leader.transport is replanner.current, "no new plan")
+        second = replanner.current
+        first.on_idle_end(IdleEnd(True, "UNAVAILABLE: Socket closed"))  # about a replaced transport: ignored
+        second.on_idle_end(IdleEnd(True, "UNAVAILABLE: Socket closed"))
+        wait_for(lambda: len(replanner.failures) == 2, "the broken stream did not lead to a re-plan")
+        failure = recorder.failures[1]
+        assert failure.stage_index == 0 and "broke" in failure.message and "UNAVAILABLE" in failure.message
+        out, events = run(leader, ids, GREEDY)
+        assert out == reference(ids, GREEDY) and events[-1].error is None
+        assert len(replanner.failures) == 2
     finally:
         leader.close()
