@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -240,15 +241,21 @@ class GGMLStage:
         Python (~2 ms on SmolLM2).
         """
         started = time.perf_counter()
+        self._drop_stale()
         key = self._reuse_key(x, slices, logit_rows)
         step = self._cached.pop(key, None) if key is not None else None
         if step is None:
             step = self._build(x, slices, logit_rows, key)
-        step.patch(x, positions, slices, logit_rows)
-        out = torch.empty(step.out_shape, dtype=torch.float32)
-        built = time.perf_counter()
-        step.run(out)
+        try:
+            step.patch(x, positions, slices, logit_rows)
+            out = torch.empty(step.out_shape, dtype=torch.float32)
+            built = time.perf_counter()
+            step.run(out)
+        except BaseException:
+            step.close()
+            raise
         if key is not None:
+            step.kvs = [weakref.ref(s.kv) for s in slices]
             self._cached[key] = step  # most recently used last
             while len(self._cached) > _MAX_CACHED_GRAPHS:
                 self._cached.pop(next(iter(self._cached))).close()
@@ -261,10 +268,17 @@ class GGMLStage:
     @staticmethod
     def _reuse_key(x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
         """What a reusable graph depends on; None for steps that build their own (prefill chunks)."""
-        if any(s.num_tokens > _MAX_REUSED_ROWS for s in slices):
+        # A prefill's first chunk (start 0) is never seen again: its sequence's KV is new.
+        if any(s.num_tokens > _MAX_REUSED_ROWS or s.start == 0 for s in slices):
             return None
         return (x.dtype, x.shape, None if logit_rows is None else logit_rows.numel(),
                 tuple((s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.capacity, s.num_tokens) for s in slices))
+
+    def _drop_stale(self) -> None:
+        """Close the kept graphs of sequences that are gone or whose KV moved (grown): they can
+        never match again, and their graphs hold those KV tensors alive."""
+        for key in [k for k, step in self._cached.items() if not step.current()]:
+            self._cached.pop(key).close()
 
     def _drop_cached(self) -> None:
         for step in self._cached.values():
@@ -347,6 +361,7 @@ class _Step:
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
         self.ids = self.hidden = self.rows = self.pos = self.out = None
         self.masks: list[tuple[object, Tensor] | None] = []  # per slice: (ggml mask, its memory)
+        self.kvs: list[weakref.ref] = []  # a kept graph's sequences' SequenceKV
         self.out_shape: tuple[int, int] = (0, 0)
         self._allocated = False
 
@@ -386,6 +401,12 @@ class _Step:
         else:
             self.scope.compute_graph(self.graph, *outputs, allocator=self.allocator)
             self._allocated = True
+
+    def current(self) -> bool:
+        """Whether every sequence this kept graph was built for still holds the KV tensors it points at."""
+        ptrs = self.key[3]
+        return all(kv is not None and (kv.k.data_ptr(), kv.v.data_ptr()) == ptr[:2]
+                   for kv, ptr in zip((ref() for ref in self.kvs), ptrs))
 
     def close(self) -> None:
         self.scope.__exit__(None, None, None)

@@ -61,18 +61,17 @@ class LeaderFailover:
         transport.watch(lambda end: self._inbox.put(StreamEnded(transport, end)))
 
     def _on_stream_end(self, message: StreamEnded) -> None:
-        """The stream to stage 0 ended with nothing in flight: a stage failed between requests.
-        Broken (a gRPC error): stage 0 is gone, a failure at once, as it would be for a step in
-        flight. Closed by stage 0: a later stage failed (stage_relay.py); the stream does not say
-        which, so probe the stages now, not at the next routine check: the probe names it."""
+        """The stream to stage 0 ended with nothing in flight: a stage may have failed between
+        requests. Closed by stage 0, a later stage failed (stage_relay.py) and the stream does not
+        say which; broken (a gRPC error), stage 0 or the link to it may have, or the channel was
+        merely closed under it (CANCELLED when the pool drops a channel, a keepalive blip). Either
+        way probe the stages now, not at the next routine check: the probe names a dead or hung
+        node within its timeout, and a healthy stage 0 is not failed over for a blip."""
         if message.transport is not self.transport or self._recovery is None:
             return  # about a transport since replaced (or nothing can re-plan: the next submit reopens it)
-        if message.end.broken:
-            self._fail_over(StageFailure(0, "stage_unreachable", f"stage 0's stream broke between requests "
-                                         f"({message.end.why})"))
-        else:
-            log.info("stage 0 ended the idle stream (a later stage failed?); probing the stages now")
-            self._recovery.probe_now()
+        how = f"broke ({message.end.why})" if message.end.broken else "was closed by stage 0 (a later stage failed?)"
+        log.info("the idle stream to stage 0 %s; probing the stages now", how)
+        self._recovery.probe_now()
 
     def _fail_over(self, failure: StageFailure, failed: MicroBatch | None = None) -> None:
         """Stop using the transport, mark every running sequence for a rebuild of its KV, and

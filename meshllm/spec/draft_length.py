@@ -192,33 +192,41 @@ def pipelined_length(alpha: float, k_max: int, costs: StepCosts, rows: int, draf
 
     Drafting runs a block ahead: while block i verifies, the proposer drafts block i+1 assuming
     all of block i and the verifier's bonus token are its own, i.e. k + 1 tokens per block. In
-    the steady state a block therefore takes max(T(k + 1), D(k + 1)) and commits
-    E(k) tokens: the verifier's k + 1 rows are cheap on the few-row kernels, so what bounds the
-    rate is the proposer's speed. The k <= k_max with the best rate, 0 where none beats plain
-    decoding (E(0) = 1 token per T(1)) by 2%: a proposer as slow as the verifier never pays.
-    D(n) is the proposer's measured call time for n tokens (`draft_s`, by tokens drafted).
+    the steady state a block therefore takes max(T(rows + k), D(k + 1)) and commits rows - 1 +
+    E(k) tokens (`rows`: the step's rows without this draft, as in best_length): the verifier's
+    extra rows are cheap on the few-row kernels, so what bounds the rate is the proposer's speed.
+    The k <= k_max with the best rate, 0 where none beats plain steps (rows tokens per T(rows))
+    by 2%: a proposer as slow as the verifier never pays. D(n) is the proposer's measured call
+    time for n tokens (`draft_s`, by tokens drafted).
     """
-    typical = costs.typical_step_s
-    if typical is None:
+    base = _step_s(costs, rows)
+    if base is None:
         return k_max
     a = min(alpha, 0.99)
-    best, best_rate, expected = 0, 1.0 / typical, 1.0
+    best, best_rate, expected = 0, rows / base, 1.0
     for k in range(1, k_max + 1):
         expected += a ** k
-        rate = expected / max(typical * costs.ratio(rows, k), draft_s.seconds(k + 1) or 0.0)
+        rate = (rows - 1 + expected) / max(base * costs.ratio(rows, k), draft_s.seconds(k + 1) or 0.0)
         if rate > best_rate * 1.02:
             best, best_rate = k, rate
     return best
 
 
 def wait_pays(alpha: float, k: int, costs: StepCosts, rows: int, wait_s: float, k_now: int = 0) -> bool:
-    """Whether holding a step `wait_s` for a k-token draft commits more tokens per second than
-    sending now the `k_now` tokens at hand (0: a plain step): E(k) / (wait + T(k + 1)) against
-    E(k_now) / T(k_now + 1)."""
-    typical = costs.typical_step_s
-    if typical is None or k <= k_now:
+    """Whether holding a step of `rows` rows (this sequence's own among them) `wait_s` for a k-token
+    draft commits more tokens per second than sending now with the `k_now` tokens at hand (0: a
+    plain row): (rows - 1 + E(k)) / (wait + T(rows + k)) against (rows - 1 + E(k_now)) / T(rows +
+    k_now). The hold stalls the whole step, so the other rows count on both sides."""
+    base = _step_s(costs, rows)
+    if base is None or k <= k_now:
         return False
     a = min(alpha, 0.99)
-    expected = lambda n: sum(a ** i for i in range(n + 1))  # noqa: E731
-    now = expected(k_now) / costs.ratio(rows, k_now)
-    return expected(k) * typical > now * (wait_s + typical * costs.ratio(rows, k))
+    committed = lambda n: rows - 1 + sum(a ** i for i in range(n + 1))  # noqa: E731
+    now = committed(k_now) / (base * costs.ratio(rows, k_now))
+    return committed(k) > now * (wait_s + base * costs.ratio(rows, k))
+
+
+def _step_s(costs: StepCosts, rows: int) -> float | None:
+    """T(rows), measured or estimated; None before any step was measured (or one took no time)."""
+    seconds = costs.seconds(rows)
+    return seconds if seconds else None

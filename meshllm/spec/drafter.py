@@ -192,16 +192,12 @@ class Drafter:
             log.info("proposer %s failed: %s; plain decoding for %.1fs", self.proposer.name, message.error,
                      self.config.retry_after_s)
             self._paused_until = now + self.config.retry_after_s
-        elif not catch_up_tokens(message.requests):
-            # A catch-up call (a prompt to prefill) says nothing about how fast blocks are drafted.
-            self._latency_s = message.seconds if self._latency_s is None else \
-                0.8 * self._latency_s + 0.2 * message.seconds
-            drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
-            # Call time by tokens drafted, from calls that prefill (almost) nothing first: what a
-            # block costs while drafting keeps ahead. A call after a plain stretch also prefills
-            # the tokens decoded meanwhile and would make drafting look too slow to ever resume.
-            if drafted and max(len(r.tokens) for r in message.requests) <= _STEADY_CONTEXT:
-                self._draft_s.observe(drafted, message.seconds)
+        else:
+            if not catch_up_tokens(message.requests):
+                # A catch-up call (a prompt to prefill) says nothing about how fast blocks are drafted.
+                self._latency_s = message.seconds if self._latency_s is None else \
+                    0.8 * self._latency_s + 0.2 * message.seconds
+            self._observe_call(message)
         for i, (request, generation) in enumerate(zip(message.requests, message.generations)):
             st = self._states.get(request.seq_id)
             if st is None:
@@ -226,6 +222,23 @@ class Drafter:
             self._request(st)
             self._hold_if_it_pays(st)
 
+    def _observe_call(self, message: DraftsReady) -> None:
+        """Call time by tokens drafted (D in draft_length.pipelined_length). A call that prefills
+        (almost) nothing first times drafting alone: what a block costs while drafting keeps
+        ahead. A call after a plain stretch also prefilled what was decoded meanwhile, so its time
+        only bounds D from above: it lowers a higher estimate (a cold start, a network blip) but
+        never raises one; else one slow first sample would stop drafting for good, since the
+        probes that could correct it all come after plain stretches."""
+        drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
+        if not drafted:
+            return
+        if max(len(r.tokens) for r in message.requests) <= _STEADY_CONTEXT:
+            self._draft_s.observe(drafted, message.seconds)
+            return
+        estimate = self._draft_s.seconds(drafted)
+        if estimate is not None and message.seconds < estimate:
+            self._draft_s.observe(drafted, message.seconds)
+
     def holding(self, now: float) -> bool:
         """Whether the leader should wait a moment before forming a micro-batch: a proposer is
         about to answer for a sequence whose step would otherwise go out with a shorter draft or
@@ -236,7 +249,8 @@ class Drafter:
                    for st in self._states.values())
 
     def next_deadline(self) -> float | None:
-        holds = [st.hold_until for st in self._states.values() if st.hold_until is not None]
+        now = time.perf_counter()
+        holds = [st.hold_until for st in self._states.values() if st.hold_until is not None and st.hold_until > now]
         return min(holds) if holds else None
 
     def close(self) -> None:
@@ -329,8 +343,9 @@ class Drafter:
         now = time.perf_counter()
         wait = max(0.0, st.expected_at - now)
         alpha = st.length.alpha if st.offered_length is None else 0.5
-        if wait_pays(alpha, k_then, self._costs, st.rows, wait, k_now):
-            st.hold_until = st.expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
+        hold_until = st.expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
+        if hold_until > now and wait_pays(alpha, k_then, self._costs, st.rows, wait, k_now):
+            st.hold_until = hold_until
 
     # --- drafter thread (proposers that are not inline) ---------------------------------------------
     def _run(self) -> None:

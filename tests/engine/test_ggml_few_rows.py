@@ -133,3 +133,18 @@ def test_a_reused_verify_graph_equals_a_fresh_one(bf16_decoder, monkeypatch):
     fresh = _verify_passes(d, prompt, blocks)
     for a, b in zip(reused, fresh):
         assert torch.equal(a, b)
+
+
+def test_kept_graphs_of_finished_sequences_are_dropped(bf16_decoder):
+    """A kept graph holds its sequences' KV tensors: once a sequence is gone (or its KV grew into
+    new tensors) the graph can never match again and must not keep that memory alive."""
+    d = bf16_decoder
+    g = torch.Generator().manual_seed(6)
+    vocab = d.config.vocab_size
+    prompt = torch.randint(3, vocab, (7,), generator=g)
+    _verify_passes(d, prompt, [torch.randint(3, vocab, (3,), generator=g)] * 2)  # its KV dies on return
+    other = SequenceKV(d.kv_layout(), 64)
+    d(prompt, torch.arange(7), [SeqSlice(other, 0, 7)], torch.tensor([6]))
+    d(prompt[:1], torch.tensor([7]), [SeqSlice(other, 0, 1)], torch.tensor([0]))
+    assert d.fast_path._cached and all(step.current() for step in d.fast_path._cached.values())
+    assert all(ref() is other for step in d.fast_path._cached.values() for ref in step.kvs)

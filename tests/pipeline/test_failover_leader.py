@@ -283,7 +283,8 @@ def test_a_stage_dying_between_requests_is_noticed_without_a_request(files, refe
 def test_a_stream_ending_between_requests_starts_the_failover_at_once(files, reference):
     """Idle, a stage dies: its stream's end (transport.IdleEnd) is all the leader hears. Closed by
     stage 0 (a later stage died): probe now, once, not at the next routine check (60 s away
-    here); broken (stage 0 itself): fail over at once, blaming stage 0."""
+    here); broken (a gRPC error: stage 0 died, or only its channel was closed): probe now too, so a
+    healthy stage 0 is not failed over for a blip, and a dead one is blamed."""
     replanner = Replanner(files, [None, None, None])
     recorder = Recorder()
     leader = failover_leader(files, replanner, recorder, failover=FailoverConfig(idle_probe_interval_s=60.0))
@@ -310,10 +311,16 @@ def test_a_stream_ending_between_requests_starts_the_failover_at_once(files, ref
         wait_for(lambda: replanner.current is not first and leader.transport is replanner.current, "no new plan")
         second = replanner.current
         first.on_idle_end(IdleEnd(True, "UNAVAILABLE: Socket closed"))  # about a replaced transport: ignored
+        probes = replanner.num_probes
+        second.on_idle_end(IdleEnd(True, "CANCELLED: Channel closed"))  # a blip: every stage answers
+        wait_for(lambda: replanner.num_probes > probes, "no probe after the stream broke")
+        time.sleep(0.3)
+        assert len(replanner.failures) == 1
+        second.hang = True  # stage 0 is gone for real this time
         second.on_idle_end(IdleEnd(True, "UNAVAILABLE: Socket closed"))
         wait_for(lambda: len(replanner.failures) == 2, "the broken stream did not lead to a re-plan")
         failure = recorder.failures[1]
-        assert failure.stage_index == 0 and "broke" in failure.message and "UNAVAILABLE" in failure.message
+        assert failure.stage_index == 0 and failure.code == "stage_unreachable"
         out, events = run(leader, ids, GREEDY)
         assert out == reference(ids, GREEDY) and events[-1].error is None
         assert len(replanner.failures) == 2

@@ -109,3 +109,40 @@ def test_waiting_for_a_longer_draft_pays_only_against_what_is_at_hand():
     assert wait_pays(0.95, 3, verifier, 1, wait_s=0.010, k_now=1)  # 3.7 in 64 ms beats 1.95 in 44
     assert not wait_pays(0.95, 3, verifier, 1, wait_s=0.040, k_now=1)
     assert not wait_pays(0.95, 1, verifier, 1, wait_s=0.0, k_now=1)  # nothing more to wait for
+
+
+class _RemoteLike:
+    """A proposer the drafter calls on its own thread (not inline); never called here."""
+
+    name, inline = "remote-like", False
+
+    def propose(self, requests):
+        raise AssertionError("not called")
+
+    def release(self, seq_ids):
+        pass
+
+
+def test_a_slow_first_block_does_not_stop_drafting_for_good():
+    """The drafter's D (call time by tokens drafted): a steady call (context of 1 token) sets it; a
+    call after a plain stretch (it also prefilled 8 tokens) only lowers it, never raises it: one
+    cold first call would otherwise keep every later probe from showing the proposer is fast."""
+    from meshllm.engine.kv_cache import SeqId
+    from meshllm.spec.drafter import Drafter, DraftsReady
+    from meshllm.spec.proposer import Draft, ProposeRequest
+
+    drafter = Drafter(_RemoteLike(), vocab_size=100, post=lambda message: None)
+    try:
+        def answered(context: int, seconds: float) -> None:
+            request = ProposeRequest(SeqId(1), 10, tuple(range(context)), 3)
+            drafter._observe_call(DraftsReady((request,), (0,), (Draft(SeqId(1), (5, 6, 7)),), seconds))
+
+        answered(context=1, seconds=0.300)  # cold start
+        assert drafter._draft_s.seconds(3) == pytest.approx(0.300)
+        answered(context=8, seconds=0.060)  # a probe after a plain stretch: still much faster
+        assert drafter._draft_s.seconds(3) < 0.300
+        lowered = drafter._draft_s.seconds(3)
+        answered(context=8, seconds=0.500)  # a slow probe (its prefill) says nothing new
+        assert drafter._draft_s.seconds(3) == lowered
+    finally:
+        drafter.close()

@@ -183,11 +183,17 @@ static void row_dispatch(const uint16_t *w, const uint16_t *x, float *out, int64
     }
 }
 
+/* The struct layout this library was built against: gemv.py refuses the op when ggml's (the one
+ * loaded, through ctypes) differs, e.g. after ggml was rebuilt without rebuilding this kernel. */
+size_t meshllm_ggml_tensor_size(void) { return sizeof(struct ggml_tensor); }
+
 void meshllm_ggml_bf16_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
     const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
     const int64_t K = w->ne[0], N = w->ne[1], n = x->ne[1];
-    if (n > OP_MAX_ROWS) abort(); /* ggml_stage.py never builds more */
+    /* ggml_stage.py builds only these; anything else is a bug, not bad input */
+    if (n > OP_MAX_ROWS || w->type != GGML_TYPE_BF16 || x->type != GGML_TYPE_F32 || x->nb[0] != sizeof(float)
+        || w->nb[1] != (size_t)K * sizeof(uint16_t) || x->ne[0] != K || dst->ne[0] != N) abort();
     const int64_t per = (N + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < N ? r0 + per : N;
     if (r0 >= r1) return;
     /* x in bf16, in a buffer each ggml worker thread keeps (a stack copy could overflow a
