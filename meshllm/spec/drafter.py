@@ -14,8 +14,8 @@ tokens are the next draft, ready at once; where they differ, the mirror is cut t
 proposer is told to roll back (the next request's position), and a fresh draft is asked for.
 A sequence that would go out without a draft while its proposer is drafting for it holds
 the next micro-batch when waiting pays: when the draft, expected at the proposer's measured
-latency, commits more tokens per second (E(k) / (wait + T(k+1))) than plain steps would in
-the meantime; else it decodes plainly, and the proposer's continuation resumes the chain if
+latency, commits more tokens per second than sending the step now (draft_length.wait_pays,
+which counts the other rows of the step the hold stalls); else it goes without, and the proposer's continuation resumes the chain if
 the plain token matches it. A proposer slower than a verifier pass drafts blocks of the
 length that maximises the pipelined rate (draft_length.pipelined_length), none where it cannot
 keep up (a same-size model drafting on an equally fast machine).
