@@ -12,11 +12,11 @@ proposer's round trip and compute overlap the verifier's pass. When the verifier
 the committed tokens are compared with the mirror: where they agree, the mirror's next
 tokens are the next draft, ready at once; where they differ, the mirror is cut there, the
 proposer is told to roll back (the next request's position), and a fresh draft is asked for.
-A sequence that would go out without a draft while its proposer is drafting for it holds
+A sequence whose proposer is drafting for it (a draft it lacks, or more than it has) holds
 the next micro-batch when waiting pays: when the draft, expected at the proposer's measured
 latency, commits more tokens per second than sending the step now (draft_length.wait_pays,
-which counts the other rows of the step the hold stalls); else it goes without, and the proposer's continuation resumes the chain if
-the plain token matches it. A proposer slower than a verifier pass drafts blocks of the
+which counts the other rows of the step the hold stalls); else the step goes without, and
+the proposer's continuation resumes the chain if the committed tokens match it. A proposer slower than a verifier pass drafts blocks of the
 length that maximises the pipelined rate (draft_length.pipelined_length), none where it cannot
 keep up (a same-size model drafting on an equally fast machine).
 Requests of many sequences travel as one batch; a draft that misses its block's deadline is
