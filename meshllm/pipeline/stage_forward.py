@@ -36,7 +36,7 @@ from meshllm.errors import MeshError
 from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.kv_parking import park_stream, parks
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
-from meshllm.pipeline.stage_relay import Downstream
+from meshllm.pipeline.stage_relay import ChainBroken, Downstream
 from meshllm.transport import codec, stage_convert
 from meshllm.transport.channels import ChannelPool
 from meshllm.transport.protos import stage_pb2
@@ -86,6 +86,9 @@ class ForwardStreams:
             while True:
                 item = replies.get()
                 if item is None:
+                    return
+                if isinstance(item, ChainBroken):  # tell the stage before us which stage failed
+                    context.set_trailing_metadata(item.metadata)
                     return
                 yield item
         finally:

@@ -21,6 +21,7 @@ import grpc
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step import SampledToken, StageTiming, Step, StepResult
 from meshllm.errors import MeshError
+from meshllm.pipeline.stage_relay import failure_named_by
 from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
 
@@ -89,13 +90,17 @@ class RemotePipeline:
         self._reader.start()
 
     def _read(self, call, requests: queue.Queue) -> None:
-        error, broken = "stream closed", False
+        error, broken, failed = "stream closed", False, 0
         try:
             for reply in call:
                 with self._lock:
                     future = self._pending.pop(reply.step_id, None)
                 if future is not None:
                     future.set_result(stage_convert.result_from_pb(reply))
+            named = failure_named_by(call)  # stage 0 ended it because a later stage failed (stage_relay.py)
+            if named is not None and 0 <= named[0] < self.num_stages:
+                failed = named[0]
+                error = f"stage {failed} is unreachable ({named[1]})"
         except grpc.RpcError as e:
             error, broken = f"{e.code().name}: {e.details()}", True
             log.warning("pipeline %s stream to stage 0 failed: %s", self.plan_id, error)
@@ -109,7 +114,7 @@ class RemotePipeline:
             on_idle_end = self._on_idle_end
         for step_id, future in pending.items():
             future.set_result(StepResult(step_id, error_code="stage_unreachable",
-                                         error_message=f"stage 0 stream ended: {error}", failed_stage=0))
+                                         error_message=f"stage 0 stream ended: {error}", failed_stage=failed))
         # With steps pending, their errors tell the leader; idle, only this can: a dead later stage
         # ends every stream of the chain (stage_relay.py) but answers no step.
         if unasked and not pending and on_idle_end is not None:

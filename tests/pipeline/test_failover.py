@@ -193,6 +193,8 @@ def stage_nodes(live: LiveServer) -> list[str]:
 
 def kill(pool: Pool, node_id: str) -> None:
     os.kill(pool.process(node_id).pid, signal.SIGKILL)
+    # Reaped at once, so `live()` never hands it out: its sockets close before it can be reaped.
+    pool.process(node_id).wait(timeout=10)
 
 
 def shard_rows(pool: Pool) -> dict[tuple[str, str], tuple[int, int]]:
