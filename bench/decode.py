@@ -6,7 +6,8 @@ vocabulary so the file carries a real tokenizer) in BF16, Q8_0 and Q4_0. For eac
 tok/s at batch 1 and 8 (64 new tokens after a 32-token prompt), prefill tok/s (512 tokens, one
 chunk), steady and peak RSS, and the decode step split into graph building (Python) and ggml
 compute; llama.cpp's llama-bench (tg64, pp512) and llama-batched-bench (8 sequences) on the same
-file with the same thread count, and its peak RSS. Each of our rows runs in a fresh process.
+file with the same thread count, and its peak RSS. Each of our rows runs in a fresh process, in
+`--dtype auto` (what `meshllm serve` runs); rounds alternate us and llama.cpp (--rounds, medians).
 Rows "smollm2:dense-float32|float16|bfloat16" load the shipped GGUF dequantized to that dtype (the form
 a safetensors model takes): what the default --dtype is chosen by (engine/dtypes.py).
 Prints one JSON object. llama.cpp is built on first use (bench/llama_cpp.py, ~15 min).
@@ -108,8 +109,10 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
     from meshllm.model.decoder import SeqSlice
     from meshllm.model.source import open_model
 
+    from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPES
+
     files = open_model(path)
-    dtype = torch.bfloat16 if ".BF16." in path.name else torch.float32
+    dtype = DTYPES[DEFAULT_DTYPE]  # what `meshllm serve` runs with: --dtype auto
     t = time.perf_counter()
     if dense:
         decoder = load_dense(files, getattr(torch, dense))
@@ -173,11 +176,21 @@ def load_dense(files, dtype):
     return decoder
 
 
+def median_figures(rounds: list[dict]) -> dict:
+    """Each numeric figure's median over the rounds; the rest as in the last round."""
+    out = dict(rounds[-1])
+    for key, value in rounds[-1].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = round(statistics.median(r[key] for r in rounds), 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="threads for us and llama.cpp (default 2)")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated (default: {','.join(ROWS)})")
     parser.add_argument("--skip-llama-cpp", action="store_true", help="only our figures")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of us and llama.cpp (default 3)")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # internal: our figures for one file
     parser.add_argument("--dense", help=argparse.SUPPRESS)  # internal: with --one, dequantized to this dtype
     args = parser.parse_args()
@@ -193,15 +206,29 @@ def main() -> None:
         result: dict = {"file": str(path), "file_mib": round(path.stat().st_size / 2**20, 1)}
         kind = row.split(":")[1]
         dense = ["--dense", kind.removeprefix("dense-")] if kind.startswith("dense-") else []
-        done = subprocess.run([sys.executable, __file__, "--one", str(path), "--threads", str(args.threads), *dense],
-                              check=True, capture_output=True, text=True)
-        result["ours"] = json.loads(done.stdout.strip().splitlines()[-1])
-        if not args.skip_llama_cpp and not dense:
-            theirs = result["llama_cpp"] = llama_cpp.bench(path, args.threads, PREFILL, NEW)
-            mine = result["ours"]
+        compare = not args.skip_llama_cpp and not dense
+        # Rounds alternate us and llama.cpp, so a load that comes and goes on a shared machine
+        # weighs on both sides alike; each side's figure is its median over the rounds.
+        ours_rounds, theirs_rounds = [], []
+        for _ in range(args.rounds):
+            done = subprocess.run([sys.executable, __file__, "--one", str(path), "--threads", str(args.threads),
+                                   *dense], check=True, capture_output=True, text=True)
+            ours_rounds.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            if compare:
+                theirs_rounds.append(llama_cpp.bench(path, args.threads, PREFILL, NEW))
+        mine = result["ours"] = median_figures(ours_rounds)
+        result["ours_rounds"] = ours_rounds
+        if compare:
+            theirs = result["llama_cpp"] = median_figures(theirs_rounds)
+            result["llama_cpp_rounds"] = theirs_rounds
+            if llama_cpp.NO_AMX:
+                result["llama_cpp_build"] = "native without AMX (its AMX matmul segfaults on this CPU)"
             result["ratio"] = {k: round(mine[k] / theirs[k], 2) for k in
                                ("decode_tok_s", "decode_batch8_tok_s", "prefill_tok_s") if theirs.get(k)}
             result["ratio"]["rss_steady_vs_llama_cpp_peak"] = round(mine["steady_rss_mib"] / theirs["peak_rss_mib"], 2)
+            result["ratio_by_round"] = {k: [round(a[k] / b[k], 2) for a, b in zip(ours_rounds, theirs_rounds)]
+                                        for k in ("decode_tok_s", "decode_batch8_tok_s", "prefill_tok_s")
+                                        if all(b.get(k) for b in theirs_rounds)}
         out["rows"][row] = result
         print(json.dumps({row: result}), file=sys.stderr, flush=True)
     print(json.dumps(out, indent=2))

@@ -28,8 +28,23 @@ ROOT = CACHE / "llama.cpp"
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "ggml-rpc-server")
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# ggml's AMX matmul segfaults on the first multi-row product on some AMX CPUs (seen here on a
+# KVM Xeon; upstream llama.cpp issue #20824, closed unfixed), which kills llama-bench. There the
+# build leaves AMX out (GCC's explicit -mno-* flags win over -march=native) and keeps every other
+# kernel of the native build, CPU_REPACK included: the fastest llama.cpp that runs on that machine.
+NO_AMX = _cpu_has_amx()
+BUILD_NAME = f"build-{LLAMA_CPP_PYTHON}" + ("-noamx" if NO_AMX else "")
+
+
 def tools() -> Path:
-    bin_dir = ROOT / f"build-{LLAMA_CPP_PYTHON}" / "bin"
+    bin_dir = ROOT / BUILD_NAME / "bin"
     if all((bin_dir / t).exists() for t in TARGETS):
         return bin_dir
     src = ROOT / f"src-{LLAMA_CPP_PYTHON}"
@@ -41,11 +56,13 @@ def tools() -> Path:
                 tar.extractall(tmp, filter="data")
             ROOT.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp").rename(src)
-    build = ROOT / f"build-{LLAMA_CPP_PYTHON}"
+    build = ROOT / BUILD_NAME
     print(f"building llama.cpp {LLAMA_CPP_PYTHON} into {build} (~15 min on 2 cores) ...", file=sys.stderr)
+    no_amx = "-mno-amx-int8 -mno-amx-tile -mno-amx-bf16"
+    flags = [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"] if NO_AMX else []
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
                     "-DGGML_NATIVE=ON", "-DGGML_RPC=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                    "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True)
+                    "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF", *flags], check=True)
     subprocess.run(["cmake", "--build", str(build), "-j2", "--target", *TARGETS], check=True)
     return bin_dir
 

@@ -27,6 +27,7 @@ from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, quantize
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.batch_invariant import make_batch_invariant
+from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm
 from meshllm.engine.weight_forms import QUANTIZATIONS, prepare_for_cpu
 from meshllm.errors import BadRequest, ModelLoadError
 from meshllm.model.config import ModelConfig
@@ -124,10 +125,12 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
 def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int, last_layer: int | None,
                     dtype: torch.dtype, quantization: str | None, batch_invariant: bool, progress,
                     device: str) -> Decoder:
-    """Weights, KV and compute on a GPU (`--device cuda[:N]|mps`), dense in `dtype`.
+    """Weights, KV and compute on a GPU (`--device cuda[:N]|mps`).
 
-    ggml's kernels here are its CPU backend's, so on a GPU GGUF blocks are dequantized to `dtype`
-    (not compact) and --quantize is refused rather than silently run on the CPU.
+    ggml's kernels here are its CPU backend's, so on a GPU GGUF blocks stay blocks on the device,
+    dequantized by torch inside each product (engine/device_weights.py); --quantize makes such
+    blocks from 16/32-bit weights with ggml's quantizer. Dense weights are held in `dtype`. In
+    batch-invariant mode every weight is dense (its tiled products are dense ones).
     """
     try:
         dev = torch.device(device)
@@ -138,10 +141,21 @@ def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int,
         raise BadRequest(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps")
     if not available():
         raise BadRequest(f"--device {device}: this machine's torch has no {dev.type.upper()} device; use cpu")
+    if batch_invariant:
+        if quantization is not None:
+            raise BadRequest("batch-invariant mode runs 16/32-bit weights; drop the quantization")
+        return make_batch_invariant(load_decoder(source, config, first_layer, last_layer, dtype, progress).to(dev))
+    rt = None
     if quantization is not None:
-        raise BadRequest(f"--quantize runs on the CPU (ggml); on {device} weights are held in --dtype")
-    decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress).to(dev)
-    return make_batch_invariant(decoder) if batch_invariant else decoder
+        rt = runtime()
+        if rt is None:
+            raise BadRequest(f"--quantize {quantization} on {device} quantizes with ggml (built by install.sh), "
+                             f"which is not available here; drop --quantize")
+    form = DeviceBlockForm(dev, dtype, QUANTIZE_TYPES.get(quantization), rt)
+    decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form).to(dev)
+    log.info("layers [%d, %d) of %s on %s: weights %s", first_layer, decoder.last_layer, source.path, device,
+             describe_weights(decoder))
+    return decoder
 
 
 def decoder_bytes(decoder: Decoder) -> int:
@@ -156,9 +170,17 @@ def describe_weights(decoder: Decoder) -> str:
     held: dict[str, int] = {}
     for m in ggml_matrices(decoder):
         held[m.ggml_type.name] = held.get(m.ggml_type.name, 0) + m.num_bytes
+    seen: set[int] = set()  # a tied head shares the embedding's blocks
+    for module in decoder.modules():
+        if isinstance(module, BlockLinear | BlockEmbedding):
+            for data, ggml_type in module.blocks():
+                if id(data) not in seen:
+                    seen.add(id(data))
+                    held[ggml_type.name] = held.get(ggml_type.name, 0) + data.numel()
     dense = sum(p.numel() * p.element_size() for p in decoder.parameters())
     quantized = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sorted(held.items()))
-    return f"ggml {quantized}; dense {dense / 2**20:.1f} MiB" if held else f"dense {dense / 2**20:.1f} MiB"
+    kind = "blocks" if seen else "ggml"
+    return f"{kind} {quantized}; dense {dense / 2**20:.1f} MiB" if held else f"dense {dense / 2**20:.1f} MiB"
 
 
 def _return_freed_memory() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -101,7 +102,8 @@ class GGUFFile:
     path: Path
     metadata: dict
     tensors: dict[str, GGUFTensorInfo]
-    data: np.memmap
+    data: np.ndarray  # uint8 over `mapping`
+    mapping: mmap.mmap
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFFile":
@@ -111,7 +113,9 @@ class GGUFFile:
         size = path.stat().st_size
         if size < 24:
             raise CorruptWeights(f"{path} is {size} bytes, too short to be a GGUF file")
-        data = np.memmap(path, mode="r", dtype=np.uint8)
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = np.frombuffer(mapping, dtype=np.uint8)
         cur = _Cursor(memoryview(data), path)
         magic, version, num_tensors, num_kv = cur.take("<4sIQQ")
         if magic != b"GGUF":
@@ -143,13 +147,23 @@ class GGUFFile:
             raise CorruptWeights(f"{path}: general.alignment is {alignment!r}; the header is corrupt")
         data_start = -(-cur.pos // alignment) * alignment
         tensors = {entry[0]: _tensor_info(path, size, data_start, *entry) for entry in table}
-        return cls(path, metadata, tensors, data)
+        return cls(path, metadata, tensors, data, mapping)
 
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes as a read-only view of the map: [rows, bytes per row]."""
         # A plain ndarray view: numpy's memmap subclass adds per-view overhead that doubles dequant time.
         flat = self.data[info.offset:info.offset + info.num_bytes].view(np.ndarray)
         return flat.reshape(math.prod(info.shape[:-1]), -1)
+
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop a tensor's pages, once copied out, from this process's resident memory (they stay in
+        the OS page cache; reading them again maps them again). Without it every page a load read
+        stayed mapped until the file closed: loading a 1.2 GB Q8_0 model peaked at 2.9 GB of RSS."""
+        dont_need = getattr(mmap, "MADV_DONTNEED", None)
+        if dont_need is None or not hasattr(self.mapping, "madvise"):
+            return
+        start = info.offset - info.offset % mmap.PAGESIZE
+        self.mapping.madvise(dont_need, start, info.offset + info.num_bytes - start)
 
 
 def _tensor_info(path: Path, file_size: int, data_start: int, name: str, shape: tuple[int, ...],
@@ -241,6 +255,7 @@ class GGUFSource:
             if info is None:
                 raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
             tensor = dequantize(self.file, info, dtype)
+            self.file.release(info)
             if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (
                     ".q_proj." in name or ".k_proj." in name):
                 heads = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
@@ -268,6 +283,7 @@ class GGUFSource:
             raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
         assert info.ggml_type in _BLOCK_TYPES and len(info.shape) == 2, (name, info.ggml_type, info.shape)
         rows = torch.from_numpy(self.file.raw(info).copy())  # [rows, bytes per row]; off the read-only map
+        self.file.release(info)
         if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
             # Whole rows move, so undoing the permutation on the blocks is exact.
             heads = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
@@ -303,6 +319,7 @@ class GGUFSource:
                 part = raw[..., s.start // block_size * block_bytes:s.stop // block_size * block_bytes]
                 shape = (*info.shape[:-1], s.stop - s.start)
             tensor = _dequantize_raw(np.ascontiguousarray(part), info.ggml_type, shape, dtype)
+            self.file.release(info)
             if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
                 # Tensor-parallel row slices hold whole heads, and the permutation stays inside a head.
                 total = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
@@ -324,6 +341,7 @@ class GGUFSource:
             info = self.file.tensors[name]
             digest.update(f"{name}|{info.ggml_type.name}|{list(info.shape)}|".encode())
             digest.update(self.file.data[info.offset:info.offset + info.num_bytes])
+            self.file.release(info)  # hashing a 40 GB file must not make it resident
         value = digest.hexdigest()
         _fingerprint_cache_put(key, value)
         return value

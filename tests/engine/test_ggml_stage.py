@@ -125,3 +125,32 @@ def test_dropping_a_ggml_stage_frees_its_matrices_at_once(smollm2_gguf_path, tmp
         assert all(r() is None for r in refs), "a reference cycle keeps ggml matrices alive after the stage is dropped"
     finally:
         gc.enable()
+
+
+def test_a_long_prefill_on_bf16_kv_is_as_accurate_as_short_chunks(smollm2_gguf_path, tmp_path):
+    """A prefill chunk of 64+ queries on bf16 KV attends through ggml's tiled kernel over an exact
+    f32 copy of the KV; chunks under 64 queries take the row-at-a-time kernel on the bf16 KV itself
+    (which rounds the queries to bf16 too). Against the same model in fp32 (fp32 KV), the long
+    chunk's logits must be no further off than the short chunks': the rounding of the KV to bf16
+    is what both pay (logits of this random model span ~400; both stray ~0.2 on average)."""
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    files = open_model(write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "tiny.gguf", GGML.Q8_0))
+    ids = torch.randint(3, 40000, (150,), generator=torch.Generator().manual_seed(0))
+
+    def prefill(dtype: torch.dtype, chunk: int) -> torch.Tensor:
+        d = load_stage_decoder(files.source, files.config, dtype=dtype)
+        kv, out = SequenceKV(d.kv_layout(), 150), []
+        assert kv.k.dtype == dtype
+        for start in range(0, 150, chunk):
+            end = min(150, start + chunk)
+            out.append(d(ids[start:end], torch.arange(start, end), [SeqSlice(kv, 0, end - start)],
+                         torch.arange(end - start)))
+        return torch.cat(out)
+
+    reference = prefill(torch.float32, 150)
+    whole, chunked = (prefill(torch.bfloat16, n) - reference for n in (150, 30))
+    assert whole.abs().mean() <= 1.05 * chunked.abs().mean()
+    assert whole.abs().max() <= 1.1 * chunked.abs().max()
+    assert chunked.abs().mean() < 1e-3 * reference.abs().max()  # and neither is far off

@@ -119,9 +119,11 @@ def test_bad_parameters_are_rejected_with_the_value(bad):
        seed=st.integers(0, 2**32), top_k=st.one_of(st.none(), st.integers(1, 12)),
        top_p=st.floats(0.05, 1.0), temperature=st.floats(0.05, 4.0))
 def test_never_samples_a_token_of_probability_zero(probs, seed, top_k, top_p, temperature):
-    logits = torch.tensor(probs).log()[None]  # zero probability -> -inf logit
+    given = torch.tensor(probs)  # float32: what the sampler sees (0.9999999999999999 and 1.0 tie there)
+    logits = given.log()[None]  # zero probability -> -inf logit
     token = int(sample(logits, [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)],
                        [make_generator(seed)]).token_ids[0])
-    assert probs[token] > 0.0
+    seen = given.tolist()
+    assert seen[token] > 0.0
     if top_k is not None:
-        assert sum(p > probs[token] for p in probs) < top_k
+        assert sum(p > seen[token] for p in seen) < top_k

@@ -276,6 +276,36 @@ def test_fingerprint_is_stable_cached_and_content_sensitive(tiny_model_dir, tmp_
     assert GGUFSource(tmp_path / "b.gguf").fingerprint() != first
 
 
+def _resident_mib_of(path: Path) -> float:
+    """This process's resident memory in mappings of `path` (Linux: /proc/self/smaps)."""
+    total_kib, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header line: "start-end perms offset dev inode path"
+            inside = line.endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total_kib += int(line.split()[1])
+    return total_kib / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads resident pages from Linux's /proc")
+def test_reading_every_tensor_and_the_fingerprint_leaves_the_file_unmapped(smollm2_gguf_path):
+    """A load reads each tensor out of the map once; its pages must not stay in this process's
+    resident set (a 40 GB file would otherwise count twice while a stage loads)."""
+    path = smollm2_gguf_path.resolve()
+    source = GGUFSource(path)  # a fresh mapping: only the header (metadata, vocabulary) read yet
+    before = _resident_mib_of(path)
+    names = source.tensor_names()
+    for name in names:
+        if source.is_block_quantized(name):
+            source.read_blocks(name)
+        else:
+            source.read([name], torch.float32)
+    source.fingerprint()  # hashes every byte (this test's cache directory is empty)
+    file_mib = path.stat().st_size / 2**20
+    assert source.num_bytes_read() > 0.9 * path.stat().st_size
+    assert _resident_mib_of(path) - before < 0.1 * file_mib  # fault-around maps a few pages near each tensor
+
+
 # ---------------------------------------------------------------- bad files
 
 def test_missing_file_is_a_clear_error(tmp_path):

@@ -1,0 +1,138 @@
+"""Quantized weights that stay quantized on a GPU (`--device cuda|mps`).
+
+ggml's fast kernels are its CPU backend's, so on another device a GGUF block-quantized weight
+is held as the file's blocks, `[rows, bytes per row]` uint8 on the device (Q4_K: 4.5 bits a
+weight, where the dense form takes 16), and dequantized by torch ops (engine/block_dequant.py)
+into the activations' dtype inside each product; only one layer's matrix is ever dense at a
+time, for the length of its product. `--quantize int8|int4` on a device makes the same blocks
+from a 16/32-bit weight with ggml's quantizer (Q8_0 / Q4_0) before it leaves the CPU. GGUF
+types without a torch port here (Q2_K, Q3_K, the IQ types) load dense, as before.
+
+The forms are plain torch modules whose blocks are buffers, so `Decoder.to(device)` moves
+them and the stage's byte count (stage_weights.decoder_bytes) sees the compact size.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
+from torch import Tensor, nn
+
+from meshllm.engine.block_dequant import SUPPORTED, dequantize
+from meshllm.engine.ggml_weights import BlockMatrix, quantize
+from meshllm.errors import ModelLoadError
+from meshllm.model.weights import TensorSource
+
+log = logging.getLogger(__name__)
+
+
+class BlockLinear(nn.Module):
+    """y = x @ W.T (+ bias), W the row-concatenation of block matrices held as device buffers."""
+
+    def __init__(self, parts: list[BlockMatrix], device: torch.device, bias: Tensor | None = None):
+        super().__init__()
+        assert parts and len({p.cols for p in parts}) == 1, "row parts must share the input width"
+        if len(parts) > 1 and len({p.ggml_type for p in parts}) == 1:
+            parts = [BlockMatrix.cat_rows(parts)]
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+        self.types = [p.ggml_type for p in parts]
+        for i, p in enumerate(parts):
+            self.register_buffer(f"blocks{i}", p.data.to(device), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def blocks(self) -> list[tuple[Tensor, GGML]]:
+        return [(getattr(self, f"blocks{i}"), t) for i, t in enumerate(self.types)]
+
+    def weight(self, dtype: torch.dtype) -> Tensor:
+        """The dense [out, in] matrix in `dtype` (made now, dropped after the product)."""
+        dense = [dequantize(data, t, self.in_features, dtype) for data, t in self.blocks()]
+        return dense[0] if len(dense) == 1 else torch.cat(dense)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x: [rows, in_features] -> [rows, out_features]
+        return F.linear(x, self.weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"blocks {'+'.join(t.name for t in self.types)}")
+
+
+class BlockEmbedding(nn.Module):
+    """Rows of a block-quantized table on the device; only the looked-up rows are dequantized."""
+
+    def __init__(self, table: BlockMatrix, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.register_buffer("blocks0", table.data.to(device), persistent=False)
+        self.ggml_type, self.dtype = table.ggml_type, dtype
+        self.num_embeddings, self.embedding_dim = table.rows, table.cols
+
+    def forward(self, ids: Tensor) -> Tensor:
+        # ids: [n] -> [n, embedding_dim]
+        return dequantize(self.blocks0[ids], self.ggml_type, self.embedding_dim, self.dtype)
+
+    def blocks(self) -> list[tuple[Tensor, GGML]]:
+        return [(self.blocks0, self.ggml_type)]
+
+    def head(self) -> BlockLinear:
+        """The tied LM head over the same buffer (no second copy: it is on the device already, so
+        Decoder.to(device) leaves both modules' references to it alone)."""
+        return BlockLinear([BlockMatrix(self.blocks0, self.ggml_type, self.embedding_dim)], self.blocks0.device)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks {self.ggml_type.name}"
+
+
+class DeviceBlockForm:
+    """loader.WeightForm for a stage on `device`: GGUF blocks kept as they are, or dense weights
+    quantized to `quantize_to` by ggml's quantizer (`rt`, the CPU runtime; needed only then).
+    The blocks go to the device as they are read; embeddings come out in `dtype`."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantize_to: GGML | None = None, rt=None):
+        assert quantize_to is None or rt is not None, "quantizing needs ggml's quantizer"
+        self.device, self.dtype, self.quantize_to, self.rt = device, dtype, quantize_to, rt
+        self._dense_types: set[str] = set()
+
+    def _blocks(self, source: TensorSource, name: str) -> BlockMatrix | None:
+        if not getattr(source, "is_block_quantized", lambda _: False)(name):
+            return None
+        matrix = source.read_blocks(name)
+        if matrix.ggml_type not in SUPPORTED:
+            if matrix.ggml_type.name not in self._dense_types:
+                self._dense_types.add(matrix.ggml_type.name)
+                log.info("%s: %s tensors have no device form here; they load dequantized",
+                         source.path, matrix.ggml_type.name)
+            return None
+        return matrix
+
+    def linear(self, source: TensorSource, hf_names: list[str], rows: list[int]) -> nn.Module | None:
+        if all(getattr(source, "is_block_quantized", lambda _: False)(n) for n in hf_names):
+            parts = [self._blocks(source, n) for n in hf_names]
+            if any(p is None for p in parts):
+                return None
+        elif self.quantize_to is not None:
+            block = GGML_QUANT_SIZES[self.quantize_to][0]
+            if any(source.tensor_shapes()[n][-1] % block for n in hf_names):
+                return None  # rows are not whole blocks: keep it dense
+            parts = [quantize(self.rt, t, self.quantize_to) for t in source.read(hf_names, torch.float32).values()]
+        else:
+            return None
+        for name, part, want in zip(hf_names, parts, rows):
+            if part.rows != want:
+                raise ModelLoadError(f"{source.path}: tensor {name!r} has {part.rows} rows, expected {want} "
+                                     f"from the model config; the checkpoint does not match its config")
+        return BlockLinear(parts, self.device)
+
+    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None:
+        table = self._blocks(source, hf_name)
+        if table is None:
+            return None
+        if table.shape != tuple(shape):
+            raise ModelLoadError(f"{source.path}: tensor {hf_name!r} has shape {table.shape}, expected {tuple(shape)}")
+        return BlockEmbedding(table, self.dtype, self.device)
+
+    def tied_head(self, embedding: nn.Module) -> nn.Module | None:
+        return embedding.head() if isinstance(embedding, BlockEmbedding) else None
