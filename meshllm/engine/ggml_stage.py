@@ -321,7 +321,7 @@ class GGMLStage:
                 step.rows = torch.zeros(logit_rows.numel(), dtype=torch.int32)
                 h = g.ggml_get_rows(ctx, h, s.wrap(step.rows))
             (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
-            step.out_shape = (n if logit_rows is None else logit_rows.numel(), c.vocab_size)
+            step.out_shape = (n if logit_rows is None else logit_rows.numel(), sum(rows for _, _, rows in self.head.parts))
         step.out = h
         return step
 

@@ -171,16 +171,7 @@ class Drafter:
         st = self._states.get(seq.seq_id)
         if st is None:
             return
-        n = seq.num_tokens
-        upto = min(n, len(st.mirror))
-        same = st.confirmed
-        if same < upto:
-            tokens = seq.token_ids(same, upto)
-            while same < upto and tokens[same - st.confirmed] == st.mirror[same]:
-                same += 1
-        if same < len(st.mirror) and same < n:  # the mirror went another way: cut it there
-            self._cut(st, same)
-        st.confirmed = same
+        self._confirm(st)
         st.exhausted = False
         self._offer(st)
         self._request(st)
@@ -218,6 +209,10 @@ class Drafter:
                         st.dists[len(st.mirror)] = draft.dists[j]
                     st.mirror.append(token)
                 st.exhausted = len(draft.tokens) < request.k
+                # A step may have committed past the mirror's old end meanwhile (the verifier's bonus
+                # token): the draft's first tokens are checked against it now, not at the next commit,
+                # else the step about to go out would go without the rest of the draft.
+                self._confirm(st)
             self._offer(st)
             self._request(st)
             self._hold_if_it_pays(st)
@@ -259,6 +254,19 @@ class Drafter:
             self._thread.join(timeout=5)
 
     # --- internals (loop thread) -------------------------------------------------------------------
+    def _confirm(self, st: _State) -> None:
+        """Compare the mirror with the committed tokens past st.confirmed; cut it where they differ."""
+        n = st.seq.num_tokens
+        upto = min(n, len(st.mirror))
+        same = st.confirmed
+        if same < upto:
+            tokens = st.seq.token_ids(same, upto)
+            while same < upto and tokens[same - st.confirmed] == st.mirror[same]:
+                same += 1
+        if same < len(st.mirror) and same < n:  # the mirror went another way: cut it there
+            self._cut(st, same)
+        st.confirmed = same
+
     def _cut(self, st: _State, length: int) -> None:
         del st.mirror[length:]
         for position in [p for p in st.dists if p >= length]:
