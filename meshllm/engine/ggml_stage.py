@@ -215,7 +215,7 @@ class GGMLStage:
             s.reads.append((keys, values))
             if t >= _TILED_ATTENTION_ROWS and seq.kv.k.dtype == torch.bfloat16:
                 # ggml's tiled attention kernel (a chunk of 64+ queries) takes f16 or f32 K/V only; on
-                # bf16 it falls back to one query row at a time (SmolLM2 bf16 prefill 512: 420 -> 600
+                # bf16 it falls back to one query row at a time (SmolLM2 bf16 prefill 512: 420 -> 660
                 # tok/s with this). The f32 copy is exact and costs one pass over the attended KV.
                 keys, values = g.ggml_cast(ctx, keys, g.GGML_TYPE_F32), g.ggml_cast(ctx, values, g.GGML_TYPE_F32)
             out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q_seq, 0, 2, 1, 3), keys, values, mask,
@@ -321,7 +321,8 @@ class GGMLStage:
                 step.rows = torch.zeros(logit_rows.numel(), dtype=torch.int32)
                 h = g.ggml_get_rows(ctx, h, s.wrap(step.rows))
             (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
-            step.out_shape = (n if logit_rows is None else logit_rows.numel(), sum(rows for _, _, rows in self.head.parts))
+            head_rows = sum(rows for _, _, rows in self.head.parts)  # the vocabulary
+            step.out_shape = (n if logit_rows is None else logit_rows.numel(), head_rows)
         step.out = h
         return step
 
