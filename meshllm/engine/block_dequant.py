@@ -23,8 +23,8 @@ def _f16(b: Tensor) -> Tensor:
     return b.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: Tensor, width: int) -> Tensor:
-    """[..., width // 2] packed bytes -> [..., width]: the low nibbles, then the high ones."""
+def _nibbles(qs: Tensor) -> Tensor:
+    """[..., m] packed bytes -> [..., 2m]: the low nibbles, then the high ones."""
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
 
@@ -34,12 +34,12 @@ def _q8_0(b: Tensor) -> Tensor:
 
 
 def _q4_0(b: Tensor) -> Tensor:
-    d, qs = _f16(b[:, :2]), _nibbles(b[:, 2:], 32)
+    d, qs = _f16(b[:, :2]), _nibbles(b[:, 2:])
     return d * (qs.to(torch.int8) - 8).float()
 
 
 def _q4_1(b: Tensor) -> Tensor:
-    d, m, qs = _f16(b[:, :2]), _f16(b[:, 2:4]), _nibbles(b[:, 4:], 32)
+    d, m, qs = _f16(b[:, :2]), _f16(b[:, 2:4]), _nibbles(b[:, 4:])
     return d * qs.float() + m
 
 
@@ -50,13 +50,13 @@ def _high_bits(qh: Tensor) -> Tensor:
 
 
 def _q5_0(b: Tensor) -> Tensor:
-    d, qh, ql = _f16(b[:, :2]), _high_bits(b[:, 2:6]), _nibbles(b[:, 6:], 32)
+    d, qh, ql = _f16(b[:, :2]), _high_bits(b[:, 2:6]), _nibbles(b[:, 6:])
     return d * ((ql | (qh << 4)).to(torch.int8) - 16).float()
 
 
 def _q5_1(b: Tensor) -> Tensor:
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    qh, ql = _high_bits(b[:, 4:8]), _nibbles(b[:, 8:], 32)
+    qh, ql = _high_bits(b[:, 4:8]), _nibbles(b[:, 8:])
     return d * (ql | (qh << 4)).float() + m
 
 
@@ -117,6 +117,6 @@ def dequantize(data: Tensor, ggml_type: GGML, cols: int, dtype: torch.dtype = to
         return data.contiguous().view(torch.bfloat16).reshape(rows, cols).to(dtype)
     if ggml_type == GGML.F16:
         return data.contiguous().view(torch.float16).reshape(rows, cols).to(dtype)
-    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
     values = _BLOCKS[ggml_type](data.reshape(-1, block_bytes))  # fp32 [rows * blocks per row, block]
     return values.reshape(rows, cols).to(dtype)
