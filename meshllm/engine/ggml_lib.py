@@ -50,6 +50,10 @@ class Runtime:
             return self.repack_buffer_type
         return self.cpu_buffer_type
 
+    def repacks(self, ggml_type: int, rows: int) -> bool:
+        """Whether a matrix of this type and row count goes to the repack buffer (fast kernels)."""
+        return self.buffer_type_for(int(ggml_type), rows) != self.cpu_buffer_type
+
     @property
     def repacked_types(self) -> frozenset[int]:
         g = self.lib

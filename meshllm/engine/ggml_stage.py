@@ -24,13 +24,15 @@ from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
 from meshllm.engine.ggml_weights import GraphScope
+from meshllm.engine.kernels.custom_ops import q4_remainder_op
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
 
 _F32 = 4
-# Graph capacity: ~25 nodes per layer plus 14 per sequence and layer (views count), with room to spare.
-_NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 48, 24
+# Graph capacity: ~25 nodes per layer (~50 with Q4_1 remainders) plus 14 per sequence and layer
+# (views count), with room to spare.
+_NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 80, 24
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # Products of a bf16 weight with at most this many rows run meshllm's kernel as a ggml custom op
 # (kernels/gemv.c says why): up to 8 rows it beats ggml's tinyBLAS (~2x at 2-5 rows, even at 8,
@@ -47,18 +49,19 @@ class _Weights:
     """ggml tensors over one layer's (or the head's) weights; dense ones point into torch memory."""
 
     def __init__(self, scope: _WeightContext, module: nn.Module):
-        # [(tensor, first_row, num_rows)] in output-row order
-        self.parts: list[tuple[object, int, int]] = []
+        # [(tensor, first_row, num_rows, remainder or None)] in output-row order; a remainder is the
+        # per-block term of a Q4_1 matrix held as Q4_0 (ggml_weights.split_q4_1)
+        self.parts: list[tuple[object, int, int, object | None]] = []
         self.dense_bf16 = False  # one bf16 torch matrix: few-row products may take meshllm's kernel
         if isinstance(module, QuantizedLinear):
             row = 0
             for m in module.matrices:
-                self.parts.append((m.tensor, row, m.rows))
+                self.parts.append((m.tensor, row, m.rows, None if m.remainder is None else scope.wrap(m.remainder)))
                 row += m.rows
             bias = module.bias
         else:
             assert isinstance(module, nn.Linear), type(module)
-            self.parts.append((scope.wrap(module.weight), 0, module.out_features))
+            self.parts.append((scope.wrap(module.weight), 0, module.out_features, None))
             self.dense_bf16 = module.weight.dtype == torch.bfloat16
             bias = module.bias
         self.bias = None if bias is None else scope.wrap(scope.keep(bias.detach().float().contiguous()))
@@ -146,6 +149,8 @@ class GGMLStage:
         self.freq_factors = None if bool((factors == 1).all()) else wrap_f32(factors)
         op = ggml_few_rows_op()
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
+        op = q4_remainder_op()  # Q4_1 matrices held as Q4_0 (ggml_weights.split_q4_1); else ggml's own ops
+        self._remainder_op = None if op is None else self.g.ggml_custom_op_t(op)
 
     # --- graph pieces ---------------------------------------------------------------------------
     def _linear(self, s: GraphScope, w: _Weights, x):
@@ -154,16 +159,34 @@ class GGMLStage:
         outs = []
         n = x.contents.ne[1]
         if w.dense_bf16 and self._few_rows_op is not None and n <= FEW_ROWS_MAX:
-            (tensor, first, rows), = w.parts
+            (tensor, first, rows, _), = w.parts
             args = (ctypes.POINTER(type(tensor.contents)) * 2)(tensor, x)
             outs.append((g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 2, self._few_rows_op, -1, None), first, rows))
         else:
-            for tensor, first, rows in w.parts:
-                outs.append((g.ggml_mul_mat(s.ctx, tensor, x), first, rows))
+            sums = None
+            for tensor, first, rows, remainder in w.parts:
+                out = g.ggml_mul_mat(s.ctx, tensor, x)
+                if remainder is not None and self._remainder_op is not None:
+                    args = (ctypes.POINTER(type(out.contents)) * 3)(out, x, remainder)
+                    out = g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 3, self._remainder_op, -1, None)
+                elif remainder is not None:  # + sum over blocks b of R[b] * (x summed over block b)
+                    sums = self._block_sums(s, x) if sums is None else sums
+                    out = g.ggml_add(s.ctx, out, g.ggml_out_prod(s.ctx, remainder, sums))
+                outs.append((out, first, rows))
         if w.bias is not None:
             assert len(outs) == 1, "a bias over mixed-type parts is not supported"
             outs = [(g.ggml_add(s.ctx, outs[0][0], w.bias), *outs[0][1:])]
         return outs
+
+    @staticmethod
+    def _block_sums(s: GraphScope, x):
+        """x [cols, n] -> [n, cols / 32] (a transposed view): each 32-column block of a row summed."""
+        g = s.g
+        cols, n = x.contents.ne[0], x.contents.ne[1]
+        if not g.ggml_is_contiguous(x):
+            x = g.ggml_cont(s.ctx, x)
+        sums = g.ggml_sum_rows(s.ctx, g.ggml_reshape_3d(s.ctx, x, 32, cols // 32, n))  # [1, cols / 32, n]
+        return g.ggml_transpose(s.ctx, g.ggml_reshape_2d(s.ctx, sums, cols // 32, n))
 
     @staticmethod
     def _rows(s: GraphScope, outs, first: int, num: int, shape: tuple[int, ...]):
@@ -321,7 +344,7 @@ class GGMLStage:
                 step.rows = torch.zeros(logit_rows.numel(), dtype=torch.int32)
                 h = g.ggml_get_rows(ctx, h, s.wrap(step.rows))
             (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
-            head_rows = sum(rows for _, _, rows in self.head.parts)  # the vocabulary
+            head_rows = sum(rows for _, _, rows, _ in self.head.parts)  # the vocabulary
             step.out_shape = (n if logit_rows is None else logit_rows.numel(), head_rows)
         step.out = h
         return step

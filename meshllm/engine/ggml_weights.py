@@ -79,6 +79,32 @@ class BlockMatrix:
         return torch.from_numpy(quants.dequantize(self.data.numpy(), self.ggml_type)).reshape(self.shape)
 
 
+def split_q4_1(matrix: BlockMatrix) -> tuple[BlockMatrix, Tensor]:
+    """Q4_1 blocks as Q4_0 blocks plus a per-block remainder: the form the fast kernels take.
+
+    A Q4_1 block holds d, m (fp16) and 32 nibbles q: x = d*q + m. A Q4_0 block with the same d and
+    nibbles means d*(q - 8), so W = Q4_0(d, q) + R with R = 8d + m constant over each block, and
+    W x = Q4_0(W) x + sum over blocks b of R[b] * (x summed over block b). ggml repacks Q4_0 for its
+    AVX2/AVX-512 kernels and has none for Q4_1, whose one-row product runs ~1.5x slower and whose
+    k-row products cost ~k times one (Q4_0: 4 rows ~2.2x). R is float32 [blocks per row, rows]
+    (rows contiguous, as ggml_out_prod reads it): 8d + m is exact there (fp16 operands), so the
+    weights are exactly the Q4_1 ones; they take 22 bytes a block where Q4_1 takes 20.
+    """
+    assert matrix.ggml_type == GGML.Q4_1
+    rows, blocks = matrix.rows, matrix.cols // 32
+    data = matrix.data.reshape(rows, blocks, 20)
+    d = data[..., 0:2].contiguous().view(torch.float16).float()
+    m = data[..., 2:4].contiguous().view(torch.float16).float()
+    q4_0 = torch.cat((data[..., 0:2], data[..., 4:20]), dim=-1).reshape(rows, blocks * 18)
+    remainder = (8 * d + m).reshape(rows, blocks).t().contiguous()
+    return BlockMatrix(q4_0, GGML.Q4_0, matrix.cols), remainder
+
+
+def block_sums(x: Tensor) -> Tensor:
+    """x [n, cols] -> [n, cols / 32]: each 32-column block summed (the remainder's input)."""
+    return x.reshape(x.shape[0], -1, 32).sum(dim=-1)
+
+
 def quantize(rt: Runtime, weight: Tensor, ggml_type: GGML) -> BlockMatrix:
     """A float [rows, cols] matrix in ggml blocks, by ggml's own quantizer (what llama-quantize runs)."""
     g = rt.lib
@@ -97,11 +123,16 @@ class GGMLMatrix:
     """One BlockMatrix in a ggml backend buffer: a tensor with ne = [cols, rows]."""
 
     def __init__(self, rt: Runtime, matrix: BlockMatrix, repack: bool = True):
-        """`repack=False` keeps ggml's plain layout, which get_rows (embedding lookups) needs."""
+        """`repack=False` keeps ggml's plain layout, which get_rows (embedding lookups) needs.
+        `ggml_type` stays the source's; a Q4_1 matrix is held as Q4_0 plus `remainder` (split_q4_1)
+        where this CPU has repacked Q4_0 kernels."""
         g = self.g = rt.lib
         self.rt = rt
         self.ggml_type, (self.rows, self.cols) = matrix.ggml_type, matrix.shape
-        self.num_bytes = matrix.num_bytes
+        self.remainder: Tensor | None = None
+        if repack and matrix.ggml_type == GGML.Q4_1 and rt.repacks(GGML.Q4_0, self.rows):
+            matrix, self.remainder = split_q4_1(matrix)
+        self.num_bytes = matrix.num_bytes + (0 if self.remainder is None else self.remainder.nbytes)
         params = g.ggml_init_params(mem_size=g.ggml_tensor_overhead() * 2, mem_buffer=None, no_alloc=True)
         self._ctx = g.ggml_init(params)
         self.tensor = g.ggml_new_tensor_2d(self._ctx, int(matrix.ggml_type), self.cols, self.rows)
@@ -131,6 +162,8 @@ class GGMLMatrix:
             yt = s.g.ggml_mul_mat(s.ctx, self.tensor, xt)
             s.point(yt, y)
             s.compute(yt)
+        if self.remainder is not None:
+            y += block_sums(x) @ self.remainder
         return y
 
     @property

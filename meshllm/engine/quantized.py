@@ -2,8 +2,9 @@
 
 Built at load from `BlockMatrix` parts (GGUF blocks as stored, or a safetensors weight run
 through ggml's quantizer for `--quantize int8|int4`). Types ggml repacks for its fast x86
-kernels (Q4_0, Q4_K, IQ4_NL) live in ggml's repack buffer; every other type stays in the torch
-uint8 tensor it was read into and ggml multiplies it in place. Products: `x [n, in] -> [n, out]`
+kernels (Q4_0, Q4_K, IQ4_NL) live in ggml's repack buffer, and so does Q4_1, held as Q4_0 plus a
+per-block remainder (ggml_weights.split_q4_1); every other type is held as stored in a plain
+ggml CPU buffer. Products: `x [n, in] -> [n, out]`
 in x's dtype, computed in fp32 by ggml with x quantized to the weight's 8-bit dot-product type
 (as llama.cpp does), so decode and prefill both run ggml's kernels.
 """

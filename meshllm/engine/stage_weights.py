@@ -208,8 +208,12 @@ def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: in
         return None
     shapes = source.tensor_shapes()
 
+    rt = runtime()
+
     def held(name: str, linear: bool) -> int:
         if is_blocks(name):
+            if linear and source.block_type(name) == GGML.Q4_1 and rt.repacks(GGML.Q4_0, shapes[name][0]):
+                return source.block_bytes(name) * 22 // 20  # held as Q4_0 + remainder (ggml_weights.split_q4_1)
             return source.block_bytes(name)
         count = math.prod(shapes[name])
         if linear and quantize_to is not None:

@@ -95,6 +95,9 @@ class _Cursor:
         raise CorruptWeights(f"{self.path}: unknown GGUF metadata value type {value_type} at byte {self.pos}")
 
 
+_RELEASE_WINDOW = 2 << 20  # the largest page-cache folio with 4 KiB pages (a PMD); a multiple of every page size
+
+
 @dataclass(frozen=True, eq=False)  # identity equality: the metadata holds numpy arrays
 class GGUFFile:
     """A parsed GGUF header (metadata + tensor table) and a memory map of the data."""
@@ -162,8 +165,12 @@ class GGUFFile:
         dont_need = getattr(mmap, "MADV_DONTNEED", None)
         if dont_need is None or not hasattr(self.mapping, "madvise"):
             return
-        start = info.offset - info.offset % mmap.PAGESIZE
-        self.mapping.madvise(dont_need, start, info.offset + info.num_bytes - start)
+        # Whole 2 MiB windows around the tensor: a read fault maps the whole page-cache folio it hits
+        # (up to 2 MiB where the file system caches in large folios), so reading one tensor also maps
+        # pieces of its neighbours, some already released. Re-reading a dropped page is a minor fault.
+        start = info.offset // _RELEASE_WINDOW * _RELEASE_WINDOW
+        stop = min(len(self.mapping), -(-(info.offset + info.num_bytes) // _RELEASE_WINDOW) * _RELEASE_WINDOW)
+        self.mapping.madvise(dont_need, start, stop - start)
 
 
 def _tensor_info(path: Path, file_size: int, data_start: int, name: str, shape: tuple[int, ...],
@@ -269,6 +276,11 @@ class GGUFSource:
 
     def block_bytes(self, name: str) -> int:
         return self._by_hf_name[name].num_bytes
+
+    def block_type(self, name: str) -> GGML | None:
+        """The ggml type a tensor is stored in, or None for a name the file lacks."""
+        info = self._by_hf_name.get(name)
+        return None if info is None else info.ggml_type
 
     def is_block_quantized(self, name: str) -> bool:
         info = self._by_hf_name.get(name)

@@ -154,3 +154,29 @@ def test_a_long_prefill_on_bf16_kv_is_as_accurate_as_short_chunks(smollm2_gguf_p
     assert whole.abs().mean() <= 1.05 * chunked.abs().mean()
     assert whole.abs().max() <= 1.1 * chunked.abs().max()
     assert chunked.abs().mean() < 1e-3 * reference.abs().max()  # and neither is far off
+
+
+def test_q4_1_remainder_op_matches_ggmls_own_ops_and_the_torch_path(smollm2_gguf_path, tmp_path):
+    """A Q4_1 model's linears are held as Q4_0 plus a per-block remainder; the remainder is added by
+    meshllm's custom op (q4_remainder.c) or, without it, by ggml's sum_rows + out_prod + add. Both
+    give the same logits to float rounding, and the torch path's (GGMLMatrix.matmul) within ATOL."""
+    from meshllm.engine.kernels.custom_ops import q4_remainder_op
+
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    if q4_remainder_op() is None:
+        pytest.skip("the remainder op is not built here (python -m meshllm.engine.kernels.build)")
+    files = open_model(write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "q41.gguf", GGML.Q4_1))
+    d = load_stage_decoder(files.source, files.config)
+    assert all(m.remainder is not None for layer in d.layers for m in layer.mlp.gate_up_proj.matrices)
+    with_op = _run(d, PROMPTS, 4, True)
+    d.fast_path._drop_cached()
+    d.fast_path._remainder_op = None
+    with_ggml_ops = _run(d, PROMPTS, 4, True)
+    torch_path = _run(d, PROMPTS, 4, False)
+    for a, b, c in zip(with_op, with_ggml_ops, torch_path):
+        scale = float(c.abs().max())
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * scale)
+        # The two paths round activations to 8 bits in different places (see the module docstring).
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-3 * scale)

@@ -101,3 +101,21 @@ def test_bad_shape_is_refused_before_ggml(rt):
     m = GGMLMatrix(rt, quantize(rt, torch.randn(32, 64), GGML.Q8_0))
     with pytest.raises(AssertionError):
         m.matmul(torch.randn(2, 32))  # ggml would abort the process through GGML_ASSERT
+
+
+def test_q4_1_held_as_q4_0_plus_remainder_is_exactly_its_weights(rt):
+    """ggml has repacked (fast) kernels for Q4_0 and none for Q4_1: a Q4_1 matrix is held as the
+    Q4_0 blocks of the same scales and nibbles plus a per-block remainder 8d + m. Those weights are
+    bitwise the Q4_1 ones (gguf's dequantization of both), and the form takes 22 bytes a block."""
+    from meshllm.engine.ggml_weights import split_q4_1
+
+    blocks = quantize(rt, torch.randn(64, 512, generator=torch.Generator().manual_seed(6)) * 0.05, GGML.Q4_1)
+    q4_0, remainder = split_q4_1(blocks)
+    assert q4_0.ggml_type == GGML.Q4_0 and remainder.shape == (512 // 32, 64)
+    held = q4_0.dequantize() + remainder.t().repeat_interleave(32, dim=1)
+    assert torch.equal(held, blocks.dequantize())
+    matrix = GGMLMatrix(rt, blocks)
+    assert matrix.ggml_type == GGML.Q4_1 and matrix.remainder is not None  # this CPU repacks Q4_0
+    assert matrix.num_bytes == blocks.num_bytes * 22 // 20
+    # the plain layout (embedding lookups) keeps Q4_1 as stored
+    assert GGMLMatrix(rt, blocks, repack=False).remainder is None

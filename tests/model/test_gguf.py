@@ -306,10 +306,11 @@ def test_reading_every_tensor_and_the_fingerprint_leaves_the_file_unmapped(smoll
     source.fingerprint()  # hashes every byte (this test's cache directory is empty)
     file_mib = path.stat().st_size / 2**20
     assert source.num_bytes_read() > 0.9 * path.stat().st_size
-    # Reading one tensor maps a few pages of its neighbours too (the kernel's fault-around, 64 KiB):
-    # up to ~17 MiB over this file's 272 tensors. Without the release it is the whole file.
+    # Reading one tensor maps pieces of its neighbours too (fault-around; a whole folio where the file
+    # system caches in large folios: 40 MiB of this file stayed when only the tensor's own pages were
+    # released). Without the release it is the whole file.
     grown = _resident_mib_of_mapping(mapping) - before
-    assert grown < 0.25 * file_mib, f"{grown:.1f} MiB of a {file_mib:.1f} MiB file stayed resident"
+    assert grown < 0.1 * file_mib, f"{grown:.1f} MiB of a {file_mib:.1f} MiB file stayed resident"
 
 
 # ---------------------------------------------------------------- bad files

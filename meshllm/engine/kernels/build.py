@@ -17,6 +17,9 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = KERNEL_DIR / "gemv.c"
 LIBRARY = KERNEL_DIR / "libgemv.so"
+# A ggml custom op for Q4_1 matrices held as Q4_0 (q4_remainder.c): plain C, any CPU ggml runs on.
+REMAINDER_SOURCE = KERNEL_DIR / "q4_remainder.c"
+REMAINDER_LIBRARY = KERNEL_DIR / "libq4remainder.so"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The pinned ggml's header, installed beside the ggml package: with it the kernel is also built
 # as a ggml custom op (meshllm_ggml_bf16_few_rows), which needs ggml's tensor struct.
@@ -33,6 +36,12 @@ def build(compiler: str = "gcc") -> Path | None:
     ggml_op = ["-DMESHLLM_GGML_OP", f"-I{GGML_INCLUDE}"] if (GGML_INCLUDE / "ggml.h").exists() else []
     result = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(SOURCE), "-o", str(LIBRARY)],
                             capture_output=True, text=True)
+    if ggml_op:
+        remainder = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(REMAINDER_SOURCE), "-o",
+                                    str(REMAINDER_LIBRARY)], capture_output=True, text=True)
+        if remainder.returncode != 0:
+            log.warning("building the Q4_1 remainder op failed (ggml's own ops do it, slower):\n%s",
+                        remainder.stderr)
     if result.returncode != 0:
         log.warning("building the bf16 CPU kernel failed (torch's path is used):\n%s", result.stderr)
         return None

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from meshllm.engine.kernels.build import LIBRARY
+from meshllm.engine.kernels.custom_ops import op_address
 
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_bf16")
 CPUINFO = Path("/proc/cpuinfo")
@@ -61,19 +62,7 @@ def ggml_few_rows_op() -> int | None:
     kernel cannot run or was built without ggml's header."""
     if load_gemv() is None:
         return None
-    library = ctypes.CDLL(str(LIBRARY))
-    op, size = (getattr(library, name, None) for name in ("meshllm_ggml_bf16_few_rows", "meshllm_ggml_tensor_size"))
-    if op is None or size is None:
-        return None
-    import ggml  # the ggml ctypes binding the stage runs on
-
-    size.restype = ctypes.c_size_t
-    if size() != ctypes.sizeof(ggml.ggml_tensor):
-        log.warning("bf16 few-row op unused: %s was built against another ggml (struct ggml_tensor of %d "
-                    "bytes, the loaded ggml's is %d); rebuild it: python -m meshllm.engine.kernels.build",
-                    LIBRARY, size(), ctypes.sizeof(ggml.ggml_tensor))
-        return None
-    return ctypes.cast(op, ctypes.c_void_p).value
+    return op_address(LIBRARY, "meshllm_ggml_bf16_few_rows", "meshllm_ggml_tensor_size")
 
 
 def gemv_bf16(weight: Tensor, x: Tensor, bias: Tensor | None = None, threads: int | None = None) -> Tensor:

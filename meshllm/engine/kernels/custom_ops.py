@@ -1,0 +1,46 @@
+"""meshllm's C functions that run as ggml custom ops: their addresses, checked against the loaded ggml.
+
+A custom op reads ggml's `struct ggml_tensor` directly, so each library exports the struct size it
+was compiled against; an op built against another ggml (ggml rebuilt, kernels not) is refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+from meshllm.engine.kernels.build import REMAINDER_LIBRARY
+
+log = logging.getLogger(__name__)
+
+
+def op_address(library_path: Path, op_name: str, size_name: str) -> int | None:
+    """Address of `op_name` in the library, or None where it is missing or built for another ggml."""
+    if not library_path.exists():
+        log.debug("%s unused: %s not built (python -m meshllm.engine.kernels.build)", op_name, library_path)
+        return None
+    try:
+        library = ctypes.CDLL(str(library_path))
+    except OSError as error:
+        log.debug("%s unused: loading %s failed: %s", op_name, library_path, error)
+        return None
+    op, size = (getattr(library, name, None) for name in (op_name, size_name))
+    if op is None or size is None:
+        return None
+    import ggml  # the ggml ctypes binding the stage runs on
+
+    size.restype = ctypes.c_size_t
+    if size() != ctypes.sizeof(ggml.ggml_tensor):
+        log.warning("%s unused: %s was built against another ggml (struct ggml_tensor of %d bytes, the "
+                    "loaded ggml's is %d); rebuild it: python -m meshllm.engine.kernels.build",
+                    op_name, library_path, size(), ctypes.sizeof(ggml.ggml_tensor))
+        return None
+    return ctypes.cast(op, ctypes.c_void_p).value
+
+
+@functools.cache
+def q4_remainder_op() -> int | None:
+    """meshllm_ggml_q4_remainder (q4_remainder.c): dst = Q4_0 product + R^T blocksums(x)."""
+    return op_address(REMAINDER_LIBRARY, "meshllm_ggml_q4_remainder", "meshllm_q4_remainder_tensor_size")

@@ -1,0 +1,43 @@
+/* The per-block remainder of a Q4_1 matrix held as Q4_0, as one ggml custom op.
+ *
+ * ggml_weights.split_q4_1 holds a Q4_1 matrix W as Q4_0 blocks (the same d and nibbles, meaning
+ * d*(q - 8)) plus R[b][r] = 8d + m, constant over block b of row r, so that
+ *     W x = Q4_0(W) x + sum_b R[b][r] * (x summed over block b).
+ * This op adds the second term to the first: dst = src0 + R^T blocksums(x), with
+ *     src0 f32 [rows, n]   the Q4_0 product (ggml ne0 = rows)
+ *     src1 f32 [cols, n]   x
+ *     src2 f32 [K, rows]   R, rows contiguous (ne0 = rows, ne1 = K = cols / 32)
+ * In ggml ops that is sum_rows + out_prod + add: three nodes, and out_prod runs on one thread for
+ * a one-row product; here one node, its rows split over the threads (SmolLM2 Q4_1 decode, 2
+ * threads: 360 nodes a token fewer). Each output row depends only on its own x row, so a k-row
+ * verify pass adds what k one-row steps add. Built by build.py (plain C, -O3 -march=native: the
+ * inner loop is an axpy over rows the compiler vectorizes) against the pinned ggml's header. */
+#include <stdlib.h>
+#include "ggml.h"
+
+size_t meshllm_q4_remainder_tensor_size(void) { return sizeof(struct ggml_tensor); }
+
+void meshllm_ggml_q4_remainder(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *main = dst->src[0], *x = dst->src[1], *r = dst->src[2];
+    const int64_t rows = dst->ne[0], n = dst->ne[1], cols = x->ne[0], blocks = cols / 32;
+    /* ggml_stage.py builds only these; anything else is a bug, not bad input */
+    if (main->type != GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || r->type != GGML_TYPE_F32
+        || dst->type != GGML_TYPE_F32 || cols % 32 || main->ne[0] != rows || main->ne[1] != n || x->ne[1] != n
+        || r->ne[0] != rows || r->ne[1] != blocks || x->nb[0] != sizeof(float) || main->nb[0] != sizeof(float)
+        || r->nb[0] != sizeof(float) || dst->nb[0] != sizeof(float)) abort();
+    const int64_t per = (rows + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < rows ? r0 + per : rows;
+    if (r0 >= r1) return;
+    for (int64_t j = 0; j < n; j++) {
+        const float *xj = (const float *)((const char *)x->data + j * x->nb[1]);
+        const float *mj = (const float *)((const char *)main->data + j * main->nb[1]);
+        float *out = (float *)((char *)dst->data + j * dst->nb[1]);
+        for (int64_t i = r0; i < r1; i++) out[i] = mj[i];
+        for (int64_t b = 0; b < blocks; b++) {
+            float sum = 0.0f;
+            for (int k = 0; k < 32; k++) sum += xj[b * 32 + k];
+            const float *rb = (const float *)((const char *)r->data + b * r->nb[1]);
+            for (int64_t i = r0; i < r1; i++) out[i] += rb[i] * sum;
+        }
+    }
+}
