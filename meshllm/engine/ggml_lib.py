@@ -91,6 +91,27 @@ def _layout_matches(g) -> str | None:
     return None
 
 
+# ggml's levels (ggml_log_level) as Python logging's: its debug and info lines (one per repacked
+# tensor at load, hundreds a model) are debug here; warnings and errors stay what they are.
+_LOG_LEVELS = {1: logging.DEBUG, 2: logging.DEBUG, 3: logging.WARNING, 4: logging.ERROR}
+_ggml_log = logging.getLogger("ggml")
+
+
+def _route_logs(g) -> None:
+    """Send ggml's log lines to Python logging (by default ggml writes every level to stderr)."""
+    last = [logging.DEBUG]  # GGML_LOG_LEVEL_CONT (5) continues the previous line's level
+
+    def forward(level: int, text: bytes, _user_data) -> None:
+        last[0] = _LOG_LEVELS.get(level, last[0])
+        message = (text or b"").decode("utf-8", "replace").rstrip()
+        if message:
+            _ggml_log.log(last[0], "%s", message)
+
+    callback = g.ggml_log_callback(forward)
+    _route_logs.callback = callback  # ggml keeps only the C pointer: the ctypes object must stay alive
+    g.ggml_log_set(callback, None)
+
+
 @functools.cache
 def runtime(num_threads: int | None = None) -> Runtime | None:
     """The ggml runtime with `num_threads` compute threads (torch's count by default), or None."""
@@ -115,6 +136,7 @@ def runtime(num_threads: int | None = None) -> Runtime | None:
     if not g.ggml_cpu_has_avx2():
         log.debug("ggml unused: this CPU lacks AVX2, ggml's CPU kernels would be no faster than torch's")
         return None
+    _route_logs(g)
     g.ggml_cpu_init()
     if not g.ggml_cpu_has_llamafile():
         log.info("ggml was built without llamafile's GEMM kernels (GGML_LLAMAFILE): prefill and batched decode "

@@ -31,7 +31,8 @@ POINTER_RETURNING = ["ggml_init", "ggml_new_tensor_4d", "ggml_new_tensor_2d", "g
                      "ggml_backend_dev_buffer_type", "ggml_threadpool_new", "ggml_rms_norm", "ggml_mul", "ggml_add",
                      "ggml_rope_ext", "ggml_flash_attn_ext", "ggml_view_4d", "ggml_cpy", "ggml_swiglu_split",
                      "ggml_reshape_3d", "ggml_permute", "ggml_cont", "ggml_set_rows", "ggml_view_1d",
-                     "ggml_view_2d", "ggml_view_3d", "ggml_scale", "ggml_reshape_2d"]
+                     "ggml_view_2d", "ggml_view_3d", "ggml_scale", "ggml_reshape_2d", "ggml_sum_rows",
+                     "ggml_out_prod", "ggml_transpose", "ggml_custom_4d"]
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +120,15 @@ def test_q4_1_held_as_q4_0_plus_remainder_is_exactly_its_weights(rt):
     assert matrix.num_bytes == blocks.num_bytes * 22 // 20
     # the plain layout (embedding lookups) keeps Q4_1 as stored
     assert GGMLMatrix(rt, blocks, repack=False).remainder is None
+
+
+def test_ggml_log_lines_go_to_python_logging_not_stderr(rt, caplog, capfd):
+    """ggml's default logger writes every level to stderr: one "repack tensor" line per repacked
+    matrix, hundreds a model, in every node's output. meshllm routes them to the "ggml" logger."""
+    if rt.repack_buffer_type is None or not rt.repacks(GGML.Q4_0, 64):
+        pytest.skip("this CPU has no repacked Q4_0 kernels, so ggml logs nothing at upload")
+    capfd.readouterr()
+    with caplog.at_level("DEBUG", logger="ggml"):
+        GGMLMatrix(rt, quantize(rt, torch.randn(64, 256), GGML.Q4_0))
+    assert any("repack" in r.getMessage() and r.levelname == "DEBUG" for r in caplog.records if r.name == "ggml")
+    assert "repack" not in capfd.readouterr().err
