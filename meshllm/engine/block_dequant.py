@@ -60,21 +60,21 @@ def _q5_1(b: Tensor) -> Tensor:
     return d * (ql | (qh << 4)).float() + m
 
 
-def _k_scale_min(scales: Tensor) -> tuple[Tensor, Tensor]:
-    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> two [n, 8] uint8 (gguf's get_scale_min)."""
-    s = scales.reshape(-1, 3, 4)
-    d, m, m_d = s[:, 0], s[:, 1], s[:, 2]
-    sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+def _k_scale_offset(b: Tensor) -> tuple[Tensor, Tensor]:
+    """A Q4_K/Q5_K block's header: d, dmin and 12 bytes of 6-bit scales and mins (gguf's
+    get_scale_min) -> [n, 8, 1] scale and offset of its eight 32-weight sub-blocks."""
+    n = b.shape[0]
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    s = b[:, 4:16].reshape(-1, 3, 4)
+    dd, m, m_d = s[:, 0], s[:, 1], s[:, 2]
+    sc = torch.cat((dd & 0x3F, (m_d & 0x0F) | ((dd >> 2) & 0x30)), dim=-1)
     mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
-    return sc, mn
+    return (d * sc.float()).reshape(n, -1, 1), (dmin * mn.float()).reshape(n, -1, 1)
 
 
 def _q4_k(b: Tensor) -> Tensor:
     n = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    sc, mn = _k_scale_min(b[:, 4:16])
-    scale = (d * sc.float()).reshape(n, -1, 1)
-    offset = (dmin * mn.float()).reshape(n, -1, 1)
+    scale, offset = _k_scale_offset(b)
     qs = b[:, 16:].reshape(n, -1, 32)  # 4 chunks of 32 bytes, each: 32 low nibbles then 32 high
     q = torch.stack((qs & 0x0F, qs >> 4), dim=2).reshape(n, -1, 32).float()
     return (scale * q - offset).reshape(n, QK_K)
@@ -82,10 +82,7 @@ def _q4_k(b: Tensor) -> Tensor:
 
 def _q5_k(b: Tensor) -> Tensor:
     n = b.shape[0]
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
-    sc, mn = _k_scale_min(b[:, 4:16])
-    scale = (d * sc.float()).reshape(n, -1, 1)
-    offset = (dmin * mn.float()).reshape(n, -1, 1)
+    scale, offset = _k_scale_offset(b)
     qh, qs = b[:, 16:48], b[:, 48:]
     ql = torch.stack((qs.reshape(n, -1, 32) & 0x0F, qs.reshape(n, -1, 32) >> 4), dim=2).reshape(n, -1, 32)
     shifts = torch.arange(8, device=b.device, dtype=torch.uint8).reshape(1, 8, 1)

@@ -18,11 +18,11 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
+from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
 
 from meshllm.engine.block_dequant import SUPPORTED, dequantize
-from meshllm.engine.ggml_weights import BlockMatrix, quantize
+from meshllm.engine.ggml_weights import BlockMatrix, linear_block_parts
 from meshllm.errors import ModelLoadError
 from meshllm.model.weights import TensorSource
 
@@ -109,21 +109,9 @@ class DeviceBlockForm:
         return matrix
 
     def linear(self, source: TensorSource, hf_names: list[str], rows: list[int]) -> nn.Module | None:
-        if all(getattr(source, "is_block_quantized", lambda _: False)(n) for n in hf_names):
-            parts = [self._blocks(source, n) for n in hf_names]
-            if any(p is None for p in parts):
-                return None
-        elif self.quantize_to is not None:
-            block = GGML_QUANT_SIZES[self.quantize_to][0]
-            if any(source.tensor_shapes()[n][-1] % block for n in hf_names):
-                return None  # rows are not whole blocks: keep it dense
-            parts = [quantize(self.rt, t, self.quantize_to) for t in source.read(hf_names, torch.float32).values()]
-        else:
+        parts = linear_block_parts(source, hf_names, rows, self._blocks, self.rt, self.quantize_to)
+        if parts is None:
             return None
-        for name, part, want in zip(hf_names, parts, rows):
-            if part.rows != want:
-                raise ModelLoadError(f"{source.path}: tensor {name!r} has {part.rows} rows, expected {want} "
-                                     f"from the model config; the checkpoint does not match its config")
         return BlockLinear(parts, self.device)
 
     def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None:

@@ -20,6 +20,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from torch import Tensor
 
 from meshllm.engine.ggml_lib import Runtime
+from meshllm.errors import ModelLoadError
 
 # Types kept quantized in memory; gguf's numbering is ggml's.
 KEPT_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K,
@@ -100,6 +101,20 @@ def split_q4_1(matrix: BlockMatrix) -> tuple[BlockMatrix, Tensor]:
     return BlockMatrix(q4_0, GGML.Q4_0, matrix.cols), remainder
 
 
+def splits_q4_1(rt: Runtime, ggml_type: GGML, rows: int) -> bool:
+    """Whether a repacked matrix of this type and row count is held as Q4_0 plus remainder
+    (split_q4_1): a Q4_1 one, where this CPU has repacked Q4_0 kernels for its row count."""
+    return ggml_type == GGML.Q4_1 and rt.repacks(GGML.Q4_0, rows)
+
+
+def held_block_bytes(rt: Runtime, ggml_type: GGML, rows: int, num_bytes: int) -> int:
+    """Bytes a block matrix of `num_bytes` in the file takes once GGMLMatrix holds it repacked."""
+    if not splits_q4_1(rt, ggml_type, rows):
+        return num_bytes
+    blocks = num_bytes // GGML_QUANT_SIZES[GGML.Q4_1][1]
+    return blocks * (GGML_QUANT_SIZES[GGML.Q4_0][1] + 4)  # + one float32 remainder a block
+
+
 def block_sums(x: Tensor) -> Tensor:
     """x [n, cols] -> [n, cols / 32]: each 32-column block summed (the remainder's input)."""
     return x.reshape(x.shape[0], -1, 32).sum(dim=-1)
@@ -119,6 +134,31 @@ def quantize(rt: Runtime, weight: Tensor, ggml_type: GGML) -> BlockMatrix:
     return BlockMatrix(out, ggml_type, cols)
 
 
+def linear_block_parts(source, hf_names: list[str], rows: list[int], blocks, rt: Runtime | None,
+                       quantize_to: GGML | None) -> list[BlockMatrix] | None:
+    """A linear's row parts (`hf_names`, with `rows` each by the model config) as block matrices:
+    the file's blocks (`blocks(source, name)`, None for a tensor without a block form here) or,
+    for dense weights, ggml's quantization to `quantize_to` (by `rt`); None where neither applies
+    and the linear stays dense. The weight forms of the CPU (stage_weights) and of GPUs
+    (device_weights) both take their parts from here."""
+    if all(getattr(source, "is_block_quantized", lambda _: False)(n) for n in hf_names):
+        parts = [blocks(source, n) for n in hf_names]
+        if any(p is None for p in parts):
+            return None
+    elif quantize_to is not None:
+        block = GGML_QUANT_SIZES[quantize_to][0]
+        if any(source.tensor_shapes()[n][-1] % block for n in hf_names):
+            return None  # rows are not whole blocks (aidreams' 172-wide MLP): keep it dense
+        parts = [quantize(rt, t, quantize_to) for t in source.read(hf_names, torch.float32).values()]
+    else:
+        return None
+    for name, part, want in zip(hf_names, parts, rows):
+        if part.rows != want:
+            raise ModelLoadError(f"{source.path}: tensor {name!r} has {part.rows} rows, expected {want} "
+                                 f"from the model config; the checkpoint does not match its config")
+    return parts
+
+
 class GGMLMatrix:
     """One BlockMatrix in a ggml backend buffer: a tensor with ne = [cols, rows]."""
 
@@ -130,7 +170,7 @@ class GGMLMatrix:
         self.rt = rt
         self.ggml_type, (self.rows, self.cols) = matrix.ggml_type, matrix.shape
         self.remainder: Tensor | None = None
-        if repack and matrix.ggml_type == GGML.Q4_1 and rt.repacks(GGML.Q4_0, self.rows):
+        if repack and splits_q4_1(rt, matrix.ggml_type, self.rows):
             matrix, self.remainder = split_q4_1(matrix)
         self.num_bytes = matrix.num_bytes + (0 if self.remainder is None else self.remainder.nbytes)
         params = g.ggml_init_params(mem_size=g.ggml_tensor_overhead() * 2, mem_buffer=None, no_alloc=True)

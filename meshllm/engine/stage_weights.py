@@ -24,7 +24,7 @@ from torch import nn
 from meshllm.cluster.stage_budget import WeightBytes
 from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import Runtime, runtime
-from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, quantize
+from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, held_block_bytes, linear_block_parts
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.batch_invariant import make_batch_invariant
 from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm
@@ -58,21 +58,9 @@ class GGMLWeightForm:
         return matrix
 
     def linear(self, source: TensorSource, hf_names: list[str], rows: list[int]) -> nn.Module | None:
-        if all(getattr(source, "is_block_quantized", lambda _: False)(n) for n in hf_names):
-            parts = [self._blocks(source, n) for n in hf_names]
-        elif self.quantize_to is not None:
-            shapes = source.tensor_shapes()
-            block = GGML_QUANT_SIZES[self.quantize_to][0]
-            if any(shapes[n][-1] % block for n in hf_names):
-                return None  # rows are not whole blocks (aidreams' 172-wide MLP): keep it dense
-            parts = [quantize(self.rt, t, self.quantize_to)
-                     for t in source.read(hf_names, torch.float32).values()]
-        else:
+        parts = linear_block_parts(source, hf_names, rows, self._blocks, self.rt, self.quantize_to)
+        if parts is None:
             return None
-        for name, part, want in zip(hf_names, parts, rows):
-            if part.rows != want:
-                raise ModelLoadError(f"{source.path}: tensor {name!r} has {part.rows} rows, expected {want} "
-                                     f"from the model config; the checkpoint does not match its config")
         return QuantizedLinear.from_parts(self.rt, parts)
 
     def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None:
@@ -200,7 +188,8 @@ def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: in
                       quantization: str | None = None, batch_invariant: bool = False) -> WeightBytes | None:
     """What the weights take in memory in the form load_stage_decoder gives them; None when that
     is simply parameters × dtype bytes (no ggml, batch-invariant mode, or nothing quantized)."""
-    if batch_invariant or runtime() is None:
+    rt = None if batch_invariant else runtime()
+    if rt is None:
         return None
     is_blocks = getattr(source, "is_block_quantized", lambda _: False)
     quantize_to = QUANTIZE_TYPES.get(quantization)
@@ -208,13 +197,10 @@ def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: in
         return None
     shapes = source.tensor_shapes()
 
-    rt = runtime()
-
     def held(name: str, linear: bool) -> int:
-        if is_blocks(name):
-            if linear and source.block_type(name) == GGML.Q4_1 and rt.repacks(GGML.Q4_0, shapes[name][0]):
-                return source.block_bytes(name) * 22 // 20  # held as Q4_0 + remainder (ggml_weights.split_q4_1)
-            return source.block_bytes(name)
+        if is_blocks(name):  # linears are repacked (a Q4_1 one may grow: split_q4_1), tables are not
+            size = source.block_bytes(name)
+            return held_block_bytes(rt, source.block_type(name), shapes[name][0], size) if linear else size
         count = math.prod(shapes[name])
         if linear and quantize_to is not None:
             block, block_bytes = GGML_QUANT_SIZES[quantize_to]

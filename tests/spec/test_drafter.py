@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import queue
 
+import pytest
+
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.sequence import Sequence
@@ -30,12 +32,9 @@ class _Perfect:
         pass
 
 
-def test_a_draft_arriving_after_a_commit_past_its_start_is_offered_at_once():
-    """A proposer one block behind: the verifier committed a token (a plain step) past the mirror's
-    end while the next block was being drafted. When that block arrives, its first token is checked
-    against the committed one there and then, and the rest goes out with the next step; it used to
-    wait for the next commit, so every other step went plain (fp32 SmolLM2 verifier + Q4_1 draft
-    node: 1.27x -> 1.75x over plain decoding once fixed)."""
+@pytest.fixture
+def drafting():
+    """(drafter, answers, seq): a one-token-block drafter over _Perfect, its first block arrived."""
     answers: queue.Queue = queue.Queue()
     config = SpecConfig(lengths=DraftLengthConfig(k_max=1, k_start=1))
     drafter = Drafter(_Perfect(), vocab_size=100, post=answers.put, config=config)
@@ -43,35 +42,37 @@ def test_a_draft_arriving_after_a_commit_past_its_start_is_offered_at_once():
         seq = Sequence(SeqId(1), TEXT[:3], SamplingParams(temperature=0.0, max_tokens=8))
         drafter.admit(seq, seq.params, user_seeded=False)
         drafter.arrived(answers.get(timeout=5))  # a block of k + 1 = 2 tokens: 10, 11
-        assert seq.draft == (10,)
-        # The verifier accepts 10 and adds its own 11; the drafter already asked for 12, 13.
-        seq.output_ids += [10, 11]
-        drafter.committed(seq)
-        assert seq.draft == ()
-        # A plain step (nothing at hand) commits 12 before the block arrives.
-        seq.output_ids += [12]
-        drafter.committed(seq)
-        drafter.arrived(answers.get(timeout=5))  # 12, 13
-        assert seq.draft == (13,) and seq.draft_position == 6
+        yield drafter, answers, seq
     finally:
         drafter.close()
 
 
-def test_a_draft_that_went_another_way_than_a_commit_is_cut_on_arrival():
-    answers: queue.Queue = queue.Queue()
-    config = SpecConfig(lengths=DraftLengthConfig(k_max=1, k_start=1))
-    drafter = Drafter(_Perfect(), vocab_size=100, post=answers.put, config=config)
-    try:
-        seq = Sequence(SeqId(1), TEXT[:3], SamplingParams(temperature=0.0, max_tokens=8))
-        drafter.admit(seq, seq.params, user_seeded=False)
-        drafter.arrived(answers.get(timeout=5))
-        seq.output_ids += [10, 11]
-        drafter.committed(seq)
-        seq.output_ids += [99]  # the verifier went elsewhere than the block being drafted (12, 13)
-        drafter.committed(seq)
-        drafter.arrived(answers.get(timeout=5))
-        assert seq.draft == ()  # nothing of the stale block is offered
-        # The mirror was cut back to the committed tokens, and drafting goes on from them.
-        assert drafter._states[seq.seq_id].mirror == TEXT[:5] + [99]
-    finally:
-        drafter.close()
+def test_a_draft_arriving_after_a_commit_past_its_start_is_offered_at_once(drafting):
+    """A proposer one block behind: the verifier committed a token (a plain step) past the mirror's
+    end while the next block was being drafted. When that block arrives, its first token is checked
+    against the committed one there and then, and the rest goes out with the next step; it used to
+    wait for the next commit, so every other step went plain (fp32 SmolLM2 verifier + Q4_1 draft
+    node: 1.27x -> 1.75x over plain decoding once fixed)."""
+    drafter, answers, seq = drafting
+    assert seq.draft == (10,)
+    # The verifier accepts 10 and adds its own 11; the drafter already asked for 12, 13.
+    seq.output_ids += [10, 11]
+    drafter.committed(seq)
+    assert seq.draft == ()
+    # A plain step (nothing at hand) commits 12 before the block arrives.
+    seq.output_ids += [12]
+    drafter.committed(seq)
+    drafter.arrived(answers.get(timeout=5))  # 12, 13
+    assert seq.draft == (13,) and seq.draft_position == 6
+
+
+def test_a_draft_that_went_another_way_than_a_commit_is_cut_on_arrival(drafting):
+    drafter, answers, seq = drafting
+    seq.output_ids += [10, 11]
+    drafter.committed(seq)
+    seq.output_ids += [99]  # the verifier went elsewhere than the block being drafted (12, 13)
+    drafter.committed(seq)
+    drafter.arrived(answers.get(timeout=5))
+    assert seq.draft == ()  # nothing of the stale block is offered
+    # The mirror was cut back to the committed tokens, and drafting goes on from them.
+    assert drafter._states[seq.seq_id].mirror == TEXT[:5] + [99]
