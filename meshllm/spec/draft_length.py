@@ -109,9 +109,7 @@ class DraftLength:
     def update(self, num_drafted: int, num_accepted: int, costs: StepCosts, rows: int) -> None:
         """After a verifier pass of `num_drafted` draft tokens (0: a plain step) among `rows` rows."""
         if num_drafted:
-            trials = num_accepted + (1 if num_accepted < num_drafted else 0)
-            self._accepted = _DECAY * self._accepted + num_accepted
-            self._trials = _DECAY * self._trials + trials
+            self.observe(num_drafted, num_accepted)
             self._plain_steps = 0
         else:
             self._plain_steps += 1
@@ -119,6 +117,12 @@ class DraftLength:
         self.k = self._best_k(costs, rows)
         if self.k == 0 and self._plain_steps >= probe_interval(self.config, costs, rows):
             self.k, self._plain_steps = 1, 0
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        """Draft tokens checked against what the verifier chose: the first `num_accepted` matched."""
+        trials = num_accepted + (1 if num_accepted < num_drafted else 0)
+        self._accepted = _DECAY * self._accepted + num_accepted
+        self._trials = _DECAY * self._trials + trials
 
     def _best_k(self, costs: StepCosts, rows: int) -> int:
         return best_length(self.alpha, self.config.k_max, costs, rows)

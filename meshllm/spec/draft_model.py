@@ -104,16 +104,18 @@ class DraftModelProposer:
         return held
 
     def _catch_up(self, work: list[_Drafting]) -> None:
-        # Prefill what each sequence's KV lacks except its last token (which joins the first draft round),
-        # in chunks, so a long new prompt never builds one huge attention buffer.
+        # Prefill what each sequence's KV lacks, in chunks (a long new prompt never builds one huge
+        # attention buffer), until at most a chunk is left: that joins the first draft round, whose
+        # last row gives the first draft. A catch-up pass of its own would cost a whole forward per
+        # call: a call after a plain stretch of a few tokens took 3 forwards for 2 drafted tokens.
         while True:
             pending = [(w, self.cache.sequences[w.request.seq_id]) for w in work]
-            pending = [(w, kv) for w, kv in pending if kv.length < w.num_context - 1]
+            pending = [(w, kv) for w, kv in pending if kv.length < w.num_context - PREFILL_CHUNK]
             if not pending:
                 return
             ids, positions, slices = [], [], []
             for w, kv in pending:
-                end = min(w.num_context - 1, kv.length + PREFILL_CHUNK)
+                end = min(w.num_context - PREFILL_CHUNK, kv.length + PREFILL_CHUNK)
                 slices.append(SeqSlice(kv, len(ids), end - kv.length))
                 positions.extend(range(kv.length, end))
                 ids.extend(w.tokens[kv.length:end])
@@ -123,7 +125,7 @@ class DraftModelProposer:
         ids, positions, slices, last_rows = [], [], [], []
         for w in active:
             kv = self.cache.sequences[w.request.seq_id]
-            n = len(w.tokens) - kv.length  # 1 after catching up; more only on the first round's leftovers
+            n = len(w.tokens) - kv.length  # 1, or on the first round what catching up left (<= a chunk)
             slices.append(SeqSlice(kv, len(ids), n))
             positions.extend(range(kv.length, len(w.tokens)))
             ids.extend(w.tokens[kv.length:])

@@ -204,6 +204,7 @@ class Drafter:
             if draft.resync_from is not None:
                 self._cut(st, min(draft.resync_from, len(st.mirror)))
             else:
+                start = len(st.mirror)
                 for j, token in enumerate(draft.tokens):
                     if draft.dists is not None:
                         st.dists[len(st.mirror)] = draft.dists[j]
@@ -213,6 +214,7 @@ class Drafter:
                 # token): the draft's first tokens are checked against it now, not at the next commit,
                 # else the step about to go out would go without the rest of the draft.
                 self._confirm(st)
+                self._learn_from_overtaken(st, start, len(draft.tokens))
             self._offer(st)
             self._request(st)
             self._hold_if_it_pays(st)
@@ -266,6 +268,18 @@ class Drafter:
         if same < len(st.mirror) and same < n:  # the mirror went another way: cut it there
             self._cut(st, same)
         st.confirmed = same
+
+    def _learn_from_overtaken(self, st: _State, start: int, num_drafted: int) -> None:
+        """Acceptance from the part of a draft that plain steps committed past before it arrived:
+        those tokens were checked against the verifier's own choice (_confirm), as a verifier pass
+        would have. A proposer slower than the verifier only ever sends such probes while drafting
+        does not pay, so without this its acceptance stayed at the prior and it was never used
+        (SmolLM2 bf16 verifier, Q4_1 draft node: 2-token probes arrived 2 tokens late). Greedy
+        drafts only: a sampled draft matching a sampled commit is not the min(1, p/q) rule."""
+        checked = min(num_drafted, st.seq.num_tokens - start)
+        if checked <= 0 or st.offered_length is not None or st.sampling is not None:
+            return
+        st.length.observe(checked, min(max(st.confirmed - start, 0), checked))
 
     def _cut(self, st: _State, length: int) -> None:
         del st.mirror[length:]

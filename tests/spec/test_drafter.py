@@ -76,3 +76,36 @@ def test_a_draft_that_went_another_way_than_a_commit_is_cut_on_arrival(drafting)
     assert seq.draft == ()  # nothing of the stale block is offered
     # The mirror was cut back to the committed tokens, and drafting goes on from them.
     assert drafter._states[seq.seq_id].mirror == TEXT[:5] + [99]
+
+
+class _Wrong(_Perfect):
+    name = "wrong"
+
+    def propose(self, requests):
+        return [Draft(r.seq_id, (50,) * r.k) for r in requests]
+
+
+def _acceptance_after_an_overtaken_draft(proposer) -> tuple[float, float]:
+    answers: queue.Queue = queue.Queue()
+    drafter = Drafter(proposer, vocab_size=100, post=answers.put, config=SpecConfig())
+    try:
+        seq = Sequence(SeqId(1), TEXT[:3], SamplingParams(temperature=0.0, max_tokens=8))
+        drafter.admit(seq, seq.params, user_seeded=False)
+        prior = drafter._states[seq.seq_id].length.alpha
+        seq.output_ids += [10, 11]  # two plain steps commit before the draft arrives
+        drafter.committed(seq)
+        drafter.arrived(answers.get(timeout=5))
+        return prior, drafter._states[seq.seq_id].length.alpha
+    finally:
+        drafter.close()
+
+
+def test_a_draft_overtaken_by_plain_steps_still_measures_acceptance():
+    """A proposer slower than the verifier sends only probes while drafting does not pay, and
+    probes arrive after plain steps committed past them; what they drafted for those positions is
+    checked against the committed tokens, which moves the acceptance estimate (it stayed at the
+    prior, so a bf16 verifier never used a Q4_1 draft node that would have paid)."""
+    prior, after = _acceptance_after_an_overtaken_draft(_Perfect())
+    assert after > prior + 0.1
+    prior, after = _acceptance_after_an_overtaken_draft(_Wrong())
+    assert after < prior - 0.3
