@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
 from meshllm.engine.ggml_weights import GraphScope
-from meshllm.engine.kernels.custom_ops import q4_remainder_op
+from meshllm.engine.kernels.custom_ops import q4_few_rows_op, q4_remainder_op, q8_few_rows_op
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
@@ -38,6 +38,10 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # (kernels/gemv.c says why): up to 8 rows it beats ggml's tinyBLAS (~2x at 2-5 rows, even at 8,
 # 1 thread, SmolLM2), one row it ties ggml's gemv. Past it (prefill) ggml's GEMM is faster.
 FEW_ROWS_MAX = 8
+# Products of a repacked Q4_0 matrix (a Q4_1 one's with its remainder) or a plain Q8_0 one with at
+# most this many rows run meshllm's kernels (kernels/quant_few_rows.c says why): bitwise ggml's
+# one-row products, an extra row at a fraction of ggml's cost; more rows (prefill) run ggml's GEMM.
+QUANT_FEW_ROWS_MAX = 16
 # Steps whose sequences have at most this many rows each reuse their graph (see forward); a few
 # shapes are kept (batch 1 with adaptive draft lengths cycles through several).
 _MAX_REUSED_ROWS, _MAX_CACHED_GRAPHS = 16, 6
@@ -151,6 +155,8 @@ class GGMLStage:
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
         op = q4_remainder_op()  # Q4_1 matrices held as Q4_0 (ggml_weights.split_q4_1); else ggml's own ops
         self._remainder_op = None if op is None else self.g.ggml_custom_op_t(op)
+        self._quant_few_rows_ops = {t: self.g.ggml_custom_op_t(op) for t, op in (
+            (self.g.GGML_TYPE_Q4_0, q4_few_rows_op()), (self.g.GGML_TYPE_Q8_0, q8_few_rows_op())) if op is not None}
 
     # --- graph pieces ---------------------------------------------------------------------------
     def _linear(self, s: GraphScope, w: _Weights, x):
@@ -165,6 +171,12 @@ class GGMLStage:
         else:
             sums = None
             for tensor, first, rows, remainder in w.parts:
+                op = self._quant_few_rows_op(tensor) if n <= QUANT_FEW_ROWS_MAX else None
+                if op is not None:
+                    args = (ctypes.POINTER(type(tensor.contents)) * 3)(tensor, x, remainder)
+                    outs.append((g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 2 if remainder is None else 3,
+                                                  op, -1, None), first, rows))
+                    continue
                 out = g.ggml_mul_mat(s.ctx, tensor, x)
                 if remainder is not None and self._remainder_op is not None:
                     args = (ctypes.POINTER(type(out.contents)) * 3)(out, x, remainder)
@@ -177,6 +189,17 @@ class GGMLStage:
             assert len(outs) == 1, "a bias over mixed-type parts is not supported"
             outs = [(g.ggml_add(s.ctx, outs[0][0], w.bias), *outs[0][1:])]
         return outs
+
+    def _quant_few_rows_op(self, tensor):
+        """meshllm's few-row op for `tensor`'s layout, or None: Q4_0 in ggml's repack buffer, Q8_0
+        in the plain one (the layouts quant_few_rows.c reads)."""
+        t, g = tensor.contents, self.g
+        op = self._quant_few_rows_ops.get(t.type)
+        if op is None or not t.buffer:
+            return None
+        repacked = self.rt.repack_buffer_type is not None and \
+            g.ggml_backend_buffer_get_type(t.buffer) == self.rt.repack_buffer_type
+        return op if repacked == (t.type == g.GGML_TYPE_Q4_0) else None
 
     @staticmethod
     def _block_sums(s: GraphScope, x):

@@ -17,9 +17,12 @@ from pathlib import Path
 KERNEL_DIR = Path(__file__).resolve().parent
 SOURCE = KERNEL_DIR / "gemv.c"
 LIBRARY = KERNEL_DIR / "libgemv.so"
-# A ggml custom op for Q4_1 matrices held as Q4_0 (q4_remainder.c): plain C, any CPU ggml runs on.
-REMAINDER_SOURCE = KERNEL_DIR / "q4_remainder.c"
+# ggml custom ops, built only with ggml's header (each needs its tensor struct): the remainder of a
+# Q4_1 matrix held as Q4_0 (plain C, any CPU ggml runs on) and few-row products of repacked Q4_0 and
+# of Q8_0 (AVX-512 VNNI; elsewhere they build as ops that report themselves unavailable).
 REMAINDER_LIBRARY = KERNEL_DIR / "libq4remainder.so"
+QUANT_FEW_ROWS_LIBRARY = KERNEL_DIR / "libquantfewrows.so"
+GGML_OPS = {KERNEL_DIR / "q4_remainder.c": REMAINDER_LIBRARY, KERNEL_DIR / "quant_few_rows.c": QUANT_FEW_ROWS_LIBRARY}
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The pinned ggml's header, installed beside the ggml package: with it the kernel is also built
 # as a ggml custom op (meshllm_ggml_bf16_few_rows), which needs ggml's tensor struct.
@@ -36,12 +39,12 @@ def build(compiler: str = "gcc") -> Path | None:
     ggml_op = ["-DMESHLLM_GGML_OP", f"-I{GGML_INCLUDE}"] if (GGML_INCLUDE / "ggml.h").exists() else []
     result = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(SOURCE), "-o", str(LIBRARY)],
                             capture_output=True, text=True)
-    if ggml_op:
-        remainder = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(REMAINDER_SOURCE), "-o",
-                                    str(REMAINDER_LIBRARY)], capture_output=True, text=True)
-        if remainder.returncode != 0:
-            log.warning("building the Q4_1 remainder op failed (ggml's own ops do it, slower):\n%s",
-                        remainder.stderr)
+    for source, library in GGML_OPS.items() if ggml_op else ():
+        op = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(source), "-o", str(library)],
+                            capture_output=True, text=True)
+        if op.returncode != 0:
+            log.warning("building the ggml op %s failed (ggml's own ops do its work, slower):\n%s",
+                        source.name, op.stderr)
     if result.returncode != 0:
         log.warning("building the bf16 CPU kernel failed (torch's path is used):\n%s", result.stderr)
         return None

@@ -11,7 +11,7 @@ import functools
 import logging
 from pathlib import Path
 
-from meshllm.engine.kernels.build import REMAINDER_LIBRARY
+from meshllm.engine.kernels.build import QUANT_FEW_ROWS_LIBRARY, REMAINDER_LIBRARY
 
 log = logging.getLogger(__name__)
 
@@ -44,3 +44,24 @@ def op_address(library_path: Path, op_name: str, size_name: str) -> int | None:
 def q4_remainder_op() -> int | None:
     """meshllm_ggml_q4_remainder (q4_remainder.c): dst = Q4_0 product + R^T blocksums(x)."""
     return op_address(REMAINDER_LIBRARY, "meshllm_ggml_q4_remainder", "meshllm_q4_remainder_tensor_size")
+
+
+
+def _quant_few_rows_op(name: str) -> int | None:
+    address = op_address(QUANT_FEW_ROWS_LIBRARY, name, "meshllm_quant_few_rows_tensor_size")
+    if address is None or not ctypes.CDLL(str(QUANT_FEW_ROWS_LIBRARY)).meshllm_quant_few_rows_available():
+        return None  # built where the CPU lacks AVX-512 VNNI
+    return address
+
+
+@functools.cache
+def q4_few_rows_op() -> int | None:
+    """meshllm_ggml_q4_0x8_few_rows (quant_few_rows.c): repacked Q4_0 (+ a Q4_1 remainder) times a
+    few rows, or None where it was not built or this CPU lacks AVX-512 VNNI."""
+    return _quant_few_rows_op("meshllm_ggml_q4_0x8_few_rows")
+
+
+@functools.cache
+def q8_few_rows_op() -> int | None:
+    """meshllm_ggml_q8_0_few_rows (quant_few_rows.c): plain Q8_0 times a few rows, or None."""
+    return _quant_few_rows_op("meshllm_ggml_q8_0_few_rows")

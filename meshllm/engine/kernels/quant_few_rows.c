@@ -1,0 +1,282 @@
+/* Quantized matrices x a few activation rows, as ggml custom ops: Q4_0 in ggml's repacked 8-row
+ * layout (with a Q4_1 matrix's remainder) and Q8_0 in its plain layout.
+ *
+ * Why: on AMD Zen 4 at one thread ggml's products cost nearly a whole step per extra activation
+ * row (SmolLM2 as shipped, Q4_1 held as Q4_0: a 4-row step 3.3x a 1-row step, 8 rows 5.3x; its
+ * Q8_0 head 2 rows 3.6x one), so a speculative verify pass of k+1 rows cost about as much as
+ * k+1 plain steps and drafting rarely paid. Here each weight block is loaded and unpacked once
+ * and multiplied with every activation row (AVX-512 VNNI dot products), so an extra row costs
+ * only its own multiply-adds. Measured, one thread, 4 Q4_0 matrices of 5632x2048 in one graph:
+ * 1 / 2 / 4 / 8 rows 0.84 / 1.06 / 1.83 / 5.3 ms, ggml's 1.28 / 2.64 / 4.19 / 8.2 ms.
+ *
+ * Exactness: activations are quantized per 32 values to int8 exactly as ggml's x86 q8_0 does
+ * (same scale, f16-rounded; same rounding), the integer dot of each block is ggml's, and scaling,
+ * accumulation and final sums follow ggml's one-row kernels (gemv_q4_b32_8x8_q8_0, q4_remainder.c,
+ * vec_dot_q8_0_q8_0) op for op: one row is bitwise ggml's product, and a row's result never
+ * depends on the rows beside it, so a k-row verify pass scores bitwise what k one-row steps
+ * score (tests/engine/test_quant_few_rows.py checks both).
+ *
+ *     src0  Q4_0 [K, N] in ggml's CPU_REPACK buffer: block_q4_0x8 (8 f16 scales, then 128 bytes
+ *           of nibbles XORed with 0x88, 8-byte chunks: chunk i holds bytes (i / 8) * 8 .. +8 of
+ *           row i % 8's block), blocks of a group of 8 rows contiguous; N % 8 == 0
+ *           or Q8_0 [K, N] plain: per row K / 32 blocks of an f16 scale and 32 int8
+ *     src1  f32 [K, n] activations, n <= OP_MAX_ROWS
+ *     src2  Q4_0 only, optional: f32 [K / 32, N], a Q4_1 matrix's per-block remainder R
+ *           (ggml_weights.split_q4_1), adding sum_b R[b][r] * (x summed over block b)
+ *     dst   f32 [N, n]
+ * Built by build.py with -march=native against the pinned ggml's header; without AVX-512 VNNI it
+ * builds as ops that report themselves unavailable (meshllm_quant_few_rows_available() == 0). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include "ggml.h"
+
+size_t meshllm_quant_few_rows_tensor_size(void) { return sizeof(struct ggml_tensor); }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define OP_MAX_ROWS 16
+#define ROWS_PER_PASS 8 /* accumulators in registers; more activation rows re-read the weights from L1 */
+#define GROUP_BYTES (8 * 2 + 128)
+
+int meshllm_quant_few_rows_available(void) { return 1; }
+
+/* Per activation row and 32-value block: int8 values, their scale, -8 * (their sum) (the Q4_0
+ * offset: weights are d * (q - 8) with q the unsigned nibble), and the float sum of the block;
+ * for Q8_0 weights (signed) the values offset to unsigned (+128). */
+struct quantized {
+    int8_t *q;
+    uint8_t *u;
+    float *d, *sum;
+    int32_t *offset;
+    size_t capacity;
+};
+
+static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, struct quantized *out) {
+    const int64_t blocks = K / 32;
+    if ((size_t)(n * K) > out->capacity) {
+        free(out->q); free(out->u); free(out->d); free(out->sum); free(out->offset);
+        out->capacity = (size_t)(n * K);
+        out->q = malloc(out->capacity);
+        out->u = malloc(out->capacity);
+        out->d = malloc(out->capacity / 32 * sizeof(float));
+        out->sum = malloc(out->capacity / 32 * sizeof(float));
+        out->offset = malloc(out->capacity / 32 * sizeof(int32_t));
+        if (!out->q || !out->u || !out->d || !out->sum || !out->offset) abort();
+    }
+    for (int64_t m = 0; m < n; m++) {
+        const float *row = (const float *)((const char *)x->data + m * x->nb[1]);
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m512 v0 = _mm512_loadu_ps(row + b * 32), v1 = _mm512_loadu_ps(row + b * 32 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            /* as ggml's x86 quantize_row_q8_0: the same id, the scale kept as f16 */
+            const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+            const float d = _cvtsh_ss(_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT));
+            const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+            const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+            int8_t *dst = out->q + m * K + b * 32;
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(q1));
+            _mm256_storeu_si256((__m256i *)(out->u + m * K + b * 32),
+                                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)dst), _mm256_set1_epi8((char)0x80)));
+            const int64_t i = m * blocks + b;
+            out->d[i] = d;
+            out->offset[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            float sum = 0.0f; /* in order, as q4_remainder.c sums a block */
+            for (int k = 0; k < 32; k++) sum += row[b * 32 + k];
+            out->sum[i] = sum;
+        }
+    }
+}
+
+/* One group of 8 weight rows against activation rows [m0, m0 + MX): out[m][0..8). */
+static inline __attribute__((always_inline)) void group_rows(const uint8_t *group, const struct quantized *xq,
+                                                             int64_t K, int64_t m0, int MX, float out[][8]) {
+    const int64_t blocks = K / 32;
+    __m512 acc[ROWS_PER_PASS];
+    for (int m = 0; m < MX; m++) acc[m] = _mm512_setzero_ps();
+    /* lane 2r and 2r+1 hold weight row r: its scale twice */
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x88);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = group + b * GROUP_BYTES;
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+        const __m512i q0 = _mm512_xor_si512(_mm512_loadu_si512(blk + 16), flip);
+        const __m512i q1 = _mm512_xor_si512(_mm512_loadu_si512(blk + 80), flip);
+        /* per row r (bytes 8r..8r+7): lo0 elements 0-7, hi0 16-23, lo1 8-15, hi1 24-31 */
+        const __m512i lo0 = _mm512_and_si512(q0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
+        const __m512i lo1 = _mm512_and_si512(q1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
+#pragma GCC unroll 8
+        for (int m = 0; m < MX; m++) {
+            const int64_t i = (m0 + m) * blocks + b;
+            const int64_t *xb = (const int64_t *)(xq->q + (m0 + m) * K + b * 32);
+            __m512i dot = _mm512_set1_epi64((int64_t)(uint32_t)xq->offset[i]); /* into lane 2r only */
+            dot = _mm512_dpbusd_epi32(dot, lo0, _mm512_set1_epi64(xb[0]));
+            dot = _mm512_dpbusd_epi32(dot, lo1, _mm512_set1_epi64(xb[1]));
+            dot = _mm512_dpbusd_epi32(dot, hi0, _mm512_set1_epi64(xb[2]));
+            dot = _mm512_dpbusd_epi32(dot, hi1, _mm512_set1_epi64(xb[3]));
+            /* the block's whole integer dot into lane 2r (lane 2r+1 is left over and never read),
+             * then scaled and summed over blocks in the order and rounding of ggml's gemv */
+            dot = _mm512_add_epi32(dot, _mm512_srli_epi64(dot, 32));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])), acc[m]);
+        }
+    }
+    const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int m = 0; m < MX; m++) /* lanes 2r */
+        _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[m])));
+}
+
+#define GROUP_CASE(MX) group_rows(group, xq, K, m0, MX, out); break
+static void group_dispatch(const uint8_t *group, const struct quantized *xq, int64_t K, int64_t m0, int mx,
+                           float out[][8]) {
+    switch (mx) { /* constant counts so the accumulators stay in registers */
+    case 1: GROUP_CASE(1);
+    case 2: GROUP_CASE(2);
+    case 3: GROUP_CASE(3);
+    case 4: GROUP_CASE(4);
+    case 5: GROUP_CASE(5);
+    case 6: GROUP_CASE(6);
+    case 7: GROUP_CASE(7);
+    default: GROUP_CASE(8);
+    }
+}
+
+/* dst[m][i0..i1) += sum_b R[b][i] * (x row m summed over block b), b in order: the arithmetic of
+ * q4_remainder.c, with each R row read once for all activation rows */
+static void add_remainder(const struct ggml_tensor *r, const struct quantized *xq, struct ggml_tensor *dst,
+                          int64_t n, int64_t blocks, int64_t i0, int64_t i1) {
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *rb = (const float *)((const char *)r->data + b * r->nb[1]);
+        for (int64_t m = 0; m < n; m++) {
+            const float s = xq->sum[m * blocks + b];
+            float *out = (float *)((char *)dst->data + m * dst->nb[1]);
+            for (int64_t i = i0; i < i1; i++) out[i] += rb[i] * s;
+        }
+    }
+}
+
+void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *w = dst->src[0], *x = dst->src[1], *r = dst->src[2];
+    const int64_t K = w->ne[0], N = w->ne[1], n = x->ne[1];
+    /* ggml_stage.py builds only these; anything else is a bug, not bad input */
+    if (n > OP_MAX_ROWS || w->type != GGML_TYPE_Q4_0 || N % 8 || K % 32 || x->type != GGML_TYPE_F32
+        || x->ne[0] != K || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || dst->ne[0] != N
+        || dst->ne[1] != n || dst->nb[0] != sizeof(float)
+        || (r && (r->type != GGML_TYPE_F32 || r->ne[0] != N || r->ne[1] != K / 32 || r->nb[0] != sizeof(float))))
+        abort();
+    const int64_t groups = N / 8, per = (groups + nth - 1) / nth, g0 = ith * per;
+    const int64_t g1 = g0 + per < groups ? g0 + per : groups;
+    if (g0 >= g1) return;
+    /* each ggml worker quantizes the activations itself (a few KiB) into a buffer it keeps */
+    static __thread struct quantized xq;
+    quantize_rows(x, n, K, &xq);
+    const int64_t group_stride = (K / 32) * GROUP_BYTES;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *group = (const uint8_t *)w->data + g * group_stride;
+        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
+            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
+            float out[ROWS_PER_PASS][8];
+            group_dispatch(group, &xq, K, m0, mx, out);
+            for (int m = 0; m < mx; m++) {
+                float *row = (float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + g * 8;
+                for (int j = 0; j < 8; j++) row[j] = out[m][j];
+            }
+        }
+    }
+    if (r) add_remainder(r, &xq, dst, n, K / 32, g0 * 8, g1 * 8);
+}
+
+/* Q8_0 (plain layout: per block an f16 scale and 32 int8) x a few rows. dpbusd multiplies unsigned
+ * by signed bytes, so activations go in as p + 128 and each block's dot starts from -128 * (the sum
+ * of its weights, per group of 4), which the same instruction computes against a vector of ones,
+ * once per block for all activation rows. Each 4-byte lane's integer dot then equals the one of
+ * ggml's vec_dot_q8_0_q8_0, and scaling, accumulation and the final sum follow it op for op, so a
+ * row's result is bitwise ggml's one-row product. */
+#define Q8_BLOCK 34
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum_float_8(const __m256 x) { /* ggml's, step for step */
+    __m128 res = _mm256_extractf128_ps(x, 1);
+    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
+    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
+    res = _mm_add_ss(res, _mm_movehdup_ps(res));
+    return _mm_cvtss_f32(res);
+}
+
+static inline __attribute__((always_inline)) void q8_row(const uint8_t *row, const struct quantized *xq, int64_t K,
+                                                         int64_t m0, int MX, float *out) {
+    const int64_t blocks = K / 32;
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc[ROWS_PER_PASS];
+    for (int m = 0; m < MX; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(row + b * Q8_BLOCK + 2));
+        const __m256i init = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                              _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, w), 7));
+        const float dw = f16_at(row + b * Q8_BLOCK);
+        for (int m = 0; m < MX; m++) {
+            const int64_t i = (m0 + m) * blocks + b;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq->u + (m0 + m) * K + b * 32));
+            const __m256 q = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, x, w));
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xq->d[i]), q, acc[m]);
+        }
+    }
+    for (int m = 0; m < MX; m++) out[m] = hsum_float_8(acc[m]);
+}
+
+#define Q8_CASE(MX) q8_row(row, xq, K, m0, MX, out); break
+static void q8_dispatch(const uint8_t *row, const struct quantized *xq, int64_t K, int64_t m0, int mx, float *out) {
+    switch (mx) {
+    case 1: Q8_CASE(1);
+    case 2: Q8_CASE(2);
+    case 3: Q8_CASE(3);
+    case 4: Q8_CASE(4);
+    case 5: Q8_CASE(5);
+    case 6: Q8_CASE(6);
+    case 7: Q8_CASE(7);
+    default: Q8_CASE(8);
+    }
+}
+
+void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
+    const int64_t K = w->ne[0], N = w->ne[1], n = x->ne[1];
+    if (n > OP_MAX_ROWS || w->type != GGML_TYPE_Q8_0 || K % 32 || w->nb[1] != (size_t)(K / 32 * Q8_BLOCK)
+        || x->type != GGML_TYPE_F32 || x->ne[0] != K || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32
+        || dst->ne[0] != N || dst->ne[1] != n || dst->nb[0] != sizeof(float))
+        abort();
+    const int64_t per = (N + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < N ? r0 + per : N;
+    if (r0 >= r1) return;
+    static __thread struct quantized xq;
+    quantize_rows(x, n, K, &xq);
+    for (int64_t r = r0; r < r1; r++) {
+        const uint8_t *row = (const uint8_t *)w->data + r * w->nb[1];
+        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
+            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
+            float out[ROWS_PER_PASS];
+            q8_dispatch(row, &xq, K, m0, mx, out);
+            for (int m = 0; m < mx; m++) ((float *)((char *)dst->data + (m0 + m) * dst->nb[1]))[r] = out[m];
+        }
+    }
+}
+
+#else
+int meshllm_quant_few_rows_available(void) { return 0; }
+void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort(); /* never built into a graph: the ops report themselves unavailable */
+}
+void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort();
+}
+#endif
