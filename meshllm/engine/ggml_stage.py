@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
 from meshllm.engine.ggml_weights import GraphScope
-from meshllm.engine.kernels.custom_ops import q4_few_rows_op, q4_remainder_op, q8_few_rows_op
+from meshllm.engine.kernels.custom_ops import attention_op, q4_few_rows_op, q4_remainder_op, q8_few_rows_op
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
@@ -47,6 +47,9 @@ QUANT_FEW_ROWS_MAX = 16
 _MAX_REUSED_ROWS, _MAX_CACHED_GRAPHS = 16, 6
 # ggml runs flash attention for this many queries of a sequence or more as tiles (GGML_FA_TILE_Q).
 _TILED_ATTENTION_ROWS = 64
+# Attention of a sequence's rows over a bf16 KV cache runs meshllm's op up to this many rows
+# (kernels/few_rows_attention.c says why); more (prefill chunks) run ggml's flash attention.
+ATTENTION_FEW_ROWS_MAX = 16
 
 
 class _Weights:
@@ -155,6 +158,8 @@ class GGMLStage:
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
         op = q4_remainder_op()  # Q4_1 matrices held as Q4_0 (ggml_weights.split_q4_1); else ggml's own ops
         self._remainder_op = None if op is None else self.g.ggml_custom_op_t(op)
+        op = attention_op()
+        self._attention_op = None if op is None else self.g.ggml_custom_op_t(op)
         self._quant_few_rows_ops = {t: self.g.ggml_custom_op_t(op) for t, op in (
             (self.g.GGML_TYPE_Q4_0, q4_few_rows_op()), (self.g.GGML_TYPE_Q8_0, q8_few_rows_op())) if op is not None}
 
@@ -259,6 +264,11 @@ class GGMLStage:
             keys = g.ggml_view_3d(ctx, k_cache, hd, end, kv_heads, row_nb, head_nb, 0)
             values = g.ggml_view_3d(ctx, v_cache, hd, end, kv_heads, row_nb, head_nb, 0)
             s.reads.append((keys, values))
+            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16 \
+                    and hd % 16 == 0 and hd <= 256:
+                args = (ctypes.POINTER(type(q_seq.contents)) * 3)(q_seq, keys, values)
+                outs.append(g.ggml_custom_4d(ctx, 0, hd, heads, t, 1, args, 3, self._attention_op, -1, None))
+                continue
             if t >= _TILED_ATTENTION_ROWS and seq.kv.k.dtype == torch.bfloat16:
                 # ggml's tiled attention kernel (a chunk of 64+ queries) takes f16 or f32 K/V only; on
                 # bf16 it falls back to one query row at a time (SmolLM2 bf16 prefill 512: 420 -> 660

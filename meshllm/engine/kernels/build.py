@@ -22,7 +22,9 @@ LIBRARY = KERNEL_DIR / "libgemv.so"
 # of Q8_0 (AVX-512 VNNI; elsewhere they build as ops that report themselves unavailable).
 REMAINDER_LIBRARY = KERNEL_DIR / "libq4remainder.so"
 QUANT_FEW_ROWS_LIBRARY = KERNEL_DIR / "libquantfewrows.so"
-GGML_OPS = {KERNEL_DIR / "q4_remainder.c": REMAINDER_LIBRARY, KERNEL_DIR / "quant_few_rows.c": QUANT_FEW_ROWS_LIBRARY}
+ATTENTION_LIBRARY = KERNEL_DIR / "libfewrowsattention.so"  # causal attention of a few rows (AVX-512)
+GGML_OPS = {KERNEL_DIR / "q4_remainder.c": REMAINDER_LIBRARY, KERNEL_DIR / "quant_few_rows.c": QUANT_FEW_ROWS_LIBRARY,
+            KERNEL_DIR / "few_rows_attention.c": ATTENTION_LIBRARY}
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The pinned ggml's header, installed beside the ggml package: with it the kernel is also built
 # as a ggml custom op (meshllm_ggml_bf16_few_rows), which needs ggml's tensor struct.

@@ -11,7 +11,7 @@ import functools
 import logging
 from pathlib import Path
 
-from meshllm.engine.kernels.build import QUANT_FEW_ROWS_LIBRARY, REMAINDER_LIBRARY
+from meshllm.engine.kernels.build import ATTENTION_LIBRARY, QUANT_FEW_ROWS_LIBRARY, REMAINDER_LIBRARY
 
 log = logging.getLogger(__name__)
 
@@ -65,3 +65,13 @@ def q4_few_rows_op() -> int | None:
 def q8_few_rows_op() -> int | None:
     """meshllm_ggml_q8_0_few_rows (quant_few_rows.c): plain Q8_0 times a few rows, or None."""
     return _quant_few_rows_op("meshllm_ggml_q8_0_few_rows")
+
+
+@functools.cache
+def attention_op() -> int | None:
+    """meshllm_ggml_attention_few_rows (few_rows_attention.c): causal attention of a few query rows
+    over a bf16 KV cache, or None where it was not built or this CPU lacks AVX-512."""
+    address = op_address(ATTENTION_LIBRARY, "meshllm_ggml_attention_few_rows", "meshllm_attention_tensor_size")
+    if address is None or not ctypes.CDLL(str(ATTENTION_LIBRARY)).meshllm_attention_available():
+        return None
+    return address

@@ -1,0 +1,194 @@
+/* Causal attention of a few query rows of one sequence over its bf16 KV cache, as a ggml custom op.
+ *
+ * Why: ggml's CPU flash attention handles one (query row, head) at a time and, per key, calls a
+ * bf16 dot product, a scalar expf, a bf16-to-f32 conversion of the V row and an f32 axpy: for
+ * head_dim 64 the calls cost more than the arithmetic, every V row is converted again for every
+ * query row and every head of its GQA group, and none of it is shared between the rows of a
+ * speculative verify pass. Measured on SmolLM2 (9 heads over 3 KV heads, ~200 cached tokens, AMD
+ * Zen 4, 1 thread), attention was ~14% of a one-row decode step and ~27% of an 8-row verify pass.
+ * Here, per KV head and per thread, K and V rows are converted to f32 once, every query row of
+ * every head of the group is scored against them, softmax runs vectorized (exp by a degree-6
+ * polynomial after range reduction, within 2 ulp of expf), and V rows are accumulated for
+ * several query rows at once.
+ *
+ * Exactness: each query row's scores, softmax and weighted sum are computed in the same order
+ * whatever the number of rows in the op, so a k-row verify pass gives bitwise what k one-row steps
+ * give. The result differs from ggml's flash attention in the last bits (two-pass softmax instead
+ * of online, another exp); tests compare it with float64 attention.
+ *
+ *     src0  q f32 [hd, heads, t] (nb1 between heads, nb2 between rows), after rotary
+ *     src1  k bf16 [hd, end, kv_heads]: the sequence's cached keys, the t new ones last
+ *     src2  v bf16 [hd, end, kv_heads]
+ *     dst   f32 [hd, heads, t], contiguous
+ * Query row r (0-based) sees keys 0 .. end - t + r (causal). hd must be a multiple of 16 (<= 256),
+ * heads a multiple of kv_heads. Built by build.py with -march=native against the pinned ggml's
+ * header; without AVX-512 it builds as an op that reports itself unavailable. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include "ggml.h"
+
+size_t meshllm_attention_tensor_size(void) { return sizeof(struct ggml_tensor); }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#define MAX_HD 256
+#define V_QUERIES 4 /* query rows accumulated at once against each V row (hd 64: 16 zmm) */
+
+int meshllm_attention_available(void) { return 1; }
+
+/* e^x for x <= 0 (scores minus their max): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor
+ * polynomial to degree 7 (relative error < 1e-7 there), scaled by 2^n; below -87 it is 0. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* r = x - n ln2 in two steps (Cody-Waite) so r keeps its low bits */
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* per-thread scratch, grown on demand: K and V of one KV head in f32, and the scores */
+struct scratch {
+    float *k, *v, *s;
+    size_t k_len, v_len, s_len;
+};
+
+static float *grow(float *p, size_t *len, size_t want) {
+    if (want <= *len) return p;
+    free(p);
+    *len = want;
+    p = aligned_alloc(64, (want * sizeof(float) + 63) / 64 * 64);
+    if (!p) abort();
+    return p;
+}
+
+static void to_f32(const struct ggml_tensor *src, int64_t kvh, int64_t end, int64_t hd, float *out) {
+    for (int64_t j = 0; j < end; j++) {
+        const uint16_t *row = (const uint16_t *)((const char *)src->data + j * src->nb[1] + kvh * src->nb[2]);
+        for (int64_t c = 0; c < hd; c += 16) _mm512_store_ps(out + j * hd + c, bf16x16_to_f32(row + c));
+    }
+}
+
+/* scores of one query row against keys 0 .. visible, scaled, then softmax in place; returns 1 / sum */
+static inline __attribute__((always_inline)) float scores(const float *qrow, const float *k, int64_t visible,
+                                                         int64_t hd, float scale, float *s) {
+    __m512 qv[MAX_HD / 16];
+    for (int64_t c = 0; c < hd / 16; c++) qv[c] = _mm512_loadu_ps(qrow + c * 16);
+    for (int64_t j = 0; j < visible; j++) {
+        __m512 acc = _mm512_mul_ps(_mm512_load_ps(k + j * hd), qv[0]);
+        for (int64_t c = 1; c < hd / 16; c++) acc = _mm512_fmadd_ps(_mm512_load_ps(k + j * hd + c * 16), qv[c], acc);
+        s[j] = _mm512_reduce_add_ps(acc) * scale;
+    }
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= visible; j += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + j));
+    const __mmask16 tail = (__mmask16)((1u << (visible - j)) - 1);
+    m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, s + j));
+    const __m512 max = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= visible; j += 16) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + j), max));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    if (tail) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + j), max));
+        _mm512_mask_storeu_ps(s + j, tail, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(tail, e));
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* One thread's share of the op, hd a compile-time constant at each call site so the query and the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend(const struct ggml_tensor *q, const struct ggml_tensor *k,
+                                                         const struct ggml_tensor *v, struct ggml_tensor *dst,
+                                                         int64_t hd, int ith, int nth) {
+    const int64_t heads = q->ne[1], t = q->ne[2], end = k->ne[1], kv_heads = k->ne[2];
+    const int64_t group = heads / kv_heads, start = end - t, stride = (end + 15) / 16 * 16;
+    const float scale = 1.0f / sqrtf((float)hd);
+    /* a thread takes a contiguous range of query heads; the heads of one KV group that it holds
+     * share the group's K and V, converted once */
+    const int64_t per = (heads + nth - 1) / nth, h0 = ith * per, h1 = h0 + per < heads ? h0 + per : heads;
+    static __thread struct scratch sc;
+    for (int64_t h = h0; h < h1;) {
+        const int64_t kvh = h / group, hg1 = (kvh + 1) * group < h1 ? (kvh + 1) * group : h1;
+        const int64_t nq = (hg1 - h) * t; /* query vectors: (head, row) for heads h .. hg1 */
+        sc.k = grow(sc.k, &sc.k_len, (size_t)(end * hd));
+        sc.v = grow(sc.v, &sc.v_len, (size_t)(end * hd));
+        sc.s = grow(sc.s, &sc.s_len, (size_t)(nq * stride));
+        to_f32(k, kvh, end, hd, sc.k);
+        to_f32(v, kvh, end, hd, sc.v);
+        float inv[V_QUERIES];
+        for (int64_t q0 = 0; q0 < nq; q0 += V_QUERIES) {
+            const int nc = (int)(nq - q0 < V_QUERIES ? nq - q0 : V_QUERIES);
+            int64_t visible[V_QUERIES], most = 0;
+            for (int c = 0; c < nc; c++) {
+                const int64_t qi = q0 + c, head = h + qi / t, row = qi % t;
+                visible[c] = start + row + 1;
+                most = visible[c] > most ? visible[c] : most;
+                const float *qrow = (const float *)((const char *)q->data + head * q->nb[1] + row * q->nb[2]);
+                inv[c] = scores(qrow, sc.k, visible[c], hd, scale, sc.s + qi * stride);
+            }
+            /* sum_j p_j v_j for these query rows, each over its own visible keys in key order */
+            __m512 acc[V_QUERIES][MAX_HD / 16];
+            for (int c = 0; c < nc; c++)
+                for (int64_t d = 0; d < hd / 16; d++) acc[c][d] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < most; j++) {
+                const float *vj = sc.v + j * hd;
+                for (int c = 0; c < nc; c++) {
+                    if (j >= visible[c]) continue;
+                    const __m512 p = _mm512_set1_ps(sc.s[(q0 + c) * stride + j]);
+                    for (int64_t d = 0; d < hd / 16; d++) acc[c][d] = _mm512_fmadd_ps(p, _mm512_load_ps(vj + d * 16), acc[c][d]);
+                }
+            }
+            for (int c = 0; c < nc; c++) {
+                const int64_t qi = q0 + c, head = h + qi / t, row = qi % t;
+                float *out = (float *)((char *)dst->data + row * dst->nb[2] + head * dst->nb[1]);
+                for (int64_t d = 0; d < hd / 16; d++)
+                    _mm512_storeu_ps(out + d * 16, _mm512_mul_ps(acc[c][d], _mm512_set1_ps(inv[c])));
+            }
+        }
+        h = hg1;
+    }
+}
+
+
+void meshllm_ggml_attention_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2];
+    const int64_t hd = q->ne[0], heads = q->ne[1], t = q->ne[2], end = k->ne[1], kv_heads = k->ne[2];
+    /* ggml_stage.py builds only these; anything else is a bug, not bad input */
+    if (q->type != GGML_TYPE_F32 || k->type != GGML_TYPE_BF16 || v->type != GGML_TYPE_BF16 || hd % 16 || hd > MAX_HD
+        || k->ne[0] != hd || v->ne[0] != hd || v->ne[1] != end || v->ne[2] != kv_heads || heads % kv_heads
+        || t > end || t < 1 || q->nb[0] != sizeof(float) || k->nb[0] != 2 || v->nb[0] != 2
+        || dst->type != GGML_TYPE_F32 || dst->ne[0] != hd || dst->ne[1] != heads || dst->ne[2] != t
+        || dst->nb[1] != (size_t)hd * sizeof(float))
+        abort();
+    if (hd == 64) attend(q, k, v, dst, 64, ith, nth);
+    else if (hd == 128) attend(q, k, v, dst, 128, ith, nth);
+    else attend(q, k, v, dst, hd, ith, nth);
+}
+
+#else
+int meshllm_attention_available(void) { return 0; }
+void meshllm_ggml_attention_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort(); /* never built into a graph: the op reports itself unavailable */
+}
+#endif
