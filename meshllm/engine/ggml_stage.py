@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
 from meshllm.engine.ggml_weights import GraphScope
-from meshllm.engine.kernels.custom_ops import attention_op, q4_few_rows_op, q4_remainder_op, q8_few_rows_op
+from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_ops, q4_few_rows_op, q4_remainder_op,
+                                               q8_few_rows_op)
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
@@ -48,8 +49,14 @@ _MAX_REUSED_ROWS, _MAX_CACHED_GRAPHS = 16, 6
 # ggml runs flash attention for this many queries of a sequence or more as tiles (GGML_FA_TILE_Q).
 _TILED_ATTENTION_ROWS = 64
 # Attention of a sequence's rows over a bf16 KV cache runs meshllm's op up to this many rows
-# (kernels/few_rows_attention.c says why); more (prefill chunks) run ggml's flash attention.
+# (kernels/few_rows_attention.c says why); more (prefill chunks) run ggml's flash attention. A
+# step whose sequences all have at most this many rows runs the batched form: one KV write and one
+# attention op per layer for all its sequences, reading where each sequence's rows and KV are from
+# a table patched per step, so its graph serves any later step with as many rows however they
+# split into sequences (speculative drafts change the split nearly every step; a new graph cost
+# ~15 ms of Python and allocation at 8 sequences, half a step).
 ATTENTION_FEW_ROWS_MAX = 16
+_TABLE_FIELDS = 7  # per sequence: row, rows, start, K address, V address, position stride, head stride
 
 
 class _Weights:
@@ -160,6 +167,8 @@ class GGMLStage:
         self._remainder_op = None if op is None else self.g.ggml_custom_op_t(op)
         op = attention_op()
         self._attention_op = None if op is None else self.g.ggml_custom_op_t(op)
+        ops = batched_attention_ops() if c.head_dim % 16 == 0 and c.head_dim <= 256 else None
+        self._batched_ops = None if ops is None else tuple(self.g.ggml_custom_op_t(op) for op in ops)
         self._quant_few_rows_ops = {t: self.g.ggml_custom_op_t(op) for t, op in (
             (self.g.GGML_TYPE_Q4_0, q4_few_rows_op()), (self.g.GGML_TYPE_Q8_0, q8_few_rows_op())) if op is not None}
 
@@ -231,7 +240,8 @@ class GGMLStage:
     def _norm(self, s: GraphScope, x, weight):
         return s.g.ggml_mul(s.ctx, s.g.ggml_rms_norm(s.ctx, x, self.config.rms_norm_eps), weight)
 
-    def _attention(self, s: GraphScope, graph, layer: int, w: dict, x, pos, slices: list[SeqSlice], masks, n: int):
+    def _attention(self, s: GraphScope, graph, layer: int, w: dict, x, pos, slices: list[SeqSlice], masks, n: int,
+                   table: Tensor | None):
         g, ctx, c = s.g, s.ctx, self.config
         hd, heads, kv_heads = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         qkv = self._linear(s, w["qkv"], x)
@@ -244,6 +254,15 @@ class GGMLStage:
         rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, hd, g.GGML_ROPE_TYPE_NEOX, 0,  # noqa: E731
                                          c.rope_theta, 1.0, 0.0, 1.0, 0.0, 0.0)
         q, k = rope(q), rope(k)
+        if table is not None:  # the batched form (ATTENTION_FEW_ROWS_MAX says why)
+            write_op, attend_op = self._batched_ops
+            row = ctypes.c_void_p(table[layer].data_ptr())
+            args = (ctypes.POINTER(type(k.contents)) * 2)(k, v)
+            write = g.ggml_custom_4d(ctx, 0, kv_heads, 1, 1, 1, args, 2, write_op, -1, row)  # a placeholder: order only
+            args = (ctypes.POINTER(type(q.contents)) * 2)(q, write)
+            attn = g.ggml_custom_4d(ctx, 0, hd, heads, n, 1, args, 2, attend_op, -1, row)
+            (o, _, _), = self._linear(s, w["o"], g.ggml_reshape_2d(ctx, attn, self.q_size, n))
+            return o
         outs = []
         for seq, (k_cache, v_cache), mask in zip(slices, s.kv[layer], masks):
             t, start = seq.num_tokens, seq.start
@@ -318,7 +337,7 @@ class GGMLStage:
             step.close()
             raise
         if key is not None:
-            step.kvs = [weakref.ref(s.kv) for s in slices]
+            step.kvs = [] if step.table is not None else [weakref.ref(s.kv) for s in slices]
             self._cached[key] = step  # most recently used last
             while len(self._cached) > _MAX_CACHED_GRAPHS:
                 self._cached.pop(next(iter(self._cached))).close()
@@ -328,9 +347,15 @@ class GGMLStage:
         self.last_build_s, self.last_compute_s = built - started, time.perf_counter() - built
         return out if self.has_head else out.to(self.dtype)
 
-    @staticmethod
-    def _reuse_key(x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
+    def _batched(self, slices: list[SeqSlice]) -> bool:
+        """Whether a step's attention takes the batched form (ATTENTION_FEW_ROWS_MAX says why)."""
+        return self._batched_ops is not None and all(
+            s.num_tokens <= ATTENTION_FEW_ROWS_MAX and s.kv.k.dtype == torch.bfloat16 for s in slices)
+
+    def _reuse_key(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
         """What a reusable graph depends on; None for steps that build their own (prefill chunks)."""
+        if self._batched(slices):  # the split into sequences and their KV are data, patched per step
+            return ("batched", x.dtype, x.shape, None if logit_rows is None else logit_rows.numel())
         # A prefill's first chunk (start 0) is never seen again: its sequence's KV is new.
         if any(s.num_tokens > _MAX_REUSED_ROWS or s.start == 0 for s in slices):
             return None
@@ -359,8 +384,12 @@ class GGMLStage:
                      else self._allocator)
         step.pos = torch.zeros(n, dtype=torch.int32)
         pos = s.wrap(step.pos)
-        masks = [self._mask(s, step, seq) for seq in slices]
-        s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
+        if self._batched(slices):
+            step.table = torch.zeros(len(self.layers), 1 + _TABLE_FIELDS * n, dtype=torch.int64)
+            masks = [None] * len(slices)
+        else:
+            masks = [self._mask(s, step, seq) for seq in slices]
+            s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
         if self.embedding is not None:
             step.ids = torch.zeros(n, dtype=torch.int32)
             h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
@@ -369,7 +398,7 @@ class GGMLStage:
             h = s.wrap(step.hidden)
         for i, w in enumerate(self.layers):
             h = g.ggml_add(ctx, h, self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos,
-                                                   slices, masks, n))
+                                                   slices, masks, n, step.table))
             h = g.ggml_add(ctx, h, self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n))
         step.out_shape = (n, c.hidden_size)
         if self.has_head:
@@ -424,6 +453,7 @@ class _Step:
     def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
         self.ids = self.hidden = self.rows = self.pos = self.out = None
+        self.table: Tensor | None = None  # the batched form's per-layer sequence table
         self.masks: list[tuple[object, Tensor] | None] = []  # per slice: (ggml mask, its memory)
         self.kvs: list[weakref.ref] = []  # a kept graph's sequences' SequenceKV
         self.out_shape: tuple[int, int] = (0, 0)
@@ -437,6 +467,9 @@ class _Step:
             self.hidden.copy_(x)
         if self.rows is not None:
             self.rows.copy_(logit_rows)
+        if self.table is not None:
+            _fill_table(self.table, slices)
+            return
         if self.key is None:  # built for this very step: its offsets are already right
             return
         num_seqs = len(slices)
@@ -468,6 +501,8 @@ class _Step:
 
     def current(self) -> bool:
         """Whether every sequence this kept graph was built for still holds the KV tensors it points at."""
+        if self.table is not None:
+            return True  # it points at none: the table says where, step by step
         ptrs = self.key[3]
         return all(kv is not None and (kv.k.data_ptr(), kv.v.data_ptr()) == ptr[:2]
                    for kv, ptr in zip((ref() for ref in self.kvs), ptrs))
@@ -476,3 +511,18 @@ class _Step:
         self.scope.__exit__(None, None, None)
         if self.key is not None:  # reused graphs own their allocator
             self.scope.g.ggml_gallocr_free(self.allocator)
+
+
+def _fill_table(table: Tensor, slices: list[SeqSlice]) -> None:
+    """Where each sequence's rows and KV cache are, per layer, for the batched attention ops
+    (kernels/few_rows_attention.c reads it): SequenceKV.k/.v are [layers, kv_heads, capacity, hd]."""
+    per_seq = torch.tensor([[s.row, s.num_tokens, s.start, s.kv.k.data_ptr(), s.kv.v.data_ptr(),
+                             s.kv.k.stride(2) * s.kv.k.element_size(), s.kv.k.stride(1) * s.kv.k.element_size(),
+                             s.kv.k.stride(0) * s.kv.k.element_size()] for s in slices], dtype=torch.int64)
+    layers = table.shape[0]
+    entries = per_seq[:, :_TABLE_FIELDS].unsqueeze(0).repeat(layers, 1, 1)
+    layer_offsets = torch.arange(layers, dtype=torch.int64)[:, None] * per_seq[:, _TABLE_FIELDS][None, :]
+    entries[:, :, 3] += layer_offsets  # each layer's K and V (the same layout)
+    entries[:, :, 4] += layer_offsets
+    table[:, 0] = len(slices)
+    table[:, 1:1 + _TABLE_FIELDS * len(slices)] = entries.reshape(layers, -1)

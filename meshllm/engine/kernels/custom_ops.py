@@ -67,11 +67,23 @@ def q8_few_rows_op() -> int | None:
     return _quant_few_rows_op("meshllm_ggml_q8_0_few_rows")
 
 
+def _attention_op(name: str) -> int | None:
+    address = op_address(ATTENTION_LIBRARY, name, "meshllm_attention_tensor_size")
+    if address is None or not ctypes.CDLL(str(ATTENTION_LIBRARY)).meshllm_attention_available():
+        return None  # built where the CPU lacks AVX-512
+    return address
+
+
 @functools.cache
 def attention_op() -> int | None:
     """meshllm_ggml_attention_few_rows (few_rows_attention.c): causal attention of a few query rows
-    over a bf16 KV cache, or None where it was not built or this CPU lacks AVX-512."""
-    address = op_address(ATTENTION_LIBRARY, "meshllm_ggml_attention_few_rows", "meshllm_attention_tensor_size")
-    if address is None or not ctypes.CDLL(str(ATTENTION_LIBRARY)).meshllm_attention_available():
-        return None
-    return address
+    of one sequence over a bf16 KV cache, or None where it was not built or this CPU lacks AVX-512."""
+    return _attention_op("meshllm_ggml_attention_few_rows")
+
+
+@functools.cache
+def batched_attention_ops() -> tuple[int, int] | None:
+    """(meshllm_ggml_kv_write_batch, meshllm_ggml_attention_batch) (few_rows_attention.c): KV writes
+    and attention of every sequence of a step from a table patched per step, or None."""
+    ops = (_attention_op("meshllm_ggml_kv_write_batch"), _attention_op("meshllm_ggml_attention_batch"))
+    return None if None in ops else ops

@@ -26,6 +26,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include "ggml.h"
 
 size_t meshllm_attention_tensor_size(void) { return sizeof(struct ggml_tensor); }
@@ -77,9 +78,16 @@ static float *grow(float *p, size_t *len, size_t want) {
     return p;
 }
 
-static void to_f32(const struct ggml_tensor *src, int64_t kvh, int64_t end, int64_t hd, float *out) {
+/* Where rows live: element (i, a, b) at data + i * 4 or 2 bytes + a * nb1 + b * nb2. q: a head, b row;
+ * K and V caches: a position, b KV head; dst: a head, b row. */
+struct view {
+    const char *data;
+    int64_t nb1, nb2;
+};
+
+static void to_f32(struct view src, int64_t kvh, int64_t end, int64_t hd, float *out) {
     for (int64_t j = 0; j < end; j++) {
-        const uint16_t *row = (const uint16_t *)((const char *)src->data + j * src->nb[1] + kvh * src->nb[2]);
+        const uint16_t *row = (const uint16_t *)(src.data + j * src.nb1 + kvh * src.nb2);
         for (int64_t c = 0; c < hd; c += 16) _mm512_store_ps(out + j * hd + c, bf16x16_to_f32(row + c));
     }
 }
@@ -114,12 +122,11 @@ static inline __attribute__((always_inline)) float scores(const float *qrow, con
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
-/* One thread's share of the op, hd a compile-time constant at each call site so the query and the
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void attend(const struct ggml_tensor *q, const struct ggml_tensor *k,
-                                                         const struct ggml_tensor *v, struct ggml_tensor *dst,
-                                                         int64_t hd, int ith, int nth) {
-    const int64_t heads = q->ne[1], t = q->ne[2], end = k->ne[1], kv_heads = k->ne[2];
+/* One thread's share of the attention of t query rows (the last t of `end` positions), hd a
+ * compile-time constant at each call site so the query and the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend(struct view q, struct view k, struct view v, struct view dst,
+                                                         int64_t hd, int64_t heads, int64_t kv_heads, int64_t t,
+                                                         int64_t end, int ith, int nth) {
     const int64_t group = heads / kv_heads, start = end - t, stride = (end + 15) / 16 * 16;
     const float scale = 1.0f / sqrtf((float)hd);
     /* a thread takes a contiguous range of query heads; the heads of one KV group that it holds
@@ -142,7 +149,7 @@ static inline __attribute__((always_inline)) void attend(const struct ggml_tenso
                 const int64_t qi = q0 + c, head = h + qi / t, row = qi % t;
                 visible[c] = start + row + 1;
                 most = visible[c] > most ? visible[c] : most;
-                const float *qrow = (const float *)((const char *)q->data + head * q->nb[1] + row * q->nb[2]);
+                const float *qrow = (const float *)(q.data + head * q.nb1 + row * q.nb2);
                 inv[c] = scores(qrow, sc.k, visible[c], hd, scale, sc.s + qi * stride);
             }
             /* sum_j p_j v_j for these query rows, each over its own visible keys in key order */
@@ -159,7 +166,7 @@ static inline __attribute__((always_inline)) void attend(const struct ggml_tenso
             }
             for (int c = 0; c < nc; c++) {
                 const int64_t qi = q0 + c, head = h + qi / t, row = qi % t;
-                float *out = (float *)((char *)dst->data + row * dst->nb[2] + head * dst->nb[1]);
+                float *out = (float *)(dst.data + row * dst.nb2 + head * dst.nb1);
                 for (int64_t d = 0; d < hd / 16; d++)
                     _mm512_storeu_ps(out + d * 16, _mm512_mul_ps(acc[c][d], _mm512_set1_ps(inv[c])));
             }
@@ -168,6 +175,12 @@ static inline __attribute__((always_inline)) void attend(const struct ggml_tenso
     }
 }
 
+static void attend_any(struct view q, struct view k, struct view v, struct view dst, int64_t hd, int64_t heads,
+                       int64_t kv_heads, int64_t t, int64_t end, int ith, int nth) {
+    if (hd == 64) attend(q, k, v, dst, 64, heads, kv_heads, t, end, ith, nth);
+    else if (hd == 128) attend(q, k, v, dst, 128, heads, kv_heads, t, end, ith, nth);
+    else attend(q, k, v, dst, hd, heads, kv_heads, t, end, ith, nth);
+}
 
 void meshllm_ggml_attention_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
@@ -180,15 +193,90 @@ void meshllm_ggml_attention_few_rows(struct ggml_tensor *dst, int ith, int nth, 
         || dst->type != GGML_TYPE_F32 || dst->ne[0] != hd || dst->ne[1] != heads || dst->ne[2] != t
         || dst->nb[1] != (size_t)hd * sizeof(float))
         abort();
-    if (hd == 64) attend(q, k, v, dst, 64, ith, nth);
-    else if (hd == 128) attend(q, k, v, dst, 128, ith, nth);
-    else attend(q, k, v, dst, hd, ith, nth);
+    attend_any((struct view){(const char *)q->data, (int64_t)q->nb[1], (int64_t)q->nb[2]},
+               (struct view){(const char *)k->data, (int64_t)k->nb[1], (int64_t)k->nb[2]},
+               (struct view){(const char *)v->data, (int64_t)v->nb[1], (int64_t)v->nb[2]},
+               (struct view){(const char *)dst->data, (int64_t)dst->nb[1], (int64_t)dst->nb[2]},
+               hd, heads, kv_heads, t, end, ith, nth);
+}
+
+/* The same for every sequence of a step at once, from a table of where each sequence's rows and
+ * KV cache are, which ggml_stage.py rewrites in place before each step: a graph built once serves
+ * every later step with the same number of rows however they split into sequences (speculative
+ * drafts change that split nearly every step, and a new graph cost half a step at 8 sequences).
+ *     table  int64 [1 + 7 * num]: num, then per sequence row (its first row in the step), t (its
+ *            rows), start (its cached positions before them), K and V cache addresses of this
+ *            layer ([kv_heads, capacity, hd] bf16), the byte strides of a position and of a KV head
+ * meshllm_ggml_kv_write_batch: src0 k f32 [hd, kv_heads, n], src1 v f32 [hd, kv_heads, n] (any
+ * strides) -> each sequence's rows into its caches at start .. start + t, rounded to bf16 as ggml
+ * rounds them; dst is a 1-element placeholder the attention takes as its second source, so ggml
+ * runs the write first. */
+#define TABLE_FIELDS 7
+
+static inline uint16_t f32_to_bf16(float f) { /* ggml's GGML_FP32_TO_BF16: nearest even, NaN kept quiet */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 64);
+    return (uint16_t)((bits + (0x7fffu + ((bits >> 16) & 1u))) >> 16);
+}
+
+void meshllm_ggml_kv_write_batch(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const int64_t *table = (const int64_t *)userdata;
+    const struct ggml_tensor *k = dst->src[0], *v = dst->src[1];
+    const int64_t hd = k->ne[0], kv_heads = k->ne[1], n = k->ne[2];
+    if (k->type != GGML_TYPE_F32 || v->type != GGML_TYPE_F32 || v->ne[0] != hd || v->ne[1] != kv_heads
+        || v->ne[2] != n || k->nb[0] != sizeof(float) || v->nb[0] != sizeof(float) || table[0] < 1) abort();
+    for (int64_t i = 0; i < table[0]; i++) {
+        const int64_t *e = table + 1 + i * TABLE_FIELDS;
+        const int64_t row = e[0], t = e[1], start = e[2], row_nb = e[5], head_nb = e[6];
+        if (row < 0 || t < 1 || row + t > n) abort();
+        for (int64_t r = 0; r < t; r++) {
+            if ((row + r) % nth != ith) continue;
+            for (int64_t kh = 0; kh < kv_heads; kh++) {
+                const struct ggml_tensor *src[2] = {k, v};
+                for (int which = 0; which < 2; which++) {
+                    const float *from = (const float *)((const char *)src[which]->data + kh * src[which]->nb[1]
+                                                        + (row + r) * src[which]->nb[2]);
+                    uint16_t *to = (uint16_t *)((char *)(intptr_t)e[3 + which] + kh * head_nb + (start + r) * row_nb);
+                    for (int64_t d = 0; d < hd; d++) to[d] = f32_to_bf16(from[d]);
+                }
+            }
+        }
+    }
+}
+
+/* src0 q f32 [hd, heads, n] contiguous, src1 the write's placeholder -> dst f32 [hd, heads, n] */
+void meshllm_ggml_attention_batch(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    const int64_t *table = (const int64_t *)userdata;
+    const struct ggml_tensor *q = dst->src[0], *kv_heads_of = dst->src[1];
+    const int64_t hd = q->ne[0], heads = q->ne[1], n = q->ne[2], kv_heads = kv_heads_of->ne[0];
+    if (q->type != GGML_TYPE_F32 || q->nb[0] != sizeof(float) || hd % 16 || hd > MAX_HD || heads % kv_heads
+        || dst->type != GGML_TYPE_F32 || dst->ne[0] != hd || dst->ne[1] != heads || dst->ne[2] != n
+        || dst->nb[1] != (size_t)hd * sizeof(float) || table[0] < 1) abort();
+    for (int64_t i = 0; i < table[0]; i++) {
+        const int64_t *e = table + 1 + i * TABLE_FIELDS;
+        const int64_t row = e[0], t = e[1], start = e[2];
+        if (row < 0 || t < 1 || row + t > n) abort();
+        attend_any((struct view){(const char *)q->data + row * q->nb[2], (int64_t)q->nb[1], (int64_t)q->nb[2]},
+                   (struct view){(const char *)(intptr_t)e[3], e[5], e[6]},
+                   (struct view){(const char *)(intptr_t)e[4], e[5], e[6]},
+                   (struct view){(const char *)dst->data + row * dst->nb[2], (int64_t)dst->nb[1], (int64_t)dst->nb[2]},
+                   hd, heads, kv_heads, t, start + t, ith, nth);
+    }
 }
 
 #else
 int meshllm_attention_available(void) { return 0; }
 void meshllm_ggml_attention_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)dst; (void)ith; (void)nth; (void)userdata;
-    abort(); /* never built into a graph: the op reports itself unavailable */
+    abort(); /* never built into a graph: the ops report themselves unavailable */
+}
+void meshllm_ggml_kv_write_batch(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort();
+}
+void meshllm_ggml_attention_batch(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort();
 }
 #endif
