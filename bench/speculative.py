@@ -1,10 +1,11 @@
 """Speculative decoding benchmark: tok/s and acceptance with and without drafts, at batch 1 and 8
-concurrent sequences, on a 1-stage plan (the whole model in this process) and a 2-stage plan (two
+concurrent sequences (a closed batch of 8, and 8 in flight with each finished one replaced: 16
+requests), on a 1-stage plan (the whole model in this process) and a 2-stage plan (two
 `meshllm node` processes on loopback), for repetitive text (editing code, rewriting a JSON
 document, answering with quotes from the prompt) and free story text. Prints one JSON object.
 
     flock -x /work/cpu.lock python bench/speculative.py [--model PATH] [--proposer ngram|draft:PATH]
-        [--stages 1 2] [--batch 1 8] [--max-tokens 96] [--dtype bfloat16] [--threads 1]
+        [--stages 1 2] [--batch 1 8] [--steady 8] [--max-tokens 96] [--dtype bfloat16] [--threads 1]
 
 Greedy decoding, so with and without drafts the text is the same (in batch-invariant mode exactly;
 the JSON says whether it was here). The default model is the SmolLM2-135M-Instruct Q4_1 GGUF.
@@ -142,6 +143,41 @@ def run_groups(leader, groups: list[list[list[int]]], params: SamplingParams) ->
     return tokens / seconds, decoded / decode_s if decode_s else 0.0, out
 
 
+def run_steady(leader, prompts: list[list[int]], concurrency: int, params: SamplingParams
+               ) -> tuple[float, float, list[list[int]]]:
+    """`concurrency` sequences in flight, the next prompt submitted as soon as one finishes, until
+    all are done: what serving 8 concurrent streams does (a closed batch of 8 instead ends at its
+    slowest sequence, so a sequence that drafts its way to the end early saves no step). Returns
+    (generated tokens / second from first submit to last token, the same, ids in prompt order)."""
+    events: queue.Queue = queue.Queue()
+    out: list[list[int]] = [[] for _ in prompts]
+    started = time.perf_counter()
+    submitted = done = 0
+    last_token_at = started
+
+    def submit_next() -> None:
+        nonlocal submitted
+        i = submitted
+        leader.submit(prompts[i], params, lambda e, i=i: events.put((i, e)))
+        submitted += 1
+
+    for _ in range(min(concurrency, len(prompts))):
+        submit_next()
+    while done < len(prompts):
+        i, e = events.get(timeout=600)
+        if e.error is not None:
+            raise e.error
+        if e.token_id is not None:
+            out[i].append(e.token_id)
+            last_token_at = time.perf_counter()
+        if e.finish_reason is not None:
+            done += 1
+            if submitted < len(prompts):
+                submit_next()
+    rate = sum(len(t) for t in out) / (last_token_at - started)
+    return rate, rate, out
+
+
 def measure(make_leader, files, args) -> dict:
     """Both leaders live side by side and their runs alternate (plain, speculative, plain, ...), so
     drift in what else this shared machine runs hits both alike."""
@@ -149,9 +185,12 @@ def measure(make_leader, files, args) -> dict:
     results = {}
     for kind in args.kinds:
         ids = [chat_ids(files, t) for t in PROMPTS[kind]]
-        for batch in args.batch:
+        for batch, steady in [(b, False) for b in args.batch] + [(b, True) for b in args.steady]:
             # Batch 1: every prompt in turn. Batch b: b sequences at once, cycling through the prompts.
+            # Steady b: b in flight, 2b requests in all, each finished one replaced at once.
             groups = [[p] for p in ids] if batch == 1 else [[ids[i % len(ids)] for i in range(batch)]]
+            if steady:
+                groups = [[ids[i % len(ids)] for i in range(2 * batch)]]
             modes = ("plain", "speculative")
             counts = {m: Counts() for m in modes}
             leaders = {}
@@ -165,7 +204,10 @@ def measure(make_leader, files, args) -> dict:
                 outputs = {}
                 for _ in range(args.repeats):
                     for m in modes:
-                        rate, decode_rate, outputs[m] = run_groups(leaders[m], groups, params)
+                        if steady:
+                            rate, decode_rate, outputs[m] = run_steady(leaders[m], groups[0], batch, params)
+                        else:
+                            rate, decode_rate, outputs[m] = run_groups(leaders[m], groups, params)
                         rates[m].append(rate)
                         decode_rates[m].append(decode_rate)
             finally:
@@ -188,7 +230,7 @@ def measure(make_leader, files, args) -> dict:
             row["decode_speedup"] = round(row["speculative"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 3)
             row["decode_speedup_runs"] = [round(s / p, 3) for p, s in zip(decode_rates["plain"],
                                                                          decode_rates["speculative"])]
-            results[f"{kind}/batch{batch}"] = row
+            results[f"{kind}/{'steady' if steady else 'batch'}{batch}"] = row
     return results
 
 
@@ -198,6 +240,8 @@ def main() -> None:
     parser.add_argument("--proposer", default="ngram")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steady", type=int, nargs="*", default=[8],
+                        help="also these many sequences in flight, each finished one replaced at once")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (default: stop at EOS)")
     parser.add_argument("--kinds", nargs="+", default=list(PROMPTS))
