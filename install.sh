@@ -40,8 +40,9 @@ if CMAKE_ARGS="$GGML_FLAGS" pip install --quiet --no-cache-dir --no-binary ggml-
 else
     echo "warning: building $GGML_PYTHON failed; quantized GGUF weights will be dequantized (torch path)" >&2
 fi
-# meshllm's own AVX-512 BF16 kernel (plain gcc, ~1 s), after ggml: with ggml's header it is also built
-# as a ggml custom op for few-row bf16 products (decode batches, speculative verify passes). If it
-# cannot be built, bf16 on CPU falls back to torch's prepacked path and ggml's own products.
+# meshllm's own CPU kernels (plain gcc, a few seconds), after ggml: the AVX-512 BF16 gemv and, with
+# ggml's header, ggml custom ops for steps of a few rows (decode batches, speculative verify passes):
+# bf16, Q4_0/Q4_1 and Q8_0 products, and attention over a bf16 KV cache. Whatever cannot be built
+# (or this CPU cannot run) falls back to torch's prepacked path and ggml's own kernels.
 python -m meshllm.engine.kernels.build
 echo "meshllm installed in .venv — activate it with: . .venv/bin/activate"
