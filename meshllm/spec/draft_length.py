@@ -169,7 +169,10 @@ class OfferedLength:
         self.config = config
         self._accepted = list(_OFFER_PRIORS)
         self._trials = [1.0] * (len(_OFFER_BUCKETS) + 1)
-        self._skipped = [0] * (len(_OFFER_BUCKETS) + 1)
+        # Offers not sent since the last probe, whatever their length: one probe budget per
+        # sequence (a count per bucket let free text's chance matches of five lengths probe five
+        # times as often as probe_interval allows).
+        self._skipped = 0
 
     def send_length(self, offered: int, costs: StepCosts, rows: int) -> int:
         """How many of `offered` draft tokens to send in a step beside `rows` other rows."""
@@ -178,9 +181,9 @@ class OfferedLength:
         b = _bucket(offered)
         m = best_length(self._accepted[b] / self._trials[b], offered, costs, rows)
         if m == 0:  # a probe now and then, so a bucket that starts paying is noticed
-            self._skipped[b] += 1
-            if self._skipped[b] >= probe_interval(self.config, costs, rows):
-                self._skipped[b], m = 0, 1
+            self._skipped += 1
+            if self._skipped >= probe_interval(self.config, costs, rows):
+                self._skipped, m = 0, 1
         return m
 
     def update(self, offered: int, num_drafted: int, num_accepted: int) -> None:

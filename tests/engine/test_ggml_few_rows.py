@@ -74,19 +74,23 @@ def bf16_decoder(rt, aidreams_path):
     return decoder
 
 
-def test_a_verify_pass_scores_what_one_row_steps_score(bf16_decoder):
-    """k+1 rows of one sequence in one step (a speculative verify pass, its rejected rows then
-    rolled back) against the same positions one step each: the same logits bitwise."""
-    d = bf16_decoder
+def verify_pass_and_steps(d, block_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of `block_rows` rows of one sequence scored in one step (a speculative verify pass,
+    then rolled back) and of the same positions one step each, after an 11-token prompt."""
     vocab = d.config.vocab_size
     prompt = torch.randint(3, vocab, (11,), generator=torch.Generator().manual_seed(2))
-    block = torch.randint(3, vocab, (5,), generator=torch.Generator().manual_seed(3))
+    block = torch.randint(3, vocab, (block_rows,), generator=torch.Generator().manual_seed(3))
     kv = SequenceKV(d.kv_layout(), 8)
     d(prompt, torch.arange(11), [SeqSlice(kv, 0, 11)], torch.tensor([10]))
-    verify = d(block, torch.arange(11, 16), [SeqSlice(kv, 0, 5)], torch.arange(5))
+    verify = d(block, torch.arange(11, 11 + block_rows), [SeqSlice(kv, 0, block_rows)], torch.arange(block_rows))
     kv.truncate(11)
     steps = torch.cat([d(block[i:i + 1], torch.tensor([11 + i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
-                       for i in range(5)])
+                       for i in range(block_rows)])
+    return verify, steps
+
+
+def test_a_verify_pass_scores_what_one_row_steps_score(bf16_decoder):
+    verify, steps = verify_pass_and_steps(bf16_decoder, 5)
     assert torch.equal(verify, steps)
 
 

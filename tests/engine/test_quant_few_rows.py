@@ -27,6 +27,7 @@ from meshllm.engine.kv_cache import SequenceKV
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.decoder import SeqSlice
 from meshllm.model.source import open_model
+from tests.engine.test_ggml_few_rows import verify_pass_and_steps
 
 
 @pytest.fixture(scope="module")
@@ -140,16 +141,7 @@ def q4_1_decoder(rt, smollm2_gguf_path):
 
 
 def test_a_verify_pass_scores_what_one_row_steps_score_on_q4_1(q4_1_decoder):
-    d = q4_1_decoder
-    vocab = d.config.vocab_size
-    prompt = torch.randint(3, vocab, (11,), generator=torch.Generator().manual_seed(2))
-    block = torch.randint(3, vocab, (9,), generator=torch.Generator().manual_seed(3))
-    kv = SequenceKV(d.kv_layout(), 32)
-    d(prompt, torch.arange(11), [SeqSlice(kv, 0, 11)], torch.tensor([10]))
-    verify = d(block, torch.arange(11, 20), [SeqSlice(kv, 0, 9)], torch.arange(9))
-    kv.truncate(11)
-    steps = torch.cat([d(block[i:i + 1], torch.tensor([11 + i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
-                       for i in range(9)])
+    verify, steps = verify_pass_and_steps(q4_1_decoder, 9)  # past one 8-row pass of the kernels
     assert torch.equal(verify, steps)
 
 

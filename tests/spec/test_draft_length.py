@@ -39,6 +39,20 @@ def test_long_offers_that_copy_are_sent_whole_while_short_chance_matches_are_dro
     assert sent.count(1) == 2 and sent.count(0) == 2 * interval - 2
 
 
+def test_offers_of_every_length_share_one_probe_budget():
+    """Free text offers chance matches of many lengths; all of them together probe as often as
+    one length would (every probe_interval offers not sent), not once per length each."""
+    lengths, rows_cost = OfferedLength(CONFIG), StepCosts()
+    for rows, ms in FP32_MS.items():
+        rows_cost.observe(rows, ms / 1000)
+    for offered in (1, 2, 3, 5, 9):
+        for _ in range(20):
+            lengths.update(offered, offered, 0)  # never accepted, at any length
+    interval = probe_interval(CONFIG, rows_cost, 1)
+    sent = [lengths.send_length((1, 2, 3, 5, 9)[i % 5], rows_cost, 1) for i in range(2 * interval)]
+    assert sum(1 for m in sent if m) == 2 and all(m <= 1 for m in sent)
+
+
 def test_probes_of_a_batch_together_cost_about_one_percent_of_its_steps():
     """Every sequence of a step probes on its own: at batch 8 on SmolLM2 Q4_1 (measured: 67.5 ms for
     8 rows, 86.9 ms for 9) a probe row costs 0.29 of a step, so 8 sequences probing every 29 steps
