@@ -7,9 +7,9 @@
  * speculative verify pass. Measured on SmolLM2 (9 heads over 3 KV heads, ~200 cached tokens, AMD
  * Zen 4, 1 thread), attention was ~14% of a one-row decode step and ~27% of an 8-row verify pass.
  * Here, per KV head and per thread, K and V rows are converted to f32 once, every query row of
- * every head of the group is scored against them, softmax runs vectorized (exp by a degree-6
- * polynomial after range reduction, within 2 ulp of expf), and V rows are accumulated for
- * several query rows at once.
+ * every head of the group is scored against them, softmax runs vectorized (exp by its degree-7
+ * Taylor polynomial after Cody-Waite range reduction: relative error < 1e-7), and V rows are
+ * accumulated for several query rows at once.
  *
  * Exactness: each query row's scores, softmax and weighted sum are computed in the same order
  * whatever the number of rows in the op, so a k-row verify pass gives bitwise what k one-row steps
@@ -245,7 +245,8 @@ void meshllm_ggml_kv_write_batch(struct ggml_tensor *dst, int ith, int nth, void
     }
 }
 
-/* src0 q f32 [hd, heads, n] contiguous, src1 the write's placeholder -> dst f32 [hd, heads, n] */
+/* src0 q f32 [hd, heads, n] contiguous, src1 the write's placeholder (its ne0 is the KV head
+ * count) -> dst f32 [hd, heads, n] */
 void meshllm_ggml_attention_batch(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     const int64_t *table = (const int64_t *)userdata;
     const struct ggml_tensor *q = dst->src[0], *kv_heads_of = dst->src[1];
