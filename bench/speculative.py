@@ -188,9 +188,10 @@ def measure(make_leader, files, args) -> dict:
         for batch, steady in [(b, False) for b in args.batch] + [(b, True) for b in args.steady]:
             # Batch 1: every prompt in turn. Batch b: b sequences at once, cycling through the prompts.
             # Steady b: b in flight, 2b requests in all, each finished one replaced at once.
-            groups = [[p] for p in ids] if batch == 1 else [[ids[i % len(ids)] for i in range(batch)]]
             if steady:
                 groups = [[ids[i % len(ids)] for i in range(2 * batch)]]
+            else:
+                groups = [[p] for p in ids] if batch == 1 else [[ids[i % len(ids)] for i in range(batch)]]
             modes = ("plain", "speculative")
             counts = {m: Counts() for m in modes}
             leaders = {}

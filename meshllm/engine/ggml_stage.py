@@ -165,9 +165,10 @@ class GGMLStage:
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
         op = q4_remainder_op()  # Q4_1 matrices held as Q4_0 (ggml_weights.split_q4_1); else ggml's own ops
         self._remainder_op = None if op is None else self.g.ggml_custom_op_t(op)
-        op = attention_op()
+        attention_fits = c.head_dim % 16 == 0 and c.head_dim <= 256  # what few_rows_attention.c takes
+        op = attention_op() if attention_fits else None
         self._attention_op = None if op is None else self.g.ggml_custom_op_t(op)
-        ops = batched_attention_ops() if c.head_dim % 16 == 0 and c.head_dim <= 256 else None
+        ops = batched_attention_ops() if attention_fits else None
         self._batched_ops = None if ops is None else tuple(self.g.ggml_custom_op_t(op) for op in ops)
         self._quant_few_rows_ops = {t: self.g.ggml_custom_op_t(op) for t, op in (
             (self.g.GGML_TYPE_Q4_0, q4_few_rows_op()), (self.g.GGML_TYPE_Q8_0, q8_few_rows_op())) if op is not None}
@@ -283,8 +284,7 @@ class GGMLStage:
             keys = g.ggml_view_3d(ctx, k_cache, hd, end, kv_heads, row_nb, head_nb, 0)
             values = g.ggml_view_3d(ctx, v_cache, hd, end, kv_heads, row_nb, head_nb, 0)
             s.reads.append((keys, values))
-            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16 \
-                    and hd % 16 == 0 and hd <= 256:
+            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16:
                 args = (ctypes.POINTER(type(q_seq.contents)) * 3)(q_seq, keys, values)
                 outs.append(g.ggml_custom_4d(ctx, 0, hd, heads, t, 1, args, 3, self._attention_op, -1, None))
                 continue

@@ -46,11 +46,12 @@ def q4_remainder_op() -> int | None:
     return op_address(REMAINDER_LIBRARY, "meshllm_ggml_q4_remainder", "meshllm_q4_remainder_tensor_size")
 
 
-
-def _quant_few_rows_op(name: str) -> int | None:
-    address = op_address(QUANT_FEW_ROWS_LIBRARY, name, "meshllm_quant_few_rows_tensor_size")
-    if address is None or not ctypes.CDLL(str(QUANT_FEW_ROWS_LIBRARY)).meshllm_quant_few_rows_available():
-        return None  # built where the CPU lacks AVX-512 VNNI
+def _op_where_it_runs(library_path: Path, op_name: str, size_name: str, runs_name: str) -> int | None:
+    """op_address, or None also where the library was built for a CPU that cannot run the op (its
+    `runs_name` function answers 0: the kernels' instructions were left out)."""
+    address = op_address(library_path, op_name, size_name)
+    if address is None or not getattr(ctypes.CDLL(str(library_path)), runs_name)():
+        return None
     return address
 
 
@@ -58,20 +59,19 @@ def _quant_few_rows_op(name: str) -> int | None:
 def q4_few_rows_op() -> int | None:
     """meshllm_ggml_q4_0x8_few_rows (quant_few_rows.c): repacked Q4_0 (+ a Q4_1 remainder) times a
     few rows, or None where it was not built or this CPU lacks AVX-512 VNNI."""
-    return _quant_few_rows_op("meshllm_ggml_q4_0x8_few_rows")
+    return _op_where_it_runs(QUANT_FEW_ROWS_LIBRARY, "meshllm_ggml_q4_0x8_few_rows",
+                             "meshllm_quant_few_rows_tensor_size", "meshllm_quant_few_rows_available")
 
 
 @functools.cache
 def q8_few_rows_op() -> int | None:
     """meshllm_ggml_q8_0_few_rows (quant_few_rows.c): plain Q8_0 times a few rows, or None."""
-    return _quant_few_rows_op("meshllm_ggml_q8_0_few_rows")
+    return _op_where_it_runs(QUANT_FEW_ROWS_LIBRARY, "meshllm_ggml_q8_0_few_rows",
+                             "meshllm_quant_few_rows_tensor_size", "meshllm_quant_few_rows_available")
 
 
 def _attention_op(name: str) -> int | None:
-    address = op_address(ATTENTION_LIBRARY, name, "meshllm_attention_tensor_size")
-    if address is None or not ctypes.CDLL(str(ATTENTION_LIBRARY)).meshllm_attention_available():
-        return None  # built where the CPU lacks AVX-512
-    return address
+    return _op_where_it_runs(ATTENTION_LIBRARY, name, "meshllm_attention_tensor_size", "meshllm_attention_available")
 
 
 @functools.cache

@@ -42,9 +42,10 @@ size_t meshllm_quant_few_rows_tensor_size(void) { return sizeof(struct ggml_tens
 
 int meshllm_quant_few_rows_available(void) { return 1; }
 
-/* Per activation row and 32-value block: int8 values, their scale, -8 * (their sum) (the Q4_0
- * offset: weights are d * (q - 8) with q the unsigned nibble), and the float sum of the block;
- * for Q8_0 weights (signed) the values offset to unsigned (+128). */
+/* Per activation row and 32-value block, what the op at hand reads: for Q4_0 weights the int8
+ * values, -8 * (their sum) (the Q4_0 offset: weights are d * (q - 8) with q the unsigned nibble)
+ * and, with a Q4_1 remainder, the float sum of the block; for Q8_0 weights (signed) the values
+ * offset to unsigned (+128); for both the scale. */
 struct quantized {
     int8_t *q;
     uint8_t *u;
@@ -53,7 +54,9 @@ struct quantized {
     size_t capacity;
 };
 
-static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, struct quantized *out) {
+enum { FOR_Q4_0 = 1, WITH_SUMS = 2, FOR_Q8_0 = 4 };
+
+static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, struct quantized *out, int what) {
     const int64_t blocks = K / 32;
     if ((size_t)(n * K) > out->capacity) {
         free(out->q); free(out->u); free(out->d); free(out->sum); free(out->offset);
@@ -72,20 +75,22 @@ static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, str
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             /* as ggml's x86 quantize_row_q8_0: the same id, the scale kept as f16 */
             const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-            const float d = _cvtsh_ss(_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT));
+            const int64_t i = m * blocks + b;
+            out->d[i] = _cvtsh_ss(_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT));
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
-            int8_t *dst = out->q + m * K + b * 32;
-            _mm_storeu_si128((__m128i *)dst, _mm512_cvtsepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtsepi32_epi8(q1));
-            _mm256_storeu_si256((__m256i *)(out->u + m * K + b * 32),
-                                _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)dst), _mm256_set1_epi8((char)0x80)));
-            const int64_t i = m * blocks + b;
-            out->d[i] = d;
-            out->offset[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-            float sum = 0.0f; /* in order, as q4_remainder.c sums a block */
-            for (int k = 0; k < 32; k++) sum += row[b * 32 + k];
-            out->sum[i] = sum;
+            const __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(q1), _mm512_cvtsepi32_epi8(q0));
+            if (what & FOR_Q4_0) {
+                _mm256_storeu_si256((__m256i *)(out->q + m * K + b * 32), q);
+                out->offset[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            }
+            if (what & FOR_Q8_0)
+                _mm256_storeu_si256((__m256i *)(out->u + m * K + b * 32), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
+            if (what & WITH_SUMS) {
+                float sum = 0.0f; /* in order, as q4_remainder.c sums a block */
+                for (int k = 0; k < 32; k++) sum += row[b * 32 + k];
+                out->sum[i] = sum;
+            }
         }
     }
 }
@@ -172,7 +177,7 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     if (g0 >= g1) return;
     /* each ggml worker quantizes the activations itself (a few KiB) into a buffer it keeps */
     static __thread struct quantized xq;
-    quantize_rows(x, n, K, &xq);
+    quantize_rows(x, n, K, &xq, FOR_Q4_0 | (r ? WITH_SUMS : 0));
     const int64_t group_stride = (K / 32) * GROUP_BYTES;
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t *group = (const uint8_t *)w->data + g * group_stride;
@@ -257,7 +262,7 @@ void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
     const int64_t per = (N + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < N ? r0 + per : N;
     if (r0 >= r1) return;
     static __thread struct quantized xq;
-    quantize_rows(x, n, K, &xq);
+    quantize_rows(x, n, K, &xq, FOR_Q8_0);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = (const uint8_t *)w->data + r * w->nb[1];
         for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
