@@ -104,9 +104,7 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
-    from meshllm.engine.kv_cache import SequenceKV
     from meshllm.engine.stage_weights import load_stage_decoder
-    from meshllm.model.decoder import SeqSlice
     from meshllm.model.source import open_model
 
     from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPES
@@ -120,6 +118,23 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
         decoder = load_stage_decoder(files.source, files.config, dtype=dtype)
     load_s = time.perf_counter() - t
     del files
+    figures = speeds(decoder)
+    figures.update(load_s=round(load_s, 1),
+                   steady_rss_mib=round(psutil.Process().memory_info().rss / 2**20, 1),
+                   peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                   fast_path=decoder.fast_path is not None)
+    return figures
+
+
+def speeds(decoder, sync=lambda: None) -> dict:
+    """Decode tok/s at batch 1 (median of 3, after a warm-up) and BATCH, prefill tok/s (best of 2),
+    and the batch-1 step's split into graph building and ggml compute where ggml runs it. `sync`
+    waits for a device's queued work (torch.cuda.synchronize on a GPU) before a clock is read."""
+    import torch
+
+    from meshllm.engine.kv_cache import SequenceKV
+    from meshllm.model.decoder import SeqSlice
+
     vocab = decoder.config.vocab_size
     g = torch.Generator().manual_seed(0)
 
@@ -130,6 +145,7 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
                     torch.tensor([PROMPT - 1]))
         tokens = torch.randint(3, vocab, (batch,), generator=g)
         build, compute = [], []
+        sync()
         started = time.perf_counter()
         for _ in range(NEW):
             slices = [SeqSlice(kv, i, 1) for i, kv in enumerate(kvs)]
@@ -138,24 +154,24 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
             if decoder.fast_path is not None:
                 build.append(decoder.fast_path.last_build_s)
                 compute.append(decoder.fast_path.last_compute_s)
+        sync()
         return batch * NEW / (time.perf_counter() - started), build, compute
 
+    decode(1)  # warm-up, as llama-bench does: first-use costs (graph caches, a GPU's kernels) stay out
     runs = [decode(1) for _ in range(3)]
     best = max(runs, key=lambda r: r[0])
     prefill = []
     for _ in range(2):
         kv = SequenceKV(decoder.kv_layout(), PREFILL)
         ids = torch.randint(3, vocab, (PREFILL,), generator=g)
+        sync()
         t = time.perf_counter()
         decoder(ids, torch.arange(PREFILL), [SeqSlice(kv, 0, PREFILL)], torch.tensor([PREFILL - 1]))
+        sync()
         prefill.append(PREFILL / (time.perf_counter() - t))
     figures = {"decode_tok_s": round(statistics.median(r[0] for r in runs), 2),
                "decode_tok_s_runs": [round(r[0], 2) for r in runs],
-               "decode_batch8_tok_s": round(decode(BATCH)[0], 2), "prefill_tok_s": round(max(prefill), 1),
-               "load_s": round(load_s, 1),
-               "steady_rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
-               "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-               "fast_path": decoder.fast_path is not None}
+               "decode_batch8_tok_s": round(decode(BATCH)[0], 2), "prefill_tok_s": round(max(prefill), 1)}
     if best[1]:
         figures["decode_step_ms"] = {"graph_build": round(statistics.median(best[1]) * 1000, 2),
                                      "ggml_compute": round(statistics.median(best[2]) * 1000, 2),

@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser)
     parser.add_argument("--device", default="cpu",
                         help="without --peer: where weights, KV cache and compute go: cpu, cuda, cuda:N or mps "
-                             "(default cpu; on a GPU the weights are dense in --dtype)")
+                             "(default cpu; on a GPU, GGUF block-quantized weights stay blocks there and dense ones "
+                             "are held in --dtype)")
     parser.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
                         help="run through the cluster this node belongs to (repeatable; the first that "
                              "answers gives the fleet view); default: the whole model in this process")

@@ -153,7 +153,7 @@ class Attention(nn.Module):
             # Decode: fold the query heads of a group into the query axis; every key is visible.
             qg = q.view(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
             out = F.scaled_dot_product_attention(qg, keys, values)
-            return out.view(1, self.num_heads, self.head_dim)
+            return out.reshape(1, self.num_heads, self.head_dim)  # CUDA's kernels may return it strided
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, t, dim]
         if start == 0 and not windowed:
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
@@ -167,7 +167,7 @@ class Attention(nn.Module):
         first = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
         keys, values = s.kv.k[layer, None, :, first:end], s.kv.v[layer, None, :, first:end]
         qg = q.reshape(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        return F.scaled_dot_product_attention(qg, keys, values).view(1, self.num_heads, self.head_dim)
+        return F.scaled_dot_product_attention(qg, keys, values).reshape(1, self.num_heads, self.head_dim)
 
     def _mask(self, start: int, t: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
@@ -261,9 +261,10 @@ class Decoder(nn.Module):
                 s.kv.length += s.num_tokens
             return out
         device = self.device
-        if x.device != device:  # weights on a GPU (--device): inputs follow them there
-            x, positions = x.to(device), positions.to(device)
-            logit_rows = None if logit_rows is None else logit_rows.to(device)
+        # Weights on a GPU (--device): inputs follow them there, each on its own (tokens sampled on
+        # the device come with positions made on the host). .to() is free for one already there.
+        x, positions = x.to(device), positions.to(device)
+        logit_rows = None if logit_rows is None else logit_rows.to(device)
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
         rotation = self.rotary.rotation(positions)
         for i, layer in enumerate(self.layers):

@@ -1,0 +1,223 @@
+"""Decode and prefill speed and memory of a GGUF on a GPU (`--device cuda`), beside transformers.
+
+Rows, each on the same GPU in this one process:
+- ours, blocks: the GGUF as `meshllm serve --device cuda` loads it (engine/device_weights.py):
+  block-quantized weights stay the file's blocks on the device, dequantized by torch ops inside
+  each product; activations and KV in --dtype.
+- ours, dense: the same file dequantized to --dtype at load (what a safetensors model is).
+- transformers: its own model of the same GGUF (it dequantizes the blocks at load) in --dtype,
+  decoding with its DynamicCache in the same loop (no generate() overhead): the reference on
+  this machine. llama.cpp's CUDA build is not made here: it takes longer than the 15 minutes of
+  GPU time a session is lent.
+
+Figures per row as bench/decode.py's (decode batch 1 / 8, prefill 512), plus the GPU memory the
+weights take and the peak while running, CUDA kernels launched per batch-1 decode step, and how
+many of 32 greedy tokens after a real prompt ours and transformers agree on (a prefix length).
+
+    python bench/device_decode.py [--model PATH] [--device cuda] [--dtype bfloat16]
+
+`--device cpu` runs the same rows on the CPU (a check of this script where no GPU is lent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode import BATCH, NEW, PREFILL, PROMPT, speeds  # noqa: E402
+
+AGREE_TOKENS = 32
+PROMPT_TEXT = "The capital of France is"
+
+
+def on_cuda(device) -> bool:
+    return device.type == "cuda"
+
+
+def synchronizer(device):
+    import torch
+
+    return (lambda: torch.cuda.synchronize(device)) if on_cuda(device) else (lambda: None)
+
+
+def gpu_memory(device) -> tuple:
+    import torch
+
+    if not on_cuda(device):
+        return 0, 0
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+
+
+def reset_peak(device) -> None:
+    import torch
+
+    if on_cuda(device):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def kernels_per_step(step, device) -> int | None:
+    """CUDA kernels one call of `step` launches (torch's profiler, one warm call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not on_cuda(device):
+        return None
+    step()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def ours(files, dtype, device, dense: bool) -> tuple[dict, list[int]]:
+    import torch
+
+    from meshllm.engine.kv_cache import SequenceKV
+    from meshllm.engine.stage_weights import decoder_bytes, load_stage_decoder
+    from meshllm.model.decoder import SeqSlice
+    from meshllm.model.loader import load_decoder
+
+    reset_peak(device)
+    sync = synchronizer(device)
+    t = time.perf_counter()
+    if dense:
+        decoder = load_decoder(files.source, files.config, dtype=dtype).to(device)
+    else:
+        decoder = load_stage_decoder(files.source, files.config, dtype=dtype, device=str(device))
+    sync()
+    load_s = time.perf_counter() - t
+    weights = gpu_memory(device)[0]
+    figures = speeds(decoder, sync=sync)
+    kv = SequenceKV(decoder.kv_layout(), 8)
+
+    def step():
+        decoder(torch.tensor([5]), torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+        sync()
+
+    figures.update(load_s=round(load_s, 1), weights_bytes_counted=decoder_bytes(decoder),
+                   gpu_weights_mib=round(weights / 2**20, 1),
+                   gpu_peak_mib=round(gpu_memory(device)[1] / 2**20, 1),
+                   kernels_per_decode_step=kernels_per_step(step, device))
+    ids = files.tokenizer.encode(PROMPT_TEXT)
+    kv = SequenceKV(decoder.kv_layout(), len(ids) + AGREE_TOKENS)
+    logits = decoder(torch.tensor(ids), torch.arange(len(ids)), [SeqSlice(kv, 0, len(ids))],
+                     torch.tensor([len(ids) - 1]))
+    greedy = []
+    for _ in range(AGREE_TOKENS):
+        greedy.append(int(logits.argmax(dim=-1)[0]))
+        logits = decoder(torch.tensor(greedy[-1:]), torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+    return figures, greedy  # the decoder goes with this frame: main() empties the cache
+
+
+def transformers_row(path: Path, dtype, device) -> tuple[dict, list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    reset_peak(device)
+    t = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(device).eval()
+    sync = synchronizer(device)
+    sync()
+    load_s = time.perf_counter() - t
+    weights = gpu_memory(device)[0]
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+
+    @torch.inference_mode()
+    def decode(batch: int) -> float:
+        ids = torch.randint(3, vocab, (batch, PROMPT), generator=g).to(device)
+        out = model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
+        started = time.perf_counter()
+        for _ in range(NEW):
+            out = model(input_ids=tok, past_key_values=out.past_key_values, use_cache=True)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
+        return batch * NEW / (time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def prefill() -> float:
+        ids = torch.randint(3, vocab, (1, PREFILL), generator=g).to(device)
+        sync()
+        t = time.perf_counter()
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        sync()
+        return PREFILL / (time.perf_counter() - t)
+
+    decode(1)  # warm-up, as for ours
+    runs = [decode(1) for _ in range(3)]
+    cache = {}
+
+    @torch.inference_mode()
+    def step():
+        if "past" not in cache:
+            cache["past"] = model(input_ids=torch.tensor([[5]], device=device), past_key_values=DynamicCache(),
+                                  use_cache=True).past_key_values
+        model(input_ids=torch.tensor([[5]], device=device), past_key_values=cache["past"], use_cache=True)
+        sync()
+
+    figures = {"decode_tok_s": round(statistics.median(runs), 2), "decode_tok_s_runs": [round(r, 2) for r in runs],
+               "decode_batch8_tok_s": round(decode(BATCH), 2), "prefill_tok_s": round(max(prefill(), prefill()), 1),
+               "load_s": round(load_s, 1), "gpu_weights_mib": round(weights / 2**20, 1),
+               "gpu_peak_mib": round(gpu_memory(device)[1] / 2**20, 1),
+               "kernels_per_decode_step": kernels_per_step(step, device)}
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.inference_mode():
+        ids = torch.tensor([tokenizer.encode(PROMPT_TEXT, add_special_tokens=False)], device=device)
+        out = model.generate(ids, max_new_tokens=AGREE_TOKENS, do_sample=False, min_new_tokens=AGREE_TOKENS)
+    return figures, out[0, ids.shape[1]:].tolist()
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="a GGUF file (default: the demo's SmolLM2 Q4_1)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", help="activations, KV and dense weights (default bfloat16)")
+    parser.add_argument("--skip-transformers", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    from meshllm.engine.dtypes import torch_dtype
+    from meshllm.model.source import default_model_path, open_model
+
+    device = torch.device(args.device)
+    if on_cuda(device) and not torch.cuda.is_available():
+        sys.exit(f"{args.device}: this torch ({torch.__version__}) has no CUDA device")
+    dtype = torch_dtype(args.dtype)
+    path = args.model or default_model_path()
+    files = open_model(path)
+    name = torch.cuda.get_device_name(device) if on_cuda(device) else "cpu"
+    result = {"model": path.name, "device": name, "torch": torch.__version__,
+              "dtype": str(dtype).removeprefix("torch."), "prompt": PROMPT, "new_tokens": NEW, "batch": BATCH,
+              "prefill": PREFILL}
+    result["ours_blocks"], greedy_blocks = ours(files, dtype, device, dense=False)
+    if on_cuda(device):
+        torch.cuda.empty_cache()
+    result["ours_dense"], greedy_dense = ours(files, dtype, device, dense=True)
+    if on_cuda(device):
+        torch.cuda.empty_cache()
+    result["greedy_agree"] = {"blocks_vs_dense": common_prefix(greedy_blocks, greedy_dense), "of": AGREE_TOKENS}
+    if not args.skip_transformers:
+        result["transformers"], greedy_hf = transformers_row(path, dtype, device)
+        result["greedy_agree"]["blocks_vs_transformers"] = common_prefix(greedy_blocks, greedy_hf)
+        result["ratio_blocks_to_transformers"] = {
+            key: round(result["ours_blocks"][key] / result["transformers"][key], 2)
+            for key in ("decode_tok_s", "decode_batch8_tok_s", "prefill_tok_s")}
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
