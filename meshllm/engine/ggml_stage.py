@@ -36,9 +36,12 @@ _F32 = 4
 _NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 80, 24
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # Products of a bf16 weight with at most this many rows run meshllm's kernel as a ggml custom op
-# (kernels/gemv.c says why): up to 8 rows it beats ggml's tinyBLAS (~2x at 2-5 rows, even at 8,
-# 1 thread, SmolLM2), one row it ties ggml's gemv. Past it (prefill) ggml's GEMM is faster.
-FEW_ROWS_MAX = 8
+# (kernels/gemv.c says why): a row's result never depends on the rows beside it (ggml's tinyBLAS
+# GEMM, which takes 2 rows and more, does not promise that), so a verify pass of up to 16 rows is
+# bitwise its one-row steps. Measured (AMD Zen 4, 2 threads, 1.1B shapes from DRAM: 2560x2048,
+# 11264x2048, 2048x5632), ms op / tinyBLAS: 1 row 2.7 / 2.6 (ggml's gemv), 4 rows 4.0 / 3.9,
+# 8 rows 4.3 / 4.5, 12 rows 5.5 / 4.9, 16 rows 6.0 / 5.8. Past 16 (prefill) ggml's GEMM.
+FEW_ROWS_MAX = 16
 # Products of a repacked Q4_0 matrix (a Q4_1 one's with its remainder) or a plain Q8_0 one with at
 # most this many rows run meshllm's kernels (kernels/quant_few_rows.c says why): bitwise ggml's
 # one-row products, an extra row at a fraction of ggml's cost; more rows (prefill) run ggml's GEMM.

@@ -56,7 +56,7 @@ class StepCosts:
         if base is None and more is not None:
             # Only bigger steps measured yet (drafting since the first step): the cheapest one
             # bounds the base from above, so the ratio is not overestimated, and a dear step
-            # (past the CPU kernel's 8 rows: 1.6x) is seen at once.
+            # (past the CPU few-row kernels: 1.6x) is seen at once.
             base = min(self._seconds.values())
         if base is None or more is None or more < base:
             return 1.0 + PRIOR_ROW_COST * extra
