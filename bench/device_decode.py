@@ -2,8 +2,10 @@
 
 Rows, each on the same GPU in this one process:
 - ours, blocks: the GGUF as `meshllm serve --device cuda` loads it (engine/device_weights.py):
-  block-quantized weights stay the file's blocks on the device, dequantized by torch ops inside
-  each product; activations and KV in --dtype.
+  block-quantized weights stay the file's blocks on the device; products of up to 16 rows run
+  the fused Triton kernel (engine/triton_blocks.py), larger ones dequantize by torch ops inside
+  each product; activations and KV in --dtype. "ours_blocks_torch_path": the same with the
+  fused kernel off (every product dequantizes by torch ops).
 - ours, dense: the same file dequantized to --dtype at load (what a safetensors model is).
 - transformers: its own model of the same GGUF (it dequantizes the blocks at load) in --dtype,
   decoding with its DynamicCache in the same loop (no generate() overhead): the reference on
@@ -13,6 +15,8 @@ Rows, each on the same GPU in this one process:
 Figures per row as bench/decode.py's (decode batch 1 / 8, prefill 512), plus the GPU memory the
 weights take and the peak while running, CUDA kernels launched per batch-1 decode step, and how
 many of 32 greedy tokens after a real prompt ours and transformers agree on (a prefix length).
+"matrix_products": one product with Llama-8B-sized matrices in each fused type, fused kernel
+against the torch path and a dense bf16 matrix (microseconds, GB/s of the bytes read).
 
     python bench/device_decode.py [--model PATH] [--device cuda] [--dtype bfloat16]
 
@@ -174,6 +178,56 @@ def transformers_row(path: Path, dtype, device) -> tuple[dict, list[int]]:
     return figures, out[0, ids.shape[1]:].tolist()
 
 
+def matrix_products(device) -> dict:
+    """One product of 1 and 8 rows with Llama-8B-sized matrices (4096x4096, 14336x4096) held as
+    GGUF blocks: the fused kernel, the torch path (dequantize, then F.linear) and a dense bf16
+    F.linear, in microseconds and in GB/s of the bytes each must read (blocks, or the dense
+    matrix). Random bytes are valid blocks once their f16 scales are set (small, positive)."""
+    import torch
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from meshllm.engine import triton_blocks
+    from meshllm.engine.block_dequant import dequantize
+
+    if not triton_blocks.available(device):
+        return {"skipped": "no Triton on this device"}
+    import torch.nn.functional as F
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 20 * 1000  # microseconds
+
+    out = {}
+    for n, k in ((4096, 4096), (14336, 4096)):
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
+        for ggml_type in sorted(triton_blocks.TYPES, key=lambda t: t.value):
+            block, size = GGML_QUANT_SIZES[ggml_type]
+            blocks = torch.randint(0, 256, (n, k // block * size), device=device, dtype=torch.uint8)
+            scales = blocks.view(n, k // block, size)
+            scales[:, :, :2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8, device=device)  # f16 ~0.0104
+            if ggml_type.name == "Q4_1":
+                scales[:, :, 2:4] = torch.tensor([0x1F, 0xA1], dtype=torch.uint8, device=device)  # m ~ -0.0104
+            for rows in (1, 8):
+                x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+                y = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
+                fused = timed(lambda: triton_blocks.rows_times_blocks(x, blocks, ggml_type, k, y))
+                torch_path = timed(lambda: F.linear(x, dequantize(blocks, ggml_type, k, torch.bfloat16)))
+                dense_us = timed(lambda: F.linear(x, dense))
+                out[f"{n}x{k} {ggml_type.name} rows={rows}"] = {
+                    "fused_us": round(fused, 1), "torch_path_us": round(torch_path, 1), "dense_bf16_us": round(dense_us, 1),
+                    "fused_gb_s": round(blocks.numel() / fused / 1e3, 1),
+                    "dense_bf16_gb_s": round(dense.numel() * 2 / dense_us / 1e3, 1)}
+    return out
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -203,13 +257,23 @@ def main() -> None:
     result = {"model": path.name, "device": name, "torch": torch.__version__,
               "dtype": str(dtype).removeprefix("torch."), "prompt": PROMPT, "new_tokens": NEW, "batch": BATCH,
               "prefill": PREFILL}
+    from meshllm.engine import triton_blocks
+
+    result["fused_kernel"] = triton_blocks.available(device) and triton_blocks.ENABLED
     result["ours_blocks"], greedy_blocks = ours(files, dtype, device, dense=False)
+    if result["fused_kernel"]:
+        triton_blocks.ENABLED = False
+        result["ours_blocks_torch_path"], greedy_torch_path = ours(files, dtype, device, dense=False)
+        triton_blocks.ENABLED = True
     if on_cuda(device):
         torch.cuda.empty_cache()
     result["ours_dense"], greedy_dense = ours(files, dtype, device, dense=True)
     if on_cuda(device):
         torch.cuda.empty_cache()
     result["greedy_agree"] = {"blocks_vs_dense": common_prefix(greedy_blocks, greedy_dense), "of": AGREE_TOKENS}
+    if result["fused_kernel"]:
+        result["greedy_agree"]["fused_vs_torch_path"] = common_prefix(greedy_blocks, greedy_torch_path)
+        result["matrix_products"] = matrix_products(device)
     if not args.skip_transformers:
         result["transformers"], greedy_hf = transformers_row(path, dtype, device)
         result["greedy_agree"]["blocks_vs_transformers"] = common_prefix(greedy_blocks, greedy_hf)

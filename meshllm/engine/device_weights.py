@@ -2,9 +2,10 @@
 
 ggml's fast kernels are its CPU backend's, so on another device a GGUF block-quantized weight
 is held as the file's blocks, `[rows, bytes per row]` uint8 on the device (Q4_K: 4.5 bits a
-weight, where the dense form takes 16), and dequantized by torch ops (engine/block_dequant.py)
-into the activations' dtype inside each product; only one layer's matrix is ever dense at a
-time, for the length of its product. `--quantize int8|int4` on a device makes the same blocks
+weight, where the dense form takes 16). Products of up to 16 rows (decode, verify passes) of
+Q8_0/Q4_0/Q4_1 blocks on CUDA run one fused Triton kernel (engine/triton_blocks.py); others
+dequantize by torch ops (engine/block_dequant.py) into the activations' dtype inside each
+product; only one layer's matrix is ever dense at a time, for the length of its product. `--quantize int8|int4` on a device makes the same blocks
 from a 16/32-bit weight with ggml's quantizer (Q8_0 / Q4_0) before it leaves the CPU. GGUF
 types without a torch port here (Q2_K, Q3_K, the IQ types) load dense, as before.
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
 
+from meshllm.engine import triton_blocks
 from meshllm.engine.block_dequant import SUPPORTED, dequantize
 from meshllm.engine.ggml_weights import BlockMatrix, linear_block_parts
 from meshllm.errors import ModelLoadError
@@ -54,11 +56,43 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [rows, in_features] -> [rows, out_features]
+        if self.fusable and x.shape[0] <= triton_blocks.ROWS_MAX and triton_blocks.available(x.device):
+            return self._fused(x.contiguous())
         return F.linear(x, self.weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    @property
+    def fusable(self) -> bool:
+        """Whether every part is of a type the fused decode kernel reads (engine/triton_blocks.py)."""
+        return triton_blocks.ENABLED and all(t in triton_blocks.TYPES for t in self.types)
+
+    def _fused(self, x: Tensor) -> Tensor:
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        row = 0
+        for data, t in self.blocks():
+            triton_blocks.rows_times_blocks(x, data, t, self.in_features, out[:, row:row + data.shape[0]])
+            row += data.shape[0]
+        return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"blocks {'+'.join(t.name for t in self.types)}")
+
+
+def warm_fused_kernels(decoder: nn.Module, dtype: torch.dtype) -> None:
+    """Run each fused product shape once now, at load: on CUDA the first product of a shape
+    compiles Triton's kernels and picks their tiles by timing them (engine/triton_blocks.py),
+    seconds in all, which would otherwise land on the first request (measured on an H200: the
+    first 8 tokens of a SmolLM2 answer at 0.6 tok/s)."""
+    seen: set[tuple] = set()
+    for module in decoder.modules():
+        if not isinstance(module, BlockLinear) or not module.fusable:
+            continue
+        device = module.blocks()[0][0].device
+        key = (module.in_features, module.out_features, tuple(module.types))
+        if device.type != "cuda" or not triton_blocks.available(device) or key in seen:
+            continue
+        seen.add(key)
+        module(torch.zeros(1, module.in_features, dtype=dtype, device=device))
 
 
 class BlockEmbedding(nn.Module):

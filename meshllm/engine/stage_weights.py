@@ -27,7 +27,7 @@ from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, held_block_bytes, linear_block_parts
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.batch_invariant import make_batch_invariant
-from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm
+from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm, warm_fused_kernels
 from meshllm.engine.weight_forms import QUANTIZATIONS, prepare_for_cpu
 from meshllm.errors import BadRequest, ModelLoadError
 from meshllm.model.config import ModelConfig
@@ -143,6 +143,7 @@ def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int,
     decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form).to(dev)
     log.info("layers [%d, %d) of %s on %s: weights %s", first_layer, decoder.last_layer, source.path, device,
              describe_weights(decoder))
+    warm_fused_kernels(decoder, dtype)
     return decoder
 
 
