@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.errors import ContextOverflow, MeshError
 
@@ -29,6 +30,12 @@ class SchedulerConfig:
     num_stages: int = 1  # micro-batches in flight
     prefix_block_size: int = 32  # tokens per prefix-cache block; divides prefill_chunk
     prefix_cache_blocks: int = 512  # blocks of prompt KV the stages keep for reuse (0: no prefix cache)
+    # Drafts ride a micro-batch's decode rows (one per sequence, plus the drafts) only up to this
+    # many in all. Each sequence sizes its draft beside a plain step of the others, so when many
+    # drafted at once a step outgrew the few-row kernels (16 rows on CPUs: SmolLM2 Q4_1 at one
+    # thread 16 rows 46 ms, 17 rows 68 ms) and cost more than its drafts returned (free text,
+    # 8 sequences: 20-28-row steps at 3x an 8-row one).
+    max_verify_rows: int = 16
 
     def __post_init__(self):
         if min(self.max_num_seqs, self.max_batched_tokens, self.prefill_chunk, self.kv_budget_tokens,
@@ -71,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_reserved_tokens = 0  # KV reserved by running sequences
+        self._draft_turn = 0  # who is first to the draft rows of the next decode step (_draft_rows)
 
     def add(self, seq: Sequence) -> None:
         if seq.max_total_tokens > self.config.kv_budget_tokens:
@@ -104,11 +112,13 @@ class Scheduler:
             return None
         share = math.ceil(len(self.running) / self.config.num_stages)
         budget = self.config.max_batched_tokens
+        ordered = sorted(ready, key=lambda s: s.is_prefilling)
+        drafts = self._draft_rows(ordered[:share])
         works: list[Work] = []
-        for seq in sorted(ready, key=lambda s: s.is_prefilling):
+        for seq in ordered:
             if len(works) >= share or budget <= 0:
                 break
-            work = self._work_for(seq, budget)
+            work = self._work_for(seq, min(budget, 1 + drafts.get(seq.seq_id, 0)) if not seq.is_prefilling else budget)
             if work is None:
                 continue
             works.append(work)
@@ -118,6 +128,21 @@ class Scheduler:
         for w in works:
             w.seq.in_flight = True
         return MicroBatch(tuple(works))
+
+    def _draft_rows(self, candidates: list[Sequence]) -> dict[SeqId, int]:
+        """Draft rows each decoding candidate may send: together at most max_verify_rows less one
+        row per candidate, handed out from a starting point that turns each step, so the same
+        sequences are not the ones cut every time."""
+        decoding = [s for s in candidates if not s.is_prefilling]
+        room = max(0, self.config.max_verify_rows - len(decoding))
+        rows: dict[SeqId, int] = {}
+        if decoding:
+            turn = self._draft_turn % len(decoding)
+            self._draft_turn += 1
+            for seq in decoding[turn:] + decoding[:turn]:
+                rows[seq.seq_id] = n = min(len(self._draft_for(seq, room + 1)), room)
+                room -= n
+        return rows
 
     def _work_for(self, seq: Sequence, budget: int) -> Work | None:
         start = seq.num_computed

@@ -77,6 +77,9 @@ class InFlight:
     batch: MicroBatch
     sent_at: float
     epoch: int  # of the transport when sent: a later one means the stages lost what this step computed
+    # Another micro-batch was in flight when this one was sent: its round trip then includes
+    # waiting behind that one on a stage, so what its rows cost is its busiest stage's compute.
+    overlapped: bool = False
 
 
 def notify_failed(request: Request, error: MeshError) -> None:

@@ -123,6 +123,7 @@ class Drafter:
         self._post = post
         self._states: dict[SeqId, _State] = {}
         self._costs = StepCosts()
+        self._batch_rows = 1  # sequences in the last decode step
         self._latency_s: float | None = None  # decaying average of one proposer call
         self._draft_s = StepCosts()  # a proposer call's seconds by tokens drafted (catch-ups aside)
         self._paused_until = 0.0
@@ -146,6 +147,9 @@ class Drafter:
         cap = self.config.lengths.k_max if max_draft is None else max(0, min(max_draft, self.config.lengths.k_max))
         offered = OfferedLength(self.config.lengths) if self.sizes_drafts else None
         st = self._states[seq.seq_id] = _State(seq, sampling, DraftLength(self.config.lengths), cap, offered)
+        # Until its first step, it weighs drafts beside as many rows as the last decode step had:
+        # a newcomer to a busy batch sized its first drafts as if alone, where rows are cheap.
+        st.rows = self._batch_rows
         self._request(st)
 
     def finish(self, seq_id: SeqId) -> None:
@@ -165,6 +169,7 @@ class Drafter:
     def step_done(self, batch: MicroBatch, seconds: float) -> None:
         if batch.works and all(w.num_scored == w.num_tokens for w in batch.works):  # decode rows only
             self._costs.observe(batch.num_tokens, seconds)
+            self._batch_rows = len(batch.works)
 
     def committed(self, seq: Sequence) -> None:
         """`seq` appended the tokens of a step: check them against the mirror, offer the next draft."""

@@ -131,6 +131,37 @@ def test_a_draft_rides_as_extra_scored_rows_capped_by_budget_and_remaining_token
     assert (work.num_tokens, work.draft) == (2, (9,))
 
 
+def test_drafts_of_many_sequences_together_stay_within_the_verify_rows():
+    # Each sequence sizes its draft on its own; together they may not push a decode step past
+    # max_verify_rows (where a CPU step leaves its few-row kernels): later drafts are cut.
+    s = Scheduler(SchedulerConfig(max_batched_tokens=512, prefill_chunk=8, prefix_block_size=2, max_verify_rows=16))
+    xs = [seq(i, 3, max_tokens=64) for i in range(8)]
+    for x in xs:
+        s.add(x)
+    complete(s, s.next_microbatch())  # all prompts computed in one micro-batch
+    for x in xs:
+        x.draft, x.draft_position = (9, 9, 9, 9), x.num_tokens
+    works = s.next_microbatch().works
+    assert sum(w.num_tokens for w in works) == 16  # 8 rows + 8 of the 32 draft tokens offered
+    assert [len(w.draft) for w in works] == [4, 4, 0, 0, 0, 0, 0, 0]
+    for w in works:
+        s.on_computed(w, num_accepted=0)
+        w.seq.output_ids.append(42)
+        w.seq.draft, w.seq.draft_position = (9, 9, 9, 9), w.seq.num_tokens
+    # The next step hands the room out from the next sequence on: not the same two cut again.
+    assert [len(w.draft) for w in s.next_microbatch().works] == [0, 4, 4, 0, 0, 0, 0, 0]
+    # 16 or more sequences decoding: no room for any draft.
+    s = Scheduler(SchedulerConfig(max_batched_tokens=512, prefill_chunk=8, prefix_block_size=2, max_verify_rows=16))
+    xs = [seq(i, 3, max_tokens=64) for i in range(20)]
+    for x in xs:
+        s.add(x)
+    complete(s, s.next_microbatch())
+    for x in xs:
+        x.draft, x.draft_position = (9,), x.num_tokens
+    works = s.next_microbatch().works
+    assert len(works) == 20 and all(not w.draft for w in works)
+
+
 def test_a_stale_draft_is_not_sent():
     s = Scheduler(SchedulerConfig(max_batched_tokens=8, prefill_chunk=8, prefix_block_size=2))
     x = seq(1, 3)
