@@ -6,7 +6,9 @@ bound on a small model (SmolLM2-135M Q4_1 on an H200: 1924 CUDA kernels per step
 dense, 30 tok/s against 82) and on a large one it moves the weight ~4 times (blocks in, a dense
 16-bit copy out and back in). Here one kernel per matrix reads the blocks, dequantizes them in
 registers (the reference's arithmetic: f16 scales widened to fp32, d * q (+ m)) and multiplies:
-the bytes read are the file's.
+the bytes read are the file's. Measured there: 538 kernels a step, 59-68 tok/s; one 14336x4096
+Q4_0 product of one row 85 us against 803 us dequantizing first (dense bf16: 32 us; the kernel
+reaches ~390 GB/s, far from the card's bandwidth: room left).
 
 Q8_0, Q4_0 and Q4_1 (the demo's types and the common plain ones); other types, and more rows
 than ROWS_MAX (prefill chunks, where dequantize-then-GEMM is compute-bound anyway), keep the

@@ -172,3 +172,14 @@ def test_a_slow_first_block_does_not_stop_drafting_for_good():
         assert drafter._draft_s.seconds(3) == lowered
     finally:
         drafter.close()
+
+
+def test_rows_past_the_measured_counts_cost_what_the_measured_line_says():
+    """A fresh leader at batch 8 has measured 1 and 8 rows, not 9: a ninth row costs what the line
+    through them says (1/8 of an 8-row step here), not the flat prior's 5%, so free text at ~0.6
+    acceptance drafts nothing instead of paying for its first drafts."""
+    measured = _costs({1: 0.007, 8: 0.027})
+    assert measured.ratio(8, 1) == pytest.approx((0.027 + 0.020 / 7) / 0.027)
+    assert best_length(0.6, 8, measured, 8) == 0
+    # One count measured: no line yet, so the prior stands (batch 1 keeps drafting from the start).
+    assert _costs({1: 0.007}).ratio(1, 1) == pytest.approx(1.05)
