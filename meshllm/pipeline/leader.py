@@ -252,13 +252,7 @@ class Leader(LeaderFailover, LeaderLifecycle):
                 self._watch.done(flight.batch.num_tokens, seconds if result.ok else None)
                 self.observer.on_step(flight.batch, result, seconds)
                 if self.drafter is not None and result.ok:
-                    # What the step's rows cost, for the draft-length model: its round trip when it
-                    # ran alone; beside other micro-batches (2+ stages busy at once) its busiest
-                    # stage's compute, or extra rows look cheaper than they are (the wait behind
-                    # the other micro-batch is the same with or without them): 2 stages, 8 free-
-                    # text sequences drafted at 0.59 acceptance and decoded 0.84x plain.
-                    timed = [t.compute_s for t in result.timings]
-                    self.drafter.step_done(flight.batch, max(timed) if flight.overlapped and timed else seconds)
+                    self.drafter.step_done(flight.batch, seconds, result.timings if flight.overlapped else ())
                 self._apply(flight.batch, result)
                 if flight.epoch != self._epoch:  # its stream ended since: the stages no longer hold its KV
                     self.scheduler.recompute(w.seq for w in flight.batch.works)
@@ -370,12 +364,7 @@ class Leader(LeaderFailover, LeaderLifecycle):
             if w.num_scored:
                 self.observer.on_verified(len(w.draft), num_accepted)
                 if self.drafter is not None:
-                    # The rows the drafter weighs a draft against: one per sequence of the step (a
-                    # plain decode step of them) plus this one's own draft. Not the step's tokens: a
-                    # prefill chunk's 256 made every draft look free, and other sequences' drafts
-                    # made each one's look cheap beside them, so all drafted at once (8 sequences of
-                    # free text sent 20-28-row steps at 3-4x the cost of 8 rows).
-                    self.drafter.verified(w, num_accepted, len(batch.works) + len(w.draft))
+                    self.drafter.verified(w, num_accepted, batch)
             request = self._requests.get(w.seq.seq_id)
             if request is None or w.seq.status is SeqStatus.FINISHED:
                 continue
