@@ -27,6 +27,7 @@ from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions, new_leader
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.transport import LocalPipeline
+from meshllm.spec.drafter import SpecConfig
 from meshllm.spec.ngram import NgramProposer
 from meshllm.tp.channel import DEFAULT_FRAME_WORDS, CommandChannel
 from meshllm.tp.group import GroupSpec, StoreHost, join_group
@@ -244,7 +245,11 @@ def equality_case(rank: int, size: int, address: str, group_id: str, model_dir: 
             load_decoder(files.source, config, 0, split_at, torch_dtype), quantization, speculative)
         stages = [tp] if first is None else [StageRunner(first), tp]
         verified = VerifiedCount()
-        leader = new_leader(files, LocalPipeline(stages), replace(OPTIONS, batch_invariant=speculative),
+        # Drafts sent whenever the proposer has one (wait_for_drafts), not when the cost model
+        # says they pay: fp32 rows are dear on a CPU, and the test is of the rollback they cause.
+        options = replace(OPTIONS, batch_invariant=speculative,
+                          spec=SpecConfig(wait_for_drafts=True) if speculative else OPTIONS.spec)
+        leader = new_leader(files, LocalPipeline(stages), options,
                             observer=verified, proposer=NgramProposer() if speculative else None)
         try:
             tokens, cached = waves(leader, prompts, max_tokens)
