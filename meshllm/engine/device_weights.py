@@ -5,9 +5,10 @@ is held as the file's blocks, `[rows, bytes per row]` uint8 on the device (Q4_K:
 weight, where the dense form takes 16). Products of up to 16 rows (decode, verify passes) of
 Q8_0/Q4_0/Q4_1 blocks on CUDA run one fused Triton kernel (engine/triton_blocks.py); others
 dequantize by torch ops (engine/block_dequant.py) into the activations' dtype inside each
-product; only one layer's matrix is ever dense at a time, for the length of its product. `--quantize int8|int4` on a device makes the same blocks
-from a 16/32-bit weight with ggml's quantizer (Q8_0 / Q4_0) before it leaves the CPU. GGUF
-types without a torch port here (Q2_K, Q3_K, the IQ types) load dense, as before.
+product; only one layer's matrix is ever dense at a time, for the length of its product.
+`--quantize int8|int4` on a device makes the same blocks from a 16/32-bit weight with ggml's
+quantizer (Q8_0 / Q4_0) before it leaves the CPU. GGUF types without a torch port here (Q2_K,
+Q3_K, the IQ types) load dense, as before.
 
 The forms are plain torch modules whose blocks are buffers, so `Decoder.to(device)` moves
 them and the stage's byte count (stage_weights.decoder_bytes) sees the compact size.
@@ -42,6 +43,7 @@ class BlockLinear(nn.Module):
         self.in_features = parts[0].cols
         self.out_features = sum(p.rows for p in parts)
         self.types = [p.ggml_type for p in parts]
+        self._fused_types = all(t in triton_blocks.TYPES for t in self.types)  # fixed: checked once
         for i, p in enumerate(parts):
             self.register_buffer(f"blocks{i}", p.data.to(device), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
@@ -63,7 +65,7 @@ class BlockLinear(nn.Module):
     @property
     def fusable(self) -> bool:
         """Whether every part is of a type the fused decode kernel reads (engine/triton_blocks.py)."""
-        return triton_blocks.ENABLED and all(t in triton_blocks.TYPES for t in self.types)
+        return triton_blocks.ENABLED and self._fused_types
 
     def _fused(self, x: Tensor) -> Tensor:
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)

@@ -97,8 +97,9 @@ if triton is not None:
         out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
-    # On CUDA the tile sizes are picked by measurement on the device at first use of each shape;
-    # the interpreter (tests without a GPU) runs one fixed config.
+    # On CUDA the tile sizes are picked by measurement on the device at first use of each shape
+    # (device_weights.warm_fused_kernels does that at load); under TRITON_INTERPRET (checking the
+    # kernel on a CPU by hand) one fixed config runs.
     _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCKS_K": b}, num_warps=w)
                 for n, b, w in ((16, 8, 4), (32, 4, 4), (32, 8, 4), (64, 4, 4), (64, 8, 8), (128, 4, 8))]
     _tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "KIND"])(_rows_times_blocks)

@@ -46,9 +46,11 @@ static inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
-/* Dot products of W rows [n0, n0+nw) with x rows [m0, m0+mx): nw <= W_ROWS, mx <= 4. */
+/* Dot products of W rows [n0, n0+nw) with x rows [m0, m0+mx): nw <= W_ROWS, mx <= 4, into
+ * out[m * W_ROWS + r]. `each`: every accumulator reduced on its own, in row_dots' order (the ggml
+ * op below, whose rows must not depend on the path), not four at a time by reduce4. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *W, const uint16_t *x, float *out,
-                                                       int64_t K, int nw, int mx) {
+                                                       int64_t K, int nw, int mx, int each) {
     __m512 acc[W_ROWS][MAX_X_ROWS_PER_PASS];
     for (int r = 0; r < nw; r++)
         for (int m = 0; m < mx; m++) acc[r][m] = _mm512_setzero_ps();
@@ -74,7 +76,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *W, const 
         }
     }
     for (int m = 0; m < mx; m++) {
-        if (nw == W_ROWS) {
+        if (nw == W_ROWS && !each) {
             _mm_storeu_ps(out + m * W_ROWS, reduce4(acc[0][m], acc[1][m], acc[2][m], acc[3][m]));
         } else {
             for (int r = 0; r < nw; r++) out[m * W_ROWS + r] = _mm512_reduce_add_ps(acc[r][m]);
@@ -83,7 +85,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *W, const 
 }
 
 /* Constant nw/mx per call site so the compiler unrolls and keeps accumulators in registers. */
-#define TILE_CASE(NW, MX) tile(W, x, out, K, NW, MX)
+#define TILE_CASE(NW, MX) tile(W, x, out, K, NW, MX, 0)
 static void tile_dispatch(const uint16_t *W, const uint16_t *x, float *out, int64_t K, int nw, int mx) {
     if (nw == W_ROWS) {
         switch (mx) {
@@ -138,7 +140,7 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *bias, uint1
  * weight stream, the real cost, is the same. Here each W row is streamed once, sequentially (the
  * shape of ggml's vec_dot_bf16, which the hardware prefetcher follows at full speed; the 4-row
  * tiles of gemv_bf16 above streamed at half that), against all n x rows: 1 row as fast as ggml's
- * gemv, 2 rows +5%. From QUAD_MIN_ROWS rows, four W rows at a time (quad_dots): on wide matrices
+ * gemv, 2 rows +5%. From QUAD_MIN_ROWS rows, four W rows at a time (quad_dispatch): on wide matrices
  * the x rows no longer fit L1, and reloading them for every W row made 8 rows cost 1.6x ggml's.
  * A row's result does not depend on n (one accumulator per x row, the same k order), so a k-row
  * verify pass gives bitwise the logits of k one-row steps. x is rounded to bf16 as ggml rounds it
@@ -148,7 +150,7 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *bias, uint1
 
 #define OP_MAX_ROWS 16
 #define ROWS_PER_PASS 8 /* accumulators in registers; more x rows re-read the W row from L1 */
-#define QUAD_MIN_ROWS 4 /* from this many x rows, QW W rows at a time (quad_dots) */
+#define QUAD_MIN_ROWS 4 /* from this many x rows, W_ROWS W rows at a time (quad_dispatch) */
 
 static inline __attribute__((always_inline)) void row_dots(const uint16_t *w, const uint16_t *x, float *out,
                                                            int64_t K, int mx) {
@@ -171,49 +173,21 @@ static inline __attribute__((always_inline)) void row_dots(const uint16_t *w, co
     for (int m = 0; m < mx; m++) out[m] = _mm512_reduce_add_ps(acc[m]);
 }
 
-/* QW W rows against up to QX x rows in one pass over K: each x chunk loaded once serves QW W rows,
- * where row_dots reloads every x row for every W row (8 rows of a 5632-wide x are 90 KiB, past
- * L1, so from L2 each time). Each accumulator sees the same 32-wide k chunks in the same order as
- * row_dots and is reduced the same way, so a row's result never depends on which path (or how
- * many rows) computed it. Measured on 1.1B shapes (2560x2048, 11264x2048, 2048x5632; AMD Zen 4,
- * 2 threads), ms for 8 rows: row_dots 6.7, QW x QX = 2x8 5.5, 3x8 4.5, 4x4 4.2, 4x8 4.2; for 2 rows
- * row_dots' single W stream is faster (2.2-3.3 against 2.6-2.8, noisy), so QUAD_MIN_ROWS. */
-#define QW 4
-#define QX 4
-static inline __attribute__((always_inline)) void quad_dots(const uint16_t *w, const uint16_t *x, float *out,
-                                                            int64_t K, int mx) {
-    __m512 acc[QW][QX];
-    for (int r = 0; r < QW; r++)
-        for (int m = 0; m < mx; m++) acc[r][m] = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512bh wv[QW];
-        for (int r = 0; r < QW; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
-        for (int m = 0; m < mx; m++) {
-            __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-            for (int r = 0; r < QW; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-        }
-    }
-    if (k < K) {
-        __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
-        __m512bh wv[QW];
-        for (int r = 0; r < QW; r++) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
-        for (int m = 0; m < mx; m++) {
-            __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
-            for (int r = 0; r < QW; r++) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv[r], xv);
-        }
-    }
-    for (int r = 0; r < QW; r++)
-        for (int m = 0; m < mx; m++) out[r * QX + m] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-#define QUAD_CASE(MX) quad_dots(w, x, out, K, MX); return
+/* From QUAD_MIN_ROWS x rows, W_ROWS W rows per pass over K (tile, each accumulator reduced on its
+ * own): each x chunk loaded once serves four W rows, where row_dots reloads every x row for every
+ * W row (8 rows of a 5632-wide x are 90 KiB, past L1, so from L2 each time). Each accumulator sees
+ * the same 32-wide k chunks in the same order as row_dots and is reduced the same way, so a row's
+ * result never depends on which path (or how many rows) computed it. Measured on 1.1B shapes
+ * (2560x2048, 11264x2048, 2048x5632; AMD Zen 4, 2 threads), ms for 8 rows: row_dots 6.7; W rows x
+ * x rows per pass 2x8 5.5, 3x8 4.5, 4x4 4.2, 4x8 4.2; for 2 rows row_dots' single W stream is
+ * faster (2.2-3.3 against 2.6-2.8, noisy), so QUAD_MIN_ROWS. */
+#define EACH_CASE(MX) tile(w, x, out, K, W_ROWS, MX, 1); return
 static void quad_dispatch(const uint16_t *w, const uint16_t *x, float *out, int64_t K, int mx) {
     switch (mx) {
-    case 1: QUAD_CASE(1);
-    case 2: QUAD_CASE(2);
-    case 3: QUAD_CASE(3);
-    default: QUAD_CASE(QX);
+    case 1: EACH_CASE(1);
+    case 2: EACH_CASE(2);
+    case 3: EACH_CASE(3);
+    default: EACH_CASE(MAX_X_ROWS_PER_PASS);
     }
 }
 
@@ -261,14 +235,14 @@ void meshllm_ggml_bf16_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
     const uint16_t *W = (const uint16_t *)w->data; /* contiguous rows: ggml_stage.py wraps torch weights */
     int64_t r = r0;
     if (n >= QUAD_MIN_ROWS) {
-        for (; r + QW <= r1; r += QW) {
-            for (int64_t m0 = 0; m0 < n; m0 += QX) {
-                const int mx = (int)(n - m0 < QX ? n - m0 : QX);
-                float out[QW * QX];
+        for (; r + W_ROWS <= r1; r += W_ROWS) {
+            for (int64_t m0 = 0; m0 < n; m0 += MAX_X_ROWS_PER_PASS) {
+                const int mx = (int)(n - m0 < MAX_X_ROWS_PER_PASS ? n - m0 : MAX_X_ROWS_PER_PASS);
+                float out[MAX_X_ROWS_PER_PASS * W_ROWS];
                 quad_dispatch(W + r * K, xb + m0 * K, out, K, mx);
-                for (int q = 0; q < QW; q++)
-                    for (int m = 0; m < mx; m++)
-                        ((float *)((char *)dst->data + (m0 + m) * dst->nb[1]))[r + q] = out[q * QX + m];
+                for (int m = 0; m < mx; m++)
+                    for (int q = 0; q < W_ROWS; q++)
+                        ((float *)((char *)dst->data + (m0 + m) * dst->nb[1]))[r + q] = out[m * W_ROWS + q];
             }
         }
     }
