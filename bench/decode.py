@@ -104,11 +104,13 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
     import torch
 
     torch.set_num_threads(threads)
+    from meshllm.engine.host_memory import return_large_frees
     from meshllm.engine.stage_weights import load_stage_decoder
     from meshllm.model.source import open_model
 
     from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPES
 
+    return_large_frees()  # as every meshllm command does
     files = open_model(path)
     dtype = DTYPES[DEFAULT_DTYPE]  # what `meshllm serve` runs with: --dtype auto
     t = time.perf_counter()

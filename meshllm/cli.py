@@ -6,6 +6,7 @@ import importlib
 import logging
 import sys
 
+from meshllm.engine.host_memory import return_large_frees
 from meshllm.errors import MeshError
 
 SUBCOMMANDS = {
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in SUBCOMMANDS), None)
     args = build_parser(command).parse_args(argv)
+    return_large_frees()  # before the first large allocation (host_memory says why)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args._run(args)

@@ -13,7 +13,6 @@ it reads layers [first, last) and decides the weight form once, for all of them:
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 
@@ -25,6 +24,7 @@ from meshllm.cluster.stage_budget import WeightBytes
 from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, held_block_bytes, linear_block_parts
+from meshllm.engine.host_memory import return_freed_memory
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.batch_invariant import make_batch_invariant
 from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm, warm_fused_kernels
@@ -99,7 +99,7 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
         return prepare_for_cpu(decoder, quantization if quantization in QUANTIZATIONS else None, batch_invariant)
     form = GGMLWeightForm(rt, QUANTIZE_TYPES.get(quantization))
     decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form)
-    _return_freed_memory()
+    return_freed_memory()  # the read buffers freed during loading
     why_not = ggml_stage.supports(decoder)
     log.info("layers [%d, %d) of %s: weights %s", first_layer, decoder.last_layer, source.path,
              describe_weights(decoder))
@@ -170,19 +170,6 @@ def describe_weights(decoder: Decoder) -> str:
     quantized = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in sorted(held.items()))
     kind = "blocks" if seen else "ggml"
     return f"{kind} {quantized}; dense {dense / 2**20:.1f} MiB" if held else f"dense {dense / 2**20:.1f} MiB"
-
-
-def _return_freed_memory() -> None:
-    """Give the read buffers freed during loading back to the OS.
-
-    Each weight is read into a temporary buffer and copied into ggml's; glibc keeps freed heap
-    memory mapped (its mmap threshold grows after the first large frees), which left ~100 MiB of
-    a SmolLM2 stage's RSS as dead buffers. A no-op where the C library is not glibc.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: int,

@@ -6,7 +6,8 @@ The bound is on growth, measured in the node process itself (idle before Load, t
 decoding), because an idle node's size (python, torch, gRPC, the model scan: 250-320 MiB seen)
 depends on the machine's CPU and allocator and is not the engine's doing. Measured growth on
 2-core x86 machines, torch 2.13, one thread per node: ~200 MiB = file (94 MiB) + ~105 MiB of
-runtime heap. With the weights dequantized to fp32 (the old path, MESHLLM_NO_GGML=1) the growth
+runtime heap before loading returned its read buffers (engine/host_memory.py); since, on a
+2-core AMD Zen 4: 133 MiB = file + KV (11 MiB) + 28 MiB. With the weights dequantized to fp32 (the old path, MESHLLM_NO_GGML=1) the growth
 is ~630 MiB, with bf16 ~360 MiB: both fail this bound.
 """
 

@@ -85,8 +85,11 @@ def test_tp2_matches_one_process(results, name):
     torch.testing.assert_close(rank0["logits"], want["logits"], atol=1e-4, rtol=0)
     assert rank0["tokens"] == want["tokens"]
     assert all(len(t) == MAX_TOKENS for wave in rank0["tokens"] for t in wave)
-    assert rank0["cached"][1] > 0  # the second wave attached prefix blocks on both ranks
-    assert rank0["cached"] == want["cached"]
+    # The second wave finds every prompt's full blocks published (prefix blocks attached on both
+    # ranks): its count is fixed and must match. The first wave's is not compared: it depends on
+    # whether prompt 0's blocks, which prompt 1 shares, were published before prompt 1 was
+    # admitted, a race between the submitting thread and the leader's loop that load decides.
+    assert rank0["cached"][1] == want["cached"][1] > 0
     assert rank1["exit"] == "shutdown" and rank1["steps"] > 0
     # Both ranks freed every sequence and keep the same prefix blocks (rank-local KV, same hashes).
     assert rank0["held_after"] == rank1["held_after"] and rank0["held_after"][0] == 0
