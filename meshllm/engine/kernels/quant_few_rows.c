@@ -45,13 +45,18 @@ int meshllm_quant_few_rows_available(void) { return 1; }
 /* Per activation row and 32-value block, what the op at hand reads: for Q4_0 weights the int8
  * values, -8 * (their sum) (the Q4_0 offset: weights are d * (q - 8) with q the unsigned nibble)
  * and, with a Q4_1 remainder, the float sum of the block; for Q8_0 weights (signed) the values
- * offset to unsigned (+128); for both the scale. */
+ * offset to unsigned (+128); for both the scale. Stored block by block (block b of row m at
+ * b * rows + m): a pass reads block b of all its rows together, from one or two cache lines, where
+ * rows K bytes apart kept more lines live than L1 holds beside the weights streaming through it.
+ * Measured, one thread, 16 Q4_0 matrices 4096x576 (SmolLM2's widths) in one-op graphs: 4 / 8 rows
+ * 2.0 / 3.4 -> 1.7 / 2.8 ms (with the offset broadcast from memory, below), 1 row unchanged. */
 struct quantized {
     int8_t *q;
     uint8_t *u;
     float *d, *sum;
     int32_t *offset;
     size_t capacity;
+    int64_t rows;
 };
 
 enum { FOR_Q4_0 = 1, WITH_SUMS = 2, FOR_Q8_0 = 4 };
@@ -68,6 +73,7 @@ static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, str
         out->offset = malloc(out->capacity / 32 * sizeof(int32_t));
         if (!out->q || !out->u || !out->d || !out->sum || !out->offset) abort();
     }
+    out->rows = n;
     for (int64_t m = 0; m < n; m++) {
         const float *row = (const float *)((const char *)x->data + m * x->nb[1]);
         for (int64_t b = 0; b < blocks; b++) {
@@ -75,17 +81,17 @@ static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, str
             const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
             /* as ggml's x86 quantize_row_q8_0: the same id, the scale kept as f16 */
             const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-            const int64_t i = m * blocks + b;
+            const int64_t i = b * n + m;
             out->d[i] = _cvtsh_ss(_cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT));
             const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
             const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
             const __m256i q = _mm256_set_m128i(_mm512_cvtsepi32_epi8(q1), _mm512_cvtsepi32_epi8(q0));
             if (what & FOR_Q4_0) {
-                _mm256_storeu_si256((__m256i *)(out->q + m * K + b * 32), q);
+                _mm256_storeu_si256((__m256i *)(out->q + i * 32), q);
                 out->offset[i] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
             }
             if (what & FOR_Q8_0)
-                _mm256_storeu_si256((__m256i *)(out->u + m * K + b * 32), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
+                _mm256_storeu_si256((__m256i *)(out->u + i * 32), _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)));
             if (what & WITH_SUMS) {
                 float sum = 0.0f; /* in order, as q4_remainder.c sums a block */
                 for (int k = 0; k < 32; k++) sum += row[b * 32 + k];
@@ -115,9 +121,10 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t *grou
         const __m512i lo1 = _mm512_and_si512(q1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
 #pragma GCC unroll 8
         for (int m = 0; m < MX; m++) {
-            const int64_t i = (m0 + m) * blocks + b;
-            const int64_t *xb = (const int64_t *)(xq->q + (m0 + m) * K + b * 32);
-            __m512i dot = _mm512_set1_epi64((int64_t)(uint32_t)xq->offset[i]); /* into lane 2r only */
+            const int64_t i = b * xq->rows + m0 + m;
+            const int64_t *xb = (const int64_t *)(xq->q + i * 32);
+            /* into lane 2r only; a masked broadcast from memory, not a move from a general register */
+            __m512i dot = _mm512_maskz_set1_epi32(0x5555, xq->offset[i]);
             dot = _mm512_dpbusd_epi32(dot, lo0, _mm512_set1_epi64(xb[0]));
             dot = _mm512_dpbusd_epi32(dot, lo1, _mm512_set1_epi64(xb[1]));
             dot = _mm512_dpbusd_epi32(dot, hi0, _mm512_set1_epi64(xb[2]));
@@ -155,7 +162,7 @@ static void add_remainder(const struct ggml_tensor *r, const struct quantized *x
     for (int64_t b = 0; b < blocks; b++) {
         const float *rb = (const float *)((const char *)r->data + b * r->nb[1]);
         for (int64_t m = 0; m < n; m++) {
-            const float s = xq->sum[m * blocks + b];
+            const float s = xq->sum[b * n + m];
             float *out = (float *)((char *)dst->data + m * dst->nb[1]);
             for (int64_t i = i0; i < i1; i++) out[i] += rb[i] * s;
         }
@@ -228,8 +235,8 @@ static inline __attribute__((always_inline)) void q8_row(const uint8_t *row, con
                                               _mm256_slli_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, w), 7));
         const float dw = f16_at(row + b * Q8_BLOCK);
         for (int m = 0; m < MX; m++) {
-            const int64_t i = (m0 + m) * blocks + b;
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq->u + (m0 + m) * K + b * 32));
+            const int64_t i = b * xq->rows + m0 + m;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq->u + i * 32));
             const __m256 q = _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(init, x, w));
             acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(dw * xq->d[i]), q, acc[m]);
         }
