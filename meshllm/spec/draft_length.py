@@ -165,8 +165,10 @@ def best_length(alpha: float, k_max: int, costs: StepCosts, rows: int) -> int:
 # Beside other sequences a draft must beat plain steps by more than alone: what the model leaves
 # out (the leader's drafting work, on a CPU the stages share; several sequences' drafts landing in
 # one step) costs a few percent there. Measured, SmolLM2 Q4_1, 8 sequences of free text, 2 stages:
-# with 2% drafts went out at 0.54-0.63 acceptance and decoding ran 0.91-0.95x plain.
-BATCH_MARGIN = 1.06
+# with 2% drafts went out at 0.54-0.63 acceptance and decoding ran 0.91-0.95x plain; with 6%, once
+# the few-row kernels made a ninth row cheaper, 0.94x with 8 in flight (acceptance 0.66); with 12%
+# 1.00x closed and in flight, while copying answers kept 1.30x / 1.25x (1.24x / 1.28x at 6%).
+BATCH_MARGIN = 1.12
 
 
 _OFFER_BUCKETS = (1, 2, 4, 8)  # offered lengths up to each bound share an estimate; longer, the last
