@@ -13,18 +13,20 @@ buffers are kept).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 
 _M_MMAP_THRESHOLD = -3  # malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
+@functools.cache
 def _libc():
+    """The process's own C library symbols (no ctypes.util.find_library: it runs ldconfig, ~4 ms)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+        libc = ctypes.CDLL(None)
     except OSError:
         return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 def return_large_frees() -> bool:

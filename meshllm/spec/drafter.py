@@ -164,12 +164,11 @@ class Drafter:
         # them) plus its own draft. Not the step's tokens: a prefill chunk's 256 made every draft
         # look free; nor the other sequences' drafts, beside which each looked cheap, so all drafted
         # at once (8 sequences of free text sent 20-28-row steps at 3-4x the cost of 8 rows).
-        rows = len(batch.works) + len(work.draft)
         if st.offered_length is not None:
             st.offered_length.update(st.offered, len(work.draft), num_accepted)
-            st.rows = max(1, rows - len(work.draft))
+            st.rows = len(batch.works)
         else:
-            st.length.update(len(work.draft), num_accepted, self._costs, rows)
+            st.length.update(len(work.draft), num_accepted, self._costs, len(batch.works) + len(work.draft))
 
     def step_done(self, batch: MicroBatch, seconds: float, overlapped_timings: tuple[StageTiming, ...] = ()) -> None:
         """A step came back after `seconds`. `overlapped_timings`: its stages' timings when another
