@@ -20,12 +20,13 @@ import time
 import weakref
 
 import torch
+from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
-from meshllm.engine.ggml_weights import GraphScope
+from meshllm.engine.ggml_weights import GraphScope, custom_op
 from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_ops, q4_few_rows_op, q4_remainder_op,
-                                               q8_few_rows_op)
+                                               q8_0x8_ops, q8_few_rows_op)
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
@@ -70,7 +71,9 @@ class _Weights:
         # per-block term of a Q4_1 matrix held as Q4_0 (ggml_weights.split_q4_1)
         self.parts: list[tuple[object, int, int, object | None]] = []
         self.dense_bf16 = False  # one bf16 torch matrix: few-row products may take meshllm's kernel
+        self.q8_0x8 = False  # one Q8_0 matrix in meshllm's 8-row layout: only meshllm's op reads it
         if isinstance(module, QuantizedLinear):
+            self.q8_0x8 = [m.layout for m in module.matrices] == ["q8_0x8"]
             row = 0
             for m in module.matrices:
                 self.parts.append((m.tensor, row, m.rows, None if m.remainder is None else scope.wrap(m.remainder)))
@@ -146,13 +149,25 @@ class GGMLStage:
                 gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj),
                 q_norm=None if attn.q_norm is None else wrap_f32(attn.q_norm.weight),
                 k_norm=None if attn.k_norm is None else wrap_f32(attn.k_norm.weight)))
-        self.embedding = None
+        self._q8_0x8_ops = q8_0x8_ops()
+        if decoder.has_head:
+            head = decoder.lm_head
+            if self._q8_0x8_ops is not None and isinstance(head, QuantizedLinear) and len(head.matrices) == 1 \
+                    and head.matrices[0].ggml_type == GGML.Q8_0 and head.matrices[0].rows % 8 == 0 \
+                    and head.matrices[0].layout == "ggml":
+                # The head is a large share of a one-row step and more of each extra verify row:
+                # SmolLM2's 49152 x 576 Q8_0 head, one thread, 1 / 4 / 8 / 16 rows 1.5 / 2.9 / 5.2 /
+                # 10.2 ms in ggml's plain layout (quant_few_rows.c says why), 0.8 / 1.2 / 2.0 / 5.4
+                # re-laid out; the whole SmolLM2 Q4_1 stage at 400 cached tokens, 8 rows 21.2 ->
+                # 18.0 ms. A tied embedding shares the table: its lookups take the matching op below.
+                head.matrices[0].repack_q8_0x8()
+            self.norm = wrap_f32(decoder.norm.weight)
+            self.head = _Weights(self._ctx, head)
+        self.embedding, self.embedding_q8_0x8 = None, False
         if decoder.has_embedding:
             e = decoder.embed_tokens
             self.embedding = e.table.tensor if isinstance(e, QuantizedEmbedding) else self._ctx.wrap(e.weight)
-        if decoder.has_head:
-            self.norm = wrap_f32(decoder.norm.weight)
-            self.head = _Weights(self._ctx, decoder.lm_head)
+            self.embedding_q8_0x8 = isinstance(e, QuantizedEmbedding) and e.table.layout == "q8_0x8"
         # ggml's NEOX rotary (HF's rotate_half) computes theta_i = pos * base^(-2i/d) / factor_i:
         # the factors carry llama3's frequency scaling.
         base = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
@@ -182,7 +197,10 @@ class GGMLStage:
         g = s.g
         outs = []
         n = x.contents.ne[1]
-        if w.dense_bf16 and self._few_rows_op is not None and n <= FEW_ROWS_MAX:
+        if w.q8_0x8:  # any number of rows: ggml's ops cannot read the layout
+            (tensor, first, rows, _), = w.parts
+            outs.append((custom_op(s, self._q8_0x8_ops[0], (rows, n), tensor, x), first, rows))
+        elif w.dense_bf16 and self._few_rows_op is not None and n <= FEW_ROWS_MAX:
             (tensor, first, rows, _), = w.parts
             args = (ctypes.POINTER(type(tensor.contents)) * 2)(tensor, x)
             outs.append((g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 2, self._few_rows_op, -1, None), first, rows))
@@ -395,7 +413,10 @@ class GGMLStage:
             s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
         if self.embedding is not None:
             step.ids = torch.zeros(n, dtype=torch.int32)
-            h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
+            if self.embedding_q8_0x8:
+                h = custom_op(s, self._q8_0x8_ops[1], (c.hidden_size, n), self.embedding, s.wrap(step.ids))
+            else:
+                h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
         else:
             step.hidden = torch.zeros(n, c.hidden_size, dtype=torch.float32)
             h = s.wrap(step.hidden)

@@ -20,6 +20,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from torch import Tensor
 
 from meshllm.engine.ggml_lib import Runtime
+from meshllm.engine.kernels.custom_ops import q8_0x8_ops
 from meshllm.errors import ModelLoadError
 
 # Types kept quantized in memory; gguf's numbering is ggml's.
@@ -170,6 +171,7 @@ class GGMLMatrix:
         self.rt = rt
         self.ggml_type, (self.rows, self.cols) = matrix.ggml_type, matrix.shape
         self.remainder: Tensor | None = None
+        self.layout = "ggml"  # or "q8_0x8": repack_q8_0x8 re-laid the blocks out for meshllm's op
         if repack and splits_q4_1(rt, matrix.ggml_type, self.rows):
             matrix, self.remainder = split_q4_1(matrix)
         self.num_bytes = matrix.num_bytes + (0 if self.remainder is None else self.remainder.nbytes)
@@ -192,6 +194,25 @@ class GGMLMatrix:
             g.ggml_free(self._ctx)
             self._buffer = None
 
+    def repack_q8_0x8(self) -> None:
+        """Re-lay this Q8_0 matrix's blocks out in place as meshllm's 8-row layout (quant_few_rows.c:
+        per 8 rows and 32 columns, the 8 scales, then 4 chunks of 8 bytes of each row in turn), the
+        same bytes in the same buffer. Only meshllm's ops read it afterwards (matmul and
+        QuantizedEmbedding take them); ggml's own ops would read garbage, so the stage's graph
+        builds none on it (ggml_stage.GGMLStage)."""
+        assert self.ggml_type == GGML.Q8_0 and self.rows % 8 == 0 and self.layout == "ggml", (self.ggml_type, self.rows)
+        g = self.g
+        size = g.ggml_nbytes(self.tensor)
+        plain = torch.empty(size, dtype=torch.uint8)
+        g.ggml_backend_tensor_get(self.tensor, ctypes.c_void_p(plain.data_ptr()), 0, size)
+        blocks = plain.view(self.rows // 8, 8, self.cols // 32, 34)  # group, row, block, (f16 scale, 32 int8)
+        scales = blocks[..., :2].permute(0, 2, 1, 3).reshape(self.rows // 8, self.cols // 32, 16)
+        values = blocks[..., 2:].reshape(self.rows // 8, 8, self.cols // 32, 4, 8).permute(0, 2, 3, 1, 4)
+        relaid = torch.cat([scales, values.reshape(self.rows // 8, self.cols // 32, 256)], dim=2).contiguous()
+        del plain, blocks
+        g.ggml_backend_tensor_set(self.tensor, ctypes.c_void_p(relaid.data_ptr()), 0, size)
+        self.layout = "q8_0x8"
+
     def matmul(self, x: Tensor) -> Tensor:
         """x [n, cols] -> x @ W.T [n, rows], fp32."""
         assert x.dim() == 2 and x.shape[1] == self.cols, (tuple(x.shape), self.shape)  # ggml would abort
@@ -199,7 +220,10 @@ class GGMLMatrix:
         y = torch.empty(x.shape[0], self.rows, dtype=torch.float32)
         with GraphScope(self.rt) as s:
             xt = s.wrap(x)
-            yt = s.g.ggml_mul_mat(s.ctx, self.tensor, xt)
+            if self.layout == "q8_0x8":
+                yt = custom_op(s, q8_0x8_ops()[0], (self.rows, x.shape[0]), self.tensor, xt)
+            else:
+                yt = s.g.ggml_mul_mat(s.ctx, self.tensor, xt)
             s.point(yt, y)
             s.compute(yt)
         if self.remainder is not None:
@@ -209,6 +233,14 @@ class GGMLMatrix:
     @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
+
+
+def custom_op(s: GraphScope, op: int, shape: tuple[int, int], *sources):
+    """An f32 [shape[0] (ggml ne0), shape[1]] result of meshllm custom op `op` (an address from
+    kernels.custom_ops) over `sources`, in scope `s`."""
+    g = s.g
+    args = (ctypes.POINTER(type(sources[0].contents)) * len(sources))(*sources)
+    return g.ggml_custom_4d(s.ctx, 0, shape[0], shape[1], 1, 1, args, len(sources), g.ggml_custom_op_t(op), -1, None)
 
 
 _COMPUTE_LOCK = threading.Lock()

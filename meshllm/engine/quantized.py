@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
-from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, GraphScope
+from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, GraphScope, custom_op
+from meshllm.engine.kernels.custom_ops import q8_0x8_ops
 
 
 class QuantizedLinear(nn.Module):
@@ -69,7 +70,11 @@ class QuantizedEmbedding(nn.Module):
         ids32 = ids.to(torch.int32).contiguous()
         out = torch.empty(ids32.numel(), self.embedding_dim, dtype=torch.float32)
         with GraphScope(self.rt) as s:
-            rows = s.g.ggml_get_rows(s.ctx, self.table.tensor, s.wrap(ids32))
+            if self.table.layout == "q8_0x8":  # a tied head re-laid out for meshllm's op (ggml_stage.py)
+                rows = custom_op(s, q8_0x8_ops()[1], (self.embedding_dim, ids32.numel()), self.table.tensor,
+                                 s.wrap(ids32))
+            else:
+                rows = s.g.ggml_get_rows(s.ctx, self.table.tensor, s.wrap(ids32))
             s.point(rows, out)
             s.compute(rows)
         return out.to(self.dtype)

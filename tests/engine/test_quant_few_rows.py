@@ -146,7 +146,9 @@ def test_a_verify_pass_scores_what_one_row_steps_score_on_q4_1(q4_1_decoder):
 
 
 def test_the_ops_change_no_logit_of_the_shipped_model(q4_1_decoder, monkeypatch):
-    """Decode steps with the ops against the same steps on ggml's own products: bitwise equal."""
+    """Decode steps with the few-row ops against the same steps on ggml's own products: bitwise
+    equal. (The head is Q8_0 in meshllm's 8-row layout in both runs, which ggml cannot read: its
+    products differ from ggml's in the last bits, test_q8_0x8_products_match_the_plain_layouts.)"""
     d = q4_1_decoder
     vocab = d.config.vocab_size
     g = torch.Generator().manual_seed(5)
@@ -169,3 +171,50 @@ def test_the_ops_change_no_logit_of_the_shipped_model(q4_1_decoder, monkeypatch)
     monkeypatch.setattr(ggml_stage.GGMLStage, "_reuse_key", staticmethod(lambda *a: None))
     for a, b in zip(with_ops, steps()):
         assert torch.equal(a, b)
+
+
+# --- Q8_0 in meshllm's 8-row layout (an LM head: ggml_stage.GGMLStage re-lays it out) -------------
+
+@pytest.fixture(scope="module")
+def q8_0x8(rt):
+    from meshllm.engine.kernels.custom_ops import q8_0x8_ops
+
+    if q8_0x8_ops() is None:
+        pytest.skip("the 8-row Q8_0 ops are not built here, or this CPU lacks AVX-512 VNNI")
+    plain, weight = _matrix(rt, GGML.Q8_0, 72, 544, seed=11)  # 17 blocks a row, 9 groups of 8 rows
+    relaid, _ = _matrix(rt, GGML.Q8_0, 72, 544, seed=11)
+    relaid.repack_q8_0x8()
+    return plain, relaid, weight
+
+
+def test_q8_0x8_products_match_the_plain_layouts(q8_0x8):
+    """The same blocks give the same products to float rounding (the plain op sums each row's 8
+    partial lanes, this one each block's whole integer dot), and no further from the float64
+    reference; any number of rows, past the 16 of the few-row ops."""
+    plain, relaid, weight = q8_0x8
+    g = torch.Generator().manual_seed(12)
+    for n in (1, 4, 9, 40):
+        x = torch.randn(n, 544, generator=g)
+        reference = x.double() @ weight.T
+        scale = reference.abs().max().item()
+        ours = relaid.matmul(x).double()
+        assert (ours - plain.matmul(x).double()).abs().max().item() < 1e-5 * scale, n
+        assert (ours - reference).abs().max().item() < 1e-2 * scale, n
+
+
+def test_q8_0x8_rows_are_independent_of_the_rows_beside_them(q8_0x8):
+    _, relaid, _ = q8_0x8
+    x = torch.randn(20, 544, generator=torch.Generator().manual_seed(13))
+    alone = torch.cat([relaid.matmul(x[i:i + 1]) for i in range(20)])
+    for n in (2, 7, 8, 9, 17, 20):
+        assert torch.equal(relaid.matmul(x[:n]), alone[:n]), n
+
+
+def test_q8_0x8_lookups_are_ggmls_get_rows(rt, q8_0x8):
+    """A tied embedding reads the re-laid table: every row dequantized bitwise as ggml's get_rows."""
+    from meshllm.engine.quantized import QuantizedEmbedding
+
+    plain, relaid, _ = q8_0x8
+    ids = torch.tensor([0, 7, 8, 71, 33, 33, 64])
+    assert torch.equal(QuantizedEmbedding(rt, relaid, torch.float32)(ids),
+                       QuantizedEmbedding(rt, plain, torch.float32)(ids))

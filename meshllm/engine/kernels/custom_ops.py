@@ -70,6 +70,17 @@ def q8_few_rows_op() -> int | None:
                              "meshllm_quant_few_rows_tensor_size", "meshllm_quant_few_rows_available")
 
 
+@functools.cache
+def q8_0x8_ops() -> tuple[int, int] | None:
+    """(meshllm_ggml_q8_0x8_rows, meshllm_ggml_q8_0x8_get_rows) (quant_few_rows.c): a Q8_0 matrix in
+    meshllm's 8-row layout (ggml_weights.repack_q8_0x8) times any number of rows, and its rows
+    dequantized by id; or None where they were not built or this CPU lacks AVX-512 VNNI."""
+    ops = tuple(_op_where_it_runs(QUANT_FEW_ROWS_LIBRARY, name, "meshllm_quant_few_rows_tensor_size",
+                                  "meshllm_quant_few_rows_available")
+                for name in ("meshllm_ggml_q8_0x8_rows", "meshllm_ggml_q8_0x8_get_rows"))
+    return None if None in ops else ops
+
+
 def _attention_op(name: str) -> int | None:
     return _op_where_it_runs(ATTENTION_LIBRARY, name, "meshllm_attention_tensor_size", "meshllm_attention_available")
 

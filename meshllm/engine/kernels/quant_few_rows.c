@@ -281,6 +281,124 @@ void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
     }
 }
 
+/* Q8_0 in meshllm's 8-row layout (ggml_weights.repack_q8_0x8, for an LM head): per group of 8
+ * rows and 32-column block, the 8 rows' f16 scales, then 4 chunks of 64 bytes, chunk j holding
+ * bytes 8j .. 8j+7 of rows 0..7 in turn; 272 bytes, as 8 plain blocks. One pass over a group's
+ * weights then serves 8 rows at once per dot-product instruction, where the plain layout gives
+ * one row's 8-lane partial dot per block (SmolLM2's 49152 x 576 head, one thread, 1 / 8 / 16
+ * activation rows: the op above 1.5 / 5.2 / 10.2 ms, this one 0.8 / 2.0 / 5.4). Each block's integer dot is exact; it is scaled and
+ * accumulated in block order per output (not ggml's 8 partial lanes per row, so one row is not
+ * bitwise ggml's product), and rows stay independent of each other, any number of them: a
+ * group's weights stay in L1 across passes of 8 rows. Embedding lookups of the same table (a tied
+ * head) go through meshllm_ggml_q8_0x8_get_rows, which dequantizes as ggml's get_rows does. */
+#define Q8X8_GROUP_BYTES (8 * 2 + 256)
+
+static inline __attribute__((always_inline)) void q8x8_group_rows(const uint8_t *group, const struct quantized *xq,
+                                                                  int64_t K, int64_t m0, int MX, float out[][8]) {
+    const int64_t blocks = K / 32;
+    __m512 acc[ROWS_PER_PASS];
+    for (int m = 0; m < MX; m++) acc[m] = _mm512_setzero_ps();
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *blk = group + b * Q8X8_GROUP_BYTES;
+        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+        const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
+        const __m512i w2 = _mm512_loadu_si512(blk + 144), w3 = _mm512_loadu_si512(blk + 208);
+        /* activations go in as x + 128 (dpbusd multiplies unsigned by signed bytes): each lane
+         * starts from -128 x the sum of its weights, once per block for all rows */
+        __m512i init = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w0);
+        init = _mm512_dpbusd_epi32(init, ones, w1);
+        init = _mm512_dpbusd_epi32(init, ones, w2);
+        init = _mm512_dpbusd_epi32(init, ones, w3);
+        init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(init, 7));
+#pragma GCC unroll 8
+        for (int m = 0; m < MX; m++) {
+            const int64_t i = b * xq->rows + m0 + m;
+            const int64_t *xb = (const int64_t *)(xq->u + i * 32);
+            __m512i dot = _mm512_dpbusd_epi32(init, _mm512_set1_epi64(xb[0]), w0);
+            dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi64(xb[1]), w1);
+            dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi64(xb[2]), w2);
+            dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi64(xb[3]), w3);
+            dot = _mm512_add_epi32(dot, _mm512_srli_epi64(dot, 32)); /* row r's whole dot in lane 2r */
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])), acc[m]);
+        }
+    }
+    const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int m = 0; m < MX; m++)
+        _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[m])));
+}
+
+#define Q8X8_CASE(MX) q8x8_group_rows(group, xq, K, m0, MX, out); break
+static void q8x8_dispatch(const uint8_t *group, const struct quantized *xq, int64_t K, int64_t m0, int mx,
+                          float out[][8]) {
+    switch (mx) {
+    case 1: Q8X8_CASE(1);
+    case 2: Q8X8_CASE(2);
+    case 3: Q8X8_CASE(3);
+    case 4: Q8X8_CASE(4);
+    case 5: Q8X8_CASE(5);
+    case 6: Q8X8_CASE(6);
+    case 7: Q8X8_CASE(7);
+    default: Q8X8_CASE(8);
+    }
+}
+
+/* src0 Q8_0 [K, N] in the 8-row layout (N % 8 == 0), src1 f32 [K, n] (any n), dst f32 [N, n] */
+void meshllm_ggml_q8_0x8_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *w = dst->src[0], *x = dst->src[1];
+    const int64_t K = w->ne[0], N = w->ne[1], n = x->ne[1];
+    if (w->type != GGML_TYPE_Q8_0 || N % 8 || K % 32 || x->type != GGML_TYPE_F32 || x->ne[0] != K
+        || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || dst->ne[0] != N || dst->ne[1] != n
+        || dst->nb[0] != sizeof(float))
+        abort();
+    const int64_t groups = N / 8, per = (groups + nth - 1) / nth, g0 = ith * per;
+    const int64_t g1 = g0 + per < groups ? g0 + per : groups;
+    if (g0 >= g1) return;
+    static __thread struct quantized xq;
+    quantize_rows(x, n, K, &xq, FOR_Q8_0);
+    const int64_t group_stride = (K / 32) * Q8X8_GROUP_BYTES;
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t *group = (const uint8_t *)w->data + g * group_stride;
+        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
+            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
+            float out[ROWS_PER_PASS][8];
+            q8x8_dispatch(group, &xq, K, m0, mx, out);
+            for (int m = 0; m < mx; m++)
+                memcpy((float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + g * 8, out[m], sizeof out[m]);
+        }
+    }
+}
+
+/* src0 the same table, src1 int32 [n] row ids -> dst f32 [K, n]: each row dequantized as ggml's
+ * get_rows does (the int8 value times the block's f16 scale, in f32) */
+void meshllm_ggml_q8_0x8_get_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)userdata;
+    const struct ggml_tensor *w = dst->src[0], *ids = dst->src[1];
+    const int64_t K = w->ne[0], N = w->ne[1], n = ids->ne[0];
+    if (w->type != GGML_TYPE_Q8_0 || N % 8 || K % 32 || ids->type != GGML_TYPE_I32 || dst->type != GGML_TYPE_F32
+        || dst->ne[0] != K || dst->ne[1] != n || dst->nb[0] != sizeof(float))
+        abort();
+    const int64_t blocks = K / 32, group_stride = blocks * Q8X8_GROUP_BYTES;
+    for (int64_t k = ith; k < n; k += nth) {
+        const int32_t id = ((const int32_t *)ids->data)[k];
+        if (id < 0 || id >= N) abort(); /* as ggml_get_rows asserts */
+        const uint8_t *group = (const uint8_t *)w->data + (id / 8) * group_stride;
+        const int r = id % 8;
+        float *out = (float *)((char *)dst->data + k * dst->nb[1]);
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint8_t *blk = group + b * Q8X8_GROUP_BYTES;
+            const float d = f16_at(blk + 2 * r);
+            for (int j = 0; j < 4; j++) {
+                const int8_t *q = (const int8_t *)(blk + 16 + j * 64 + r * 8);
+                for (int i = 0; i < 8; i++) out[b * 32 + j * 8 + i] = q[i] * d;
+            }
+        }
+    }
+}
+
 #else
 int meshllm_quant_few_rows_available(void) { return 0; }
 void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
@@ -288,6 +406,14 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     abort(); /* never built into a graph: the ops report themselves unavailable */
 }
 void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort();
+}
+void meshllm_ggml_q8_0x8_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
+    (void)dst; (void)ith; (void)nth; (void)userdata;
+    abort();
+}
+void meshllm_ggml_q8_0x8_get_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)dst; (void)ith; (void)nth; (void)userdata;
     abort();
 }
