@@ -101,12 +101,48 @@ static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, str
     }
 }
 
+/* Activation row i's integer dot with one block of 8 weight rows: lanes 2r and 2r+1 hold row r's
+ * two halves, the Q4_0 offset in lane 2r. */
+static inline __attribute__((always_inline)) __m512i row_dot(__m512i lo0, __m512i lo1, __m512i hi0, __m512i hi1,
+                                                            const struct quantized *xq, int64_t i) {
+    const int64_t *xb = (const int64_t *)(xq->q + i * 32);
+    /* into lane 2r only; a masked broadcast from memory, not a move from a general register */
+    __m512i dot = _mm512_maskz_set1_epi32(0x5555, xq->offset[i]);
+    dot = _mm512_dpbusd_epi32(dot, lo0, _mm512_set1_epi64(xb[0]));
+    dot = _mm512_dpbusd_epi32(dot, lo1, _mm512_set1_epi64(xb[1]));
+    dot = _mm512_dpbusd_epi32(dot, hi0, _mm512_set1_epi64(xb[2]));
+    return _mm512_dpbusd_epi32(dot, hi1, _mm512_set1_epi64(xb[3]));
+}
+
+/* Two activation rows' dots with a block of 8 weight rows (lanes 2r and 2r+1: weight row r's
+ * halves) -> row m's whole dot in lane 2r, row m+1's in lane 2r+1, each lane's integer sum the
+ * one-row form's (dot + its upper half), so the two rows share one conversion, scaling and
+ * accumulation: 8 rows of SmolLM2's Q4_1 matrices 11.1 -> 9.2 ms, one thread. */
+static inline __attribute__((always_inline)) __m512i pair_dots(__m512i a, __m512i c) {
+    const __m512i own = _mm512_mask_blend_epi32(0xaaaa, a, c); /* a[2r], c[2r+1] */
+    const __m512i other = _mm512_shuffle_epi32(_mm512_mask_blend_epi32(0x5555, a, c), _MM_PERM_CDAB); /* a[2r+1], c[2r] */
+    return _mm512_add_epi32(own, other);
+}
+
+/* lanes 2r / 2r+1: activation rows i / i+1's scales (adjacent floats: stored block-major) */
+static inline __attribute__((always_inline)) __m512 pair_scales(const struct quantized *xq, int64_t i) {
+    return _mm512_castsi512_ps(_mm512_set1_epi64(*(const int64_t *)(xq->d + i)));
+}
+
+/* acc[m / 2] holds row m in lanes 2r for even m, in lanes 2r+1 for odd m: row m's 8 outputs */
+static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int MX, float out[][8]) {
+    const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odds = _mm512_set_epi32(14, 12, 10, 8, 6, 4, 2, 0, 15, 13, 11, 9, 7, 5, 3, 1);
+    for (int m = 0; m < MX; m++)
+        _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(m % 2 ? odds : evens, acc[m / 2])));
+}
+
 /* One group of 8 weight rows against activation rows [m0, m0 + MX): out[m][0..8). */
 static inline __attribute__((always_inline)) void group_rows(const uint8_t *group, const struct quantized *xq,
                                                              int64_t K, int64_t m0, int MX, float out[][8]) {
     const int64_t blocks = K / 32;
-    __m512 acc[ROWS_PER_PASS];
-    for (int m = 0; m < MX; m++) acc[m] = _mm512_setzero_ps();
+    __m512 acc[(ROWS_PER_PASS + 1) / 2]; /* rows m and m+1 share acc[m / 2]: lanes 2r and 2r+1 */
+    for (int m = 0; m < (MX + 1) / 2; m++) acc[m] = _mm512_setzero_ps();
     /* lane 2r and 2r+1 hold weight row r: its scale twice */
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x88);
@@ -119,25 +155,23 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t *grou
         /* per row r (bytes 8r..8r+7): lo0 elements 0-7, hi0 16-23, lo1 8-15, hi1 24-31 */
         const __m512i lo0 = _mm512_and_si512(q0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
         const __m512i lo1 = _mm512_and_si512(q1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
-#pragma GCC unroll 8
-        for (int m = 0; m < MX; m++) {
+#pragma GCC unroll 4
+        for (int m = 0; m + 1 < MX; m += 2) {
             const int64_t i = b * xq->rows + m0 + m;
-            const int64_t *xb = (const int64_t *)(xq->q + i * 32);
-            /* into lane 2r only; a masked broadcast from memory, not a move from a general register */
-            __m512i dot = _mm512_maskz_set1_epi32(0x5555, xq->offset[i]);
-            dot = _mm512_dpbusd_epi32(dot, lo0, _mm512_set1_epi64(xb[0]));
-            dot = _mm512_dpbusd_epi32(dot, lo1, _mm512_set1_epi64(xb[1]));
-            dot = _mm512_dpbusd_epi32(dot, hi0, _mm512_set1_epi64(xb[2]));
-            dot = _mm512_dpbusd_epi32(dot, hi1, _mm512_set1_epi64(xb[3]));
+            const __m512i dots = pair_dots(row_dot(lo0, lo1, hi0, hi1, xq, i), row_dot(lo0, lo1, hi0, hi1, xq, i + 1));
+            acc[m / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, pair_scales(xq, i)), acc[m / 2]);
+        }
+        if (MX % 2) {
+            const int64_t i = b * xq->rows + m0 + MX - 1;
+            __m512i dot = row_dot(lo0, lo1, hi0, hi1, xq, i);
             /* the block's whole integer dot into lane 2r (lane 2r+1 is left over and never read),
              * then scaled and summed over blocks in the order and rounding of ggml's gemv */
             dot = _mm512_add_epi32(dot, _mm512_srli_epi64(dot, 32));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])), acc[m]);
+            acc[MX / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])),
+                                          acc[MX / 2]);
         }
     }
-    const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
-    for (int m = 0; m < MX; m++) /* lanes 2r */
-        _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[m])));
+    store_rows(acc, MX, out);
 }
 
 #define GROUP_CASE(MX) group_rows(group, xq, K, m0, MX, out); break
@@ -293,41 +327,47 @@ void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
  * head) go through meshllm_ggml_q8_0x8_get_rows, which dequantizes as ggml's get_rows does. */
 #define Q8X8_GROUP_BYTES (8 * 2 + 256)
 
+static inline __attribute__((always_inline)) __m512i q8x8_dot(__m512i init, const __m512i w[4],
+                                                             const struct quantized *xq, int64_t i) {
+    const int64_t *xb = (const int64_t *)(xq->u + i * 32);
+    __m512i dot = init;
+    for (int j = 0; j < 4; j++) dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi64(xb[j]), w[j]);
+    return dot;
+}
+
 static inline __attribute__((always_inline)) void q8x8_group_rows(const uint8_t *group, const struct quantized *xq,
                                                                   int64_t K, int64_t m0, int MX, float out[][8]) {
     const int64_t blocks = K / 32;
-    __m512 acc[ROWS_PER_PASS];
-    for (int m = 0; m < MX; m++) acc[m] = _mm512_setzero_ps();
+    __m512 acc[(ROWS_PER_PASS + 1) / 2]; /* rows m and m+1 share acc[m / 2] (store_rows) */
+    for (int m = 0; m < (MX + 1) / 2; m++) acc[m] = _mm512_setzero_ps();
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * Q8X8_GROUP_BYTES;
         const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
-        const __m512i w0 = _mm512_loadu_si512(blk + 16), w1 = _mm512_loadu_si512(blk + 80);
-        const __m512i w2 = _mm512_loadu_si512(blk + 144), w3 = _mm512_loadu_si512(blk + 208);
+        const __m512i w[4] = {_mm512_loadu_si512(blk + 16), _mm512_loadu_si512(blk + 80),
+                              _mm512_loadu_si512(blk + 144), _mm512_loadu_si512(blk + 208)};
         /* activations go in as x + 128 (dpbusd multiplies unsigned by signed bytes): each lane
          * starts from -128 x the sum of its weights, once per block for all rows */
-        __m512i init = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w0);
-        init = _mm512_dpbusd_epi32(init, ones, w1);
-        init = _mm512_dpbusd_epi32(init, ones, w2);
-        init = _mm512_dpbusd_epi32(init, ones, w3);
+        __m512i init = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) init = _mm512_dpbusd_epi32(init, ones, w[j]);
         init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(init, 7));
-#pragma GCC unroll 8
-        for (int m = 0; m < MX; m++) {
+#pragma GCC unroll 4
+        for (int m = 0; m + 1 < MX; m += 2) {
             const int64_t i = b * xq->rows + m0 + m;
-            const int64_t *xb = (const int64_t *)(xq->u + i * 32);
-            __m512i dot = _mm512_dpbusd_epi32(init, _mm512_set1_epi64(xb[0]), w0);
-            dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi64(xb[1]), w1);
-            dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi64(xb[2]), w2);
-            dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi64(xb[3]), w3);
+            const __m512i dots = pair_dots(q8x8_dot(init, w, xq, i), q8x8_dot(init, w, xq, i + 1));
+            acc[m / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, pair_scales(xq, i)), acc[m / 2]);
+        }
+        if (MX % 2) {
+            const int64_t i = b * xq->rows + m0 + MX - 1;
+            __m512i dot = q8x8_dot(init, w, xq, i);
             dot = _mm512_add_epi32(dot, _mm512_srli_epi64(dot, 32)); /* row r's whole dot in lane 2r */
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])), acc[m]);
+            acc[MX / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])),
+                                          acc[MX / 2]);
         }
     }
-    const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
-    for (int m = 0; m < MX; m++)
-        _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(evens, acc[m])));
+    store_rows(acc, MX, out);
 }
 
 #define Q8X8_CASE(MX) q8x8_group_rows(group, xq, K, m0, MX, out); break
