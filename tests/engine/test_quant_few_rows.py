@@ -218,3 +218,19 @@ def test_q8_0x8_lookups_are_ggmls_get_rows(rt, q8_0x8):
     ids = torch.tensor([0, 7, 8, 71, 33, 33, 64])
     assert torch.equal(QuantizedEmbedding(rt, relaid, torch.float32)(ids),
                        QuantizedEmbedding(rt, plain, torch.float32)(ids))
+
+
+def test_q8_0x8_is_relaid_a_few_groups_at_a_time(rt, q8_0x8, monkeypatch):
+    """Re-laid in chunks of rows (so load never holds three copies of a large head): the same
+    bytes as all at once, whatever the chunk."""
+    from meshllm.engine import ggml_weights
+
+    _, whole, _ = q8_0x8
+    monkeypatch.setattr(ggml_weights, "_REPACK_ROWS", 16)  # 72 rows: 4 chunks of 16, then 8
+    chunked, _ = _matrix(rt, GGML.Q8_0, 72, 544, seed=11)
+    chunked.repack_q8_0x8()
+    size = rt.lib.ggml_nbytes(whole.tensor)
+    a, b = (torch.empty(size, dtype=torch.uint8) for _ in range(2))
+    for m, out in ((whole, a), (chunked, b)):
+        rt.lib.ggml_backend_tensor_get(m.tensor, ctypes.c_void_p(out.data_ptr()), 0, size)
+    assert torch.equal(a, b)
