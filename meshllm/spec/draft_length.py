@@ -43,15 +43,25 @@ class StepCosts:
 
     def __init__(self):
         self._seconds: dict[int, float] = {}
+        # ratio() by (rows, extra) until the next observation: each sequence's draft length weighs
+        # up to k_max lengths a step, 8 sequences ~150 lookups that all read the same estimates.
+        self._ratios: dict[tuple[int, int], float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
         old = self._seconds.get(rows)
         self._seconds[rows] = seconds if old is None else _DECAY * old + (1 - _DECAY) * seconds
+        self._ratios.clear()
 
     def ratio(self, rows: int, extra: int) -> float:
         """Estimated T(rows + extra) / T(rows)."""
         if extra == 0:
             return 1.0
+        ratio = self._ratios.get((rows, extra))
+        if ratio is None:
+            ratio = self._ratios[rows, extra] = self._ratio(rows, extra)
+        return ratio
+
+    def _ratio(self, rows: int, extra: int) -> float:
         base, more = self._estimate(rows), self._estimate(rows + extra)
         if more is None and base is not None and len(self._seconds) >= 2:
             # Past the measured counts: along the line through the two nearest (a step's cost grows

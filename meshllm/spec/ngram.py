@@ -61,8 +61,9 @@ class _Index:
             for n in range(1, min(self.max_ngram, end) + 1):
                 self.follows.setdefault(tuple(self.tokens[end - n:end]), []).append(end)
 
-    def longest_match(self, min_ngram: int) -> tuple[int, int] | None:
-        """(start of the continuation, match length) of the longest suffix that occurred earlier."""
+    def longest_match(self, min_ngram: int, enough: int = MAX_MATCH_LENGTH) -> tuple[int, int] | None:
+        """(start of the continuation, match length) of the longest suffix that occurred earlier;
+        the length is measured back to `enough` at most (what the caller can use)."""
         end = len(self.tokens)
         for n in range(min(self.max_ngram, end - 1), min_ngram - 1, -1):
             positions = self.follows.get(tuple(self.tokens[end - n:end]))
@@ -70,7 +71,7 @@ class _Index:
                 continue  # the suffix itself is the only occurrence
             start = positions[-2]  # the latest occurrence before the suffix itself
             length = n
-            while length < MAX_MATCH_LENGTH and start - length - 1 >= 0 \
+            while length < enough and start - length - 1 >= 0 \
                     and self.tokens[start - length - 1] == self.tokens[end - length - 1]:
                 length += 1
             return start, length
@@ -105,7 +106,10 @@ class NgramProposer:
         index.extend(request.tokens)
         if request.k == 0:
             return Draft(request.seq_id)
-        match = index.longest_match(self.config.min_ngram)
+        # A match longer than the draft it allows is not measured further: on a model's loops of
+        # repeated text that walk back 64 tokens was most of a batch-8 step's drafting time.
+        enough = min(MAX_MATCH_LENGTH, math.ceil(request.k / self.config.draft_per_matched_token))
+        match = index.longest_match(self.config.min_ngram, enough)
         if match is None:
             return Draft(request.seq_id)
         start, length = match
