@@ -20,7 +20,6 @@ import time
 import weakref
 
 import torch
-from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
@@ -153,8 +152,7 @@ class GGMLStage:
         if decoder.has_head:
             head = decoder.lm_head
             if self._q8_0x8_ops is not None and isinstance(head, QuantizedLinear) and len(head.matrices) == 1 \
-                    and head.matrices[0].ggml_type == GGML.Q8_0 and head.matrices[0].rows % 8 == 0 \
-                    and head.matrices[0].layout == "ggml":
+                    and head.matrices[0].fits_q8_0x8:
                 # The head is a large share of a one-row step and more of each extra verify row:
                 # SmolLM2's 49152 x 576 Q8_0 head, one thread, 1 / 4 / 8 / 16 rows 1.5 / 2.9 / 5.2 /
                 # 10.2 ms in ggml's plain layout (quant_few_rows.c says why), 0.8 / 1.2 / 2.0 / 5.4

@@ -197,13 +197,18 @@ class GGMLMatrix:
             g.ggml_free(self._ctx)
             self._buffer = None
 
+    @property
+    def fits_q8_0x8(self) -> bool:
+        """Whether repack_q8_0x8 applies: a Q8_0 matrix in ggml's layout, of whole groups of 8 rows."""
+        return self.ggml_type == GGML.Q8_0 and self.rows % 8 == 0 and self.layout == "ggml"
+
     def repack_q8_0x8(self) -> None:
         """Re-lay this Q8_0 matrix's blocks out in place as meshllm's 8-row layout (quant_few_rows.c:
         per 8 rows and 32 columns, the 8 scales, then 4 chunks of 8 bytes of each row in turn), the
         same bytes in the same buffer. Only meshllm's ops read it afterwards (matmul and
         QuantizedEmbedding take them); ggml's own ops would read garbage, so the stage's graph
         builds none on it (ggml_stage.GGMLStage)."""
-        assert self.ggml_type == GGML.Q8_0 and self.rows % 8 == 0 and self.layout == "ggml", (self.ggml_type, self.rows)
+        assert self.fits_q8_0x8, (self.ggml_type, self.rows, self.layout)
         g, blocks_per_row = self.g, self.cols // 32
         row_bytes = blocks_per_row * 34
         # A group of 8 rows keeps its bytes' place, so the matrix is re-laid a few groups at a time:

@@ -153,6 +153,12 @@ static inline __attribute__((always_inline)) float scores(const float *qrow, con
     return 1.0f / _mm512_reduce_add_ps(sum);
 }
 
+/* acc += p v (one query row, one value row of hd floats) */
+static inline __attribute__((always_inline)) void add_value(__m512 acc[], float p, const float *v, int64_t hd) {
+    const __m512 pv = _mm512_set1_ps(p);
+    for (int64_t d = 0; d < hd / 16; d++) acc[d] = _mm512_fmadd_ps(pv, _mm512_load_ps(v + d * 16), acc[d]);
+}
+
 /* out[c] = sum_j p[c][j] v_j over each query row's own visible keys, in key order, for NC query
  * rows at once (a compile-time count, so the accumulators stay in registers). Keys all of them see
  * run without a branch; the few beyond the nearest row's last (a verify pass's later rows) after. */
@@ -167,23 +173,13 @@ static inline __attribute__((always_inline)) void weighted_values(const float *v
 #pragma GCC unroll 4
     for (int c = 0; c < NC; c++)
         for (int64_t d = 0; d < hd / 16; d++) acc[c][d] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < shared; j++) {
-        const float *vj = v + j * hd;
+    for (int64_t j = 0; j < shared; j++)
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            const __m512 p = _mm512_set1_ps(s[c * stride + j]);
-            for (int64_t d = 0; d < hd / 16; d++) acc[c][d] = _mm512_fmadd_ps(p, _mm512_load_ps(vj + d * 16), acc[c][d]);
-        }
-    }
-    for (int64_t j = shared; j < most; j++) {
-        const float *vj = v + j * hd;
+        for (int c = 0; c < NC; c++) add_value(acc[c], s[c * stride + j], v + j * hd, hd);
+    for (int64_t j = shared; j < most; j++)
 #pragma GCC unroll 4
-        for (int c = 0; c < NC; c++) {
-            if (j >= visible[c]) continue;
-            const __m512 p = _mm512_set1_ps(s[c * stride + j]);
-            for (int64_t d = 0; d < hd / 16; d++) acc[c][d] = _mm512_fmadd_ps(p, _mm512_load_ps(vj + d * 16), acc[c][d]);
-        }
-    }
+        for (int c = 0; c < NC; c++)
+            if (j < visible[c]) add_value(acc[c], s[c * stride + j], v + j * hd, hd);
 }
 
 /* One thread's share of the attention of t query rows (the last t of `end` positions), hd a

@@ -129,6 +129,30 @@ static inline __attribute__((always_inline)) __m512 pair_scales(const struct qua
     return _mm512_castsi512_ps(_mm512_set1_epi64(*(const int64_t *)(xq->d + i)));
 }
 
+/* The 8 weight rows' f16 scales that open a block of both 8-row layouts, each twice: lanes 2r
+ * and 2r+1 hold weight row r's */
+static inline __attribute__((always_inline)) __m512 group_scales(const uint8_t *blk) {
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    return _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
+}
+
+/* One block's integer dots of MX activation rows (dots[m]: row i + m's, lanes 2r and 2r+1 weight
+ * row r's halves) scaled by the weight rows' scales `dw` and each row's own, and summed into acc
+ * in block order: rows paired in acc[m / 2] (pair_dots), an odd last row alone in lanes 2r of
+ * acc[MX / 2], each lane's arithmetic that of ggml's one-row gemv. */
+static inline __attribute__((always_inline)) void accumulate_block(__m512 acc[], const __m512i dots[], __m512 dw,
+                                                                   const struct quantized *xq, int64_t i, int MX) {
+#pragma GCC unroll 4
+    for (int m = 0; m + 1 < MX; m += 2)
+        acc[m / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_dots(dots[m], dots[m + 1])),
+                                     _mm512_mul_ps(dw, pair_scales(xq, i + m)), acc[m / 2]);
+    if (MX % 2) {
+        const __m512i dot = _mm512_add_epi32(dots[MX - 1], _mm512_srli_epi64(dots[MX - 1], 32));
+        acc[MX / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i + MX - 1])),
+                                      acc[MX / 2]);
+    }
+}
+
 /* acc[m / 2] holds row m in lanes 2r for even m, in lanes 2r+1 for odd m: row m's 8 outputs */
 static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int MX, float out[][8]) {
     const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
@@ -137,57 +161,71 @@ static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int M
         _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(m % 2 ? odds : evens, acc[m / 2])));
 }
 
+/* A function `name` running rows_fn with the pass's row count (1..8) as a constant at each call
+ * site, so each instance keeps its accumulators in registers */
+#define ROW_COUNT_DISPATCH(name, rows_fn, out_decl) \
+    static void name(const uint8_t *weights, const struct quantized *xq, int64_t K, int64_t m0, int mx, out_decl) { \
+        switch (mx) { \
+        case 1: rows_fn(weights, xq, K, m0, 1, out); break; \
+        case 2: rows_fn(weights, xq, K, m0, 2, out); break; \
+        case 3: rows_fn(weights, xq, K, m0, 3, out); break; \
+        case 4: rows_fn(weights, xq, K, m0, 4, out); break; \
+        case 5: rows_fn(weights, xq, K, m0, 5, out); break; \
+        case 6: rows_fn(weights, xq, K, m0, 6, out); break; \
+        case 7: rows_fn(weights, xq, K, m0, 7, out); break; \
+        default: rows_fn(weights, xq, K, m0, 8, out); break; \
+        } \
+    }
+
+typedef void (*group_dispatch_fn)(const uint8_t *, const struct quantized *, int64_t, int64_t, int, float[][8]);
+
+/* Groups [g0, g1) of 8 weight rows (`group_bytes` each from `weights`) times the n activation rows
+ * of xq, in passes of up to ROWS_PER_PASS rows, into dst's outputs g*8 .. g*8+7 */
+static void groups_times_rows(const uint8_t *weights, int64_t group_bytes, int64_t g0, int64_t g1,
+                              const struct quantized *xq, int64_t K, group_dispatch_fn dispatch,
+                              struct ggml_tensor *dst) {
+    const int64_t n = xq->rows;
+    for (int64_t g = g0; g < g1; g++) {
+        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
+            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
+            float out[ROWS_PER_PASS][8];
+            dispatch(weights + g * group_bytes, xq, K, m0, mx, out);
+            for (int m = 0; m < mx; m++)
+                memcpy((float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + g * 8, out[m], sizeof out[m]);
+        }
+    }
+}
+
+/* This worker's share [*lo, *hi) of `total` items split evenly over nth workers */
+static inline void share(int64_t total, int ith, int nth, int64_t *lo, int64_t *hi) {
+    const int64_t per = (total + nth - 1) / nth;
+    *lo = ith * per;
+    *hi = *lo + per < total ? *lo + per : total;
+}
+
 /* One group of 8 weight rows against activation rows [m0, m0 + MX): out[m][0..8). */
 static inline __attribute__((always_inline)) void group_rows(const uint8_t *group, const struct quantized *xq,
                                                              int64_t K, int64_t m0, int MX, float out[][8]) {
     const int64_t blocks = K / 32;
     __m512 acc[(ROWS_PER_PASS + 1) / 2]; /* rows m and m+1 share acc[m / 2]: lanes 2r and 2r+1 */
     for (int m = 0; m < (MX + 1) / 2; m++) acc[m] = _mm512_setzero_ps();
-    /* lane 2r and 2r+1 hold weight row r: its scale twice */
-    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x88);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * GROUP_BYTES;
-        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
         const __m512i q0 = _mm512_xor_si512(_mm512_loadu_si512(blk + 16), flip);
         const __m512i q1 = _mm512_xor_si512(_mm512_loadu_si512(blk + 80), flip);
         /* per row r (bytes 8r..8r+7): lo0 elements 0-7, hi0 16-23, lo1 8-15, hi1 24-31 */
         const __m512i lo0 = _mm512_and_si512(q0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
         const __m512i lo1 = _mm512_and_si512(q1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
-#pragma GCC unroll 4
-        for (int m = 0; m + 1 < MX; m += 2) {
-            const int64_t i = b * xq->rows + m0 + m;
-            const __m512i dots = pair_dots(row_dot(lo0, lo1, hi0, hi1, xq, i), row_dot(lo0, lo1, hi0, hi1, xq, i + 1));
-            acc[m / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, pair_scales(xq, i)), acc[m / 2]);
-        }
-        if (MX % 2) {
-            const int64_t i = b * xq->rows + m0 + MX - 1;
-            __m512i dot = row_dot(lo0, lo1, hi0, hi1, xq, i);
-            /* the block's whole integer dot into lane 2r (lane 2r+1 is left over and never read),
-             * then scaled and summed over blocks in the order and rounding of ggml's gemv */
-            dot = _mm512_add_epi32(dot, _mm512_srli_epi64(dot, 32));
-            acc[MX / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])),
-                                          acc[MX / 2]);
-        }
+        const int64_t i = b * xq->rows + m0;
+        __m512i dots[ROWS_PER_PASS];
+        for (int m = 0; m < MX; m++) dots[m] = row_dot(lo0, lo1, hi0, hi1, xq, i + m);
+        accumulate_block(acc, dots, group_scales(blk), xq, i, MX);
     }
     store_rows(acc, MX, out);
 }
 
-#define GROUP_CASE(MX) group_rows(group, xq, K, m0, MX, out); break
-static void group_dispatch(const uint8_t *group, const struct quantized *xq, int64_t K, int64_t m0, int mx,
-                           float out[][8]) {
-    switch (mx) { /* constant counts so the accumulators stay in registers */
-    case 1: GROUP_CASE(1);
-    case 2: GROUP_CASE(2);
-    case 3: GROUP_CASE(3);
-    case 4: GROUP_CASE(4);
-    case 5: GROUP_CASE(5);
-    case 6: GROUP_CASE(6);
-    case 7: GROUP_CASE(7);
-    default: GROUP_CASE(8);
-    }
-}
+ROW_COUNT_DISPATCH(group_dispatch, group_rows, float out[][8])
 
 /* dst[m][i0..i1) += sum_b R[b][i] * (x row m summed over block b), b in order: the arithmetic of
  * q4_remainder.c, with each R row read once for all activation rows */
@@ -213,25 +251,13 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
         || dst->ne[1] != n || dst->nb[0] != sizeof(float)
         || (r && (r->type != GGML_TYPE_F32 || r->ne[0] != N || r->ne[1] != K / 32 || r->nb[0] != sizeof(float))))
         abort();
-    const int64_t groups = N / 8, per = (groups + nth - 1) / nth, g0 = ith * per;
-    const int64_t g1 = g0 + per < groups ? g0 + per : groups;
+    int64_t g0, g1;
+    share(N / 8, ith, nth, &g0, &g1);
     if (g0 >= g1) return;
     /* each ggml worker quantizes the activations itself (a few KiB) into a buffer it keeps */
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q4_0 | (r ? WITH_SUMS : 0));
-    const int64_t group_stride = (K / 32) * GROUP_BYTES;
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *group = (const uint8_t *)w->data + g * group_stride;
-        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
-            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
-            float out[ROWS_PER_PASS][8];
-            group_dispatch(group, &xq, K, m0, mx, out);
-            for (int m = 0; m < mx; m++) {
-                float *row = (float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + g * 8;
-                for (int j = 0; j < 8; j++) row[j] = out[m][j];
-            }
-        }
-    }
+    groups_times_rows((const uint8_t *)w->data, (K / 32) * GROUP_BYTES, g0, g1, &xq, K, group_dispatch, dst);
     if (r) add_remainder(r, &xq, dst, n, K / 32, g0 * 8, g1 * 8);
 }
 
@@ -278,19 +304,7 @@ static inline __attribute__((always_inline)) void q8_row(const uint8_t *row, con
     for (int m = 0; m < MX; m++) out[m] = hsum_float_8(acc[m]);
 }
 
-#define Q8_CASE(MX) q8_row(row, xq, K, m0, MX, out); break
-static void q8_dispatch(const uint8_t *row, const struct quantized *xq, int64_t K, int64_t m0, int mx, float *out) {
-    switch (mx) {
-    case 1: Q8_CASE(1);
-    case 2: Q8_CASE(2);
-    case 3: Q8_CASE(3);
-    case 4: Q8_CASE(4);
-    case 5: Q8_CASE(5);
-    case 6: Q8_CASE(6);
-    case 7: Q8_CASE(7);
-    default: Q8_CASE(8);
-    }
-}
+ROW_COUNT_DISPATCH(q8_dispatch, q8_row, float *out)
 
 void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
@@ -300,7 +314,8 @@ void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
         || x->type != GGML_TYPE_F32 || x->ne[0] != K || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32
         || dst->ne[0] != N || dst->ne[1] != n || dst->nb[0] != sizeof(float))
         abort();
-    const int64_t per = (N + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < N ? r0 + per : N;
+    int64_t r0, r1;
+    share(N, ith, nth, &r0, &r1);
     if (r0 >= r1) return;
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q8_0);
@@ -340,12 +355,9 @@ static inline __attribute__((always_inline)) void q8x8_group_rows(const uint8_t 
     const int64_t blocks = K / 32;
     __m512 acc[(ROWS_PER_PASS + 1) / 2]; /* rows m and m+1 share acc[m / 2] (store_rows) */
     for (int m = 0; m < (MX + 1) / 2; m++) acc[m] = _mm512_setzero_ps();
-    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const __m512i ones = _mm512_set1_epi8(1);
     for (int64_t b = 0; b < blocks; b++) {
         const uint8_t *blk = group + b * Q8X8_GROUP_BYTES;
-        const __m512 dw = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk))));
         const __m512i w[4] = {_mm512_loadu_si512(blk + 16), _mm512_loadu_si512(blk + 80),
                               _mm512_loadu_si512(blk + 144), _mm512_loadu_si512(blk + 208)};
         /* activations go in as x + 128 (dpbusd multiplies unsigned by signed bytes): each lane
@@ -353,37 +365,15 @@ static inline __attribute__((always_inline)) void q8x8_group_rows(const uint8_t 
         __m512i init = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) init = _mm512_dpbusd_epi32(init, ones, w[j]);
         init = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(init, 7));
-#pragma GCC unroll 4
-        for (int m = 0; m + 1 < MX; m += 2) {
-            const int64_t i = b * xq->rows + m0 + m;
-            const __m512i dots = pair_dots(q8x8_dot(init, w, xq, i), q8x8_dot(init, w, xq, i + 1));
-            acc[m / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, pair_scales(xq, i)), acc[m / 2]);
-        }
-        if (MX % 2) {
-            const int64_t i = b * xq->rows + m0 + MX - 1;
-            __m512i dot = q8x8_dot(init, w, xq, i);
-            dot = _mm512_add_epi32(dot, _mm512_srli_epi64(dot, 32)); /* row r's whole dot in lane 2r */
-            acc[MX / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, _mm512_set1_ps(xq->d[i])),
-                                          acc[MX / 2]);
-        }
+        const int64_t i = b * xq->rows + m0;
+        __m512i dots[ROWS_PER_PASS];
+        for (int m = 0; m < MX; m++) dots[m] = q8x8_dot(init, w, xq, i + m);
+        accumulate_block(acc, dots, group_scales(blk), xq, i, MX);
     }
     store_rows(acc, MX, out);
 }
 
-#define Q8X8_CASE(MX) q8x8_group_rows(group, xq, K, m0, MX, out); break
-static void q8x8_dispatch(const uint8_t *group, const struct quantized *xq, int64_t K, int64_t m0, int mx,
-                          float out[][8]) {
-    switch (mx) {
-    case 1: Q8X8_CASE(1);
-    case 2: Q8X8_CASE(2);
-    case 3: Q8X8_CASE(3);
-    case 4: Q8X8_CASE(4);
-    case 5: Q8X8_CASE(5);
-    case 6: Q8X8_CASE(6);
-    case 7: Q8X8_CASE(7);
-    default: Q8X8_CASE(8);
-    }
-}
+ROW_COUNT_DISPATCH(q8x8_dispatch, q8x8_group_rows, float out[][8])
 
 /* src0 Q8_0 [K, N] in the 8-row layout (N % 8 == 0), src1 f32 [K, n] (any n), dst f32 [N, n] */
 void meshllm_ggml_q8_0x8_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
@@ -394,22 +384,12 @@ void meshllm_ggml_q8_0x8_rows(struct ggml_tensor *dst, int ith, int nth, void *u
         || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || dst->ne[0] != N || dst->ne[1] != n
         || dst->nb[0] != sizeof(float))
         abort();
-    const int64_t groups = N / 8, per = (groups + nth - 1) / nth, g0 = ith * per;
-    const int64_t g1 = g0 + per < groups ? g0 + per : groups;
+    int64_t g0, g1;
+    share(N / 8, ith, nth, &g0, &g1);
     if (g0 >= g1) return;
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q8_0);
-    const int64_t group_stride = (K / 32) * Q8X8_GROUP_BYTES;
-    for (int64_t g = g0; g < g1; g++) {
-        const uint8_t *group = (const uint8_t *)w->data + g * group_stride;
-        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
-            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
-            float out[ROWS_PER_PASS][8];
-            q8x8_dispatch(group, &xq, K, m0, mx, out);
-            for (int m = 0; m < mx; m++)
-                memcpy((float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + g * 8, out[m], sizeof out[m]);
-        }
-    }
+    groups_times_rows((const uint8_t *)w->data, (K / 32) * Q8X8_GROUP_BYTES, g0, g1, &xq, K, q8x8_dispatch, dst);
 }
 
 /* src0 the same table, src1 int32 [n] row ids -> dst f32 [K, n]: each row dequantized as ggml's
@@ -441,20 +421,14 @@ void meshllm_ggml_q8_0x8_get_rows(struct ggml_tensor *dst, int ith, int nth, voi
 
 #else
 int meshllm_quant_few_rows_available(void) { return 0; }
-void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    (void)dst; (void)ith; (void)nth; (void)userdata;
-    abort(); /* never built into a graph: the ops report themselves unavailable */
-}
-void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    (void)dst; (void)ith; (void)nth; (void)userdata;
-    abort();
-}
-void meshllm_ggml_q8_0x8_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    (void)dst; (void)ith; (void)nth; (void)userdata;
-    abort();
-}
-void meshllm_ggml_q8_0x8_get_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
-    (void)dst; (void)ith; (void)nth; (void)userdata;
-    abort();
-}
+/* never built into a graph: the ops report themselves unavailable */
+#define UNAVAILABLE_OP(name) \
+    void name(struct ggml_tensor *dst, int ith, int nth, void *userdata) { \
+        (void)dst; (void)ith; (void)nth; (void)userdata; \
+        abort(); \
+    }
+UNAVAILABLE_OP(meshllm_ggml_q4_0x8_few_rows)
+UNAVAILABLE_OP(meshllm_ggml_q8_0_few_rows)
+UNAVAILABLE_OP(meshllm_ggml_q8_0x8_rows)
+UNAVAILABLE_OP(meshllm_ggml_q8_0x8_get_rows)
 #endif
