@@ -1,7 +1,9 @@
 """Several `meshllm node` processes on this machine, on loopback: the demo's cluster.
 
-Each node knows the one started before it (a line of seed peers); gossip does
-the rest. Processes are stopped by pid, SIGTERM first, SIGKILL if they linger. A node
+Each node binds a port the kernel picks (`--port 0`) and reports it on its ready line:
+choosing a free port here and passing it on raced with every other socket on the machine
+(the port could be taken before the node bound it). The first node starts alone; the others
+start together with it as their seed, and gossip does the rest. Processes are stopped by pid, SIGTERM first, SIGKILL if they linger. A node
 that dies on its own (killed, crashed) is reaped at once, never left a zombie, and
 reported through `on_exit`.
 """
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,12 +27,6 @@ READY_MARK = "listening on"
 
 class NodeStartFailed(MeshError):
     code = "node_start_failed"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster:
@@ -54,8 +49,8 @@ class LocalCluster:
         self.node_args: dict[int, tuple[str, ...]] = {}
         self.on_exit = on_exit
         self.key_file = state_dir / "cluster.key"
-        self.addresses: list[str] = []
-        self.node_ids = [f"node-{i}" for i in range(num_nodes)]  # node i listens at addresses[i]
+        self.addresses: list[str] = []  # node i listens at addresses[i], "" until it is ready
+        self.node_ids = [f"node-{i}" for i in range(num_nodes)]
         self.processes: list[subprocess.Popen] = []
         self.logs: list[list[str]] = []
         self.exit_codes: dict[int, int] = {}  # nodes that died on their own, by index
@@ -65,9 +60,10 @@ class LocalCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if not self.key_file.exists():
             write_key(self.key_file, generate_key())
-        ready = [self._spawn() for _ in range(self.num_nodes)]
         deadline = time.monotonic() + timeout_s
-        for i, event in enumerate(ready):
+        self._wait_ready(0, self._spawn(), deadline)  # the seed of all the others
+        ready = [self._spawn() for _ in range(1, self.num_nodes)]
+        for i, event in enumerate(ready, start=1):
             self._wait_ready(i, event, deadline)
 
     def add_node(self, env: Mapping[str, str] | None = None, args: tuple[str, ...] = (),
@@ -86,28 +82,27 @@ class LocalCluster:
 
     def live_addresses(self) -> list[str]:
         """Addresses of the nodes still running (a killed node's address is useless as a peer)."""
-        return [a for a, p in zip(self.addresses, self.processes) if p.poll() is None]
+        return [a for a, p in zip(self.addresses, self.processes) if a and p.poll() is None]
 
     def live_nodes(self) -> list[tuple[str, str]]:
         """(address, node id) of the nodes still running."""
-        return [(a, n) for a, n, p in zip(self.addresses, self.node_ids, self.processes) if p.poll() is None]
+        return [(a, n) for a, n, p in zip(self.addresses, self.node_ids, self.processes) if a and p.poll() is None]
 
     def _spawn(self) -> threading.Event:
         i = len(self.processes)
         if i == len(self.node_ids):
             self.node_ids.append(f"node-{i}")
-        port = free_port()
-        self.addresses.append(f"127.0.0.1:{port}")
+        self.addresses.append("")
         env = dict(os.environ)
         if self.threads_per_node:
             env["OMP_NUM_THREADS"] = str(self.threads_per_node)
         env.update(self.node_env.get(i, {}))
-        args = [sys.executable, "-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--port", str(port),
+        args = [sys.executable, "-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--port", "0",
                 "--key-file", str(self.key_file), "--node-id", self.node_ids[i], "--no-discovery",
                 "--state-dir", str(self.state_dir / f"node-{i}"), *self.extra_args, *self.node_args.get(i, ())]
         for path in self.model_paths:
             args += ["--models", str(path)]
-        for peer in self.live_addresses()[-1:]:  # the newest live node: a line of seeds
+        for peer in self.live_addresses()[-1:]:  # the newest node that is up
             args += ["--peer", peer]
         process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                    start_new_session=True)
@@ -128,7 +123,8 @@ class LocalCluster:
     def _follow(self, index: int, process: subprocess.Popen, lines: list[str], ready: threading.Event) -> None:
         for line in process.stdout:
             lines.append(line.rstrip())
-            if READY_MARK in line:
+            if READY_MARK in line and not ready.is_set():
+                self.addresses[index] = line.rsplit(READY_MARK, 1)[1].strip()
                 ready.set()
         returncode = process.wait()  # reaps it: a dead node never lingers as a zombie
         if not self._stopping:
