@@ -14,9 +14,14 @@
 
 #define W_ROWS 4
 #define MAX_X_ROWS_PER_PASS 4
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2048 /* bf16 elements (4 KiB) ahead: measured best of 256..4096 when streaming from DRAM */
-#endif
+/* Each W chunk is prefetched into L2 this many W rows ahead (the same k of the tile two tiles on).
+ * The walk of four rows at once defeats the hardware prefetcher, and at 4+ x rows the dot products
+ * stopped overlapping the weight stream: their time added to it. The old prefetch, into L1 4 KiB
+ * further along the same row, did not help (1-8 KiB, or none: the same). Measured, 1 thread,
+ * SmolLM2's 210 matrices + head from DRAM (AMD Zen 4), ms for 1 / 4 / 8 / 16 x rows: 12.2 / 30.4 /
+ * 32.4 / 44.5 -> 13.8 / 14.5 / 16.8 / 29.6; 2 threads, TinyLlama 1.1B shapes: 66.7 / 88-94 / 107 /
+ * 149 -> 68.8 / 74-80 / 74-78 / 101-115 (4 and 8 rows one or two rows apart: noise). */
+#define PREFETCH_W_ROWS (2 * W_ROWS)
 
 static inline float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
@@ -58,7 +63,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *W, const 
     for (; k + 32 <= K; k += 32) {
         __m512bh w[W_ROWS];
         for (int r = 0; r < nw; r++) {
-            _mm_prefetch((const char *)(W + r * K + k + PREFETCH_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(W + (r + PREFETCH_W_ROWS) * K + k), _MM_HINT_T1);
             w[r] = (__m512bh)_mm512_loadu_si512(W + r * K + k);
         }
         for (int m = 0; m < mx; m++) {
@@ -140,8 +145,8 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *bias, uint1
  * weight stream, the real cost, is the same. Here each W row is streamed once, sequentially (the
  * shape of ggml's vec_dot_bf16, which the hardware prefetcher follows at full speed; the 4-row
  * tiles of gemv_bf16 above streamed at half that), against all n x rows: 1 row as fast as ggml's
- * gemv, 2 rows +5%. From QUAD_MIN_ROWS rows, four W rows at a time (quad_dispatch): on wide matrices
- * the x rows no longer fit L1, and reloading them for every W row made 8 rows cost 1.6x ggml's.
+ * gemv. From QUAD_MIN_ROWS rows, four W rows at a time (quad_dispatch): on wide matrices the x
+ * rows no longer fit L1, and reloading them for every W row made 8 rows cost 1.6x ggml's.
  * A row's result does not depend on n (one accumulator per x row, the same k order), so a k-row
  * verify pass gives bitwise the logits of k one-row steps. x is rounded to bf16 as ggml rounds it
  * for a bf16 weight. ggml.h is the pinned ggml's own header (site-packages/include), found by build.py. */
@@ -150,7 +155,7 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, const uint16_t *bias, uint1
 
 #define OP_MAX_ROWS 16
 #define ROWS_PER_PASS 8 /* accumulators in registers; more x rows re-read the W row from L1 */
-#define QUAD_MIN_ROWS 4 /* from this many x rows, W_ROWS W rows at a time (quad_dispatch) */
+#define QUAD_MIN_ROWS 2 /* from this many x rows, W_ROWS W rows at a time (quad_dispatch) */
 
 static inline __attribute__((always_inline)) void row_dots(const uint16_t *w, const uint16_t *x, float *out,
                                                            int64_t K, int mx) {
@@ -179,8 +184,10 @@ static inline __attribute__((always_inline)) void row_dots(const uint16_t *w, co
  * the same 32-wide k chunks in the same order as row_dots and is reduced the same way, so a row's
  * result never depends on which path (or how many rows) computed it. Measured on 1.1B shapes
  * (2560x2048, 11264x2048, 2048x5632; AMD Zen 4, 2 threads), ms for 8 rows: row_dots 6.7; W rows x
- * x rows per pass 2x8 5.5, 3x8 4.5, 4x4 4.2, 4x8 4.2; for 2 rows row_dots' single W stream is
- * faster (2.2-3.3 against 2.6-2.8, noisy), so QUAD_MIN_ROWS. */
+ * x rows per pass 2x8 5.5, 3x8 4.5, 4x4 4.2, 4x8 4.2. With the L2 prefetch (PREFETCH_W_ROWS) it
+ * also serves 2 and 3 rows: a whole SmolLM2 bf16 stage, 1 thread, 400 cached tokens, ms for 2 / 3
+ * rows 17.5-19.6 / 20-23 with row_dots, 18.4-19.6 / 13.8-16 with quad_dispatch (4 rows 18-19, 8
+ * rows 23-26, against 34.5-36 and 42-45 before the prefetch; 1 row 15). */
 #define EACH_CASE(MX) tile(w, x, out, K, W_ROWS, MX, 1); return
 static void quad_dispatch(const uint16_t *w, const uint16_t *x, float *out, int64_t K, int mx) {
     switch (mx) {
