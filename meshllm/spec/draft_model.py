@@ -15,7 +15,7 @@ min(1, p/q) (spec/speculative_sampling.py).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +61,10 @@ class DraftModelProposer:
             self._tokens.pop(s, None)
             self.cache.release(s)
 
-    def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
+    def propose(self, requests: Sequence[ProposeRequest], cancelled: Callable[[], bool] = lambda: False
+                ) -> list[Draft]:
+        """`cancelled`: asked between forward passes; once true, the drafts stop where they are
+        (the caller went away: a proposer node's gRPC call was cancelled)."""
         out: dict[SeqId, Draft] = {}
         work: list[_Drafting] = []
         for r in requests:
@@ -74,7 +77,7 @@ class DraftModelProposer:
                 work.append(_Drafting(r, tokens, len(tokens), [], []))
         self._catch_up(work)
         active = work
-        while active:
+        while active and not cancelled():
             self._draft_round(active)
             active = [w for w in active if len(w.drafted) < w.request.k]
         for w in work:

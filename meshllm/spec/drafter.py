@@ -22,6 +22,14 @@ keep up (a same-size model drafting on an equally fast machine).
 Requests of many sequences travel as one batch; a draft that misses its block's deadline is
 dropped by the proposer client, and failures only cost speed.
 
+A proposer that takes calls while one is in flight (`send`/`receive`: a remote node, which
+queues them behind each other) gets a second call per sequence *chained* onto the first: it
+continues from the end the first will reach, so the node starts it the moment the first is
+done. Its round trip (and the leader's turnaround) then overlaps the first call's compute
+instead of idling the proposer between calls: the proposer's drafting rate, not a call's
+latency, bounds a pipelined draft. Measured (SmolLM2 bf16 verifier, Q4_1 draft node, 3 ms
+round trip): a 2-token call took 20 ms end to end against 14.5 ms of drafting.
+
 An *inline* proposer (`proposer.inline`: it answers in microseconds, in this process, with no
 I/O, like the n-gram one) is called right here on the loop thread instead: a thread hop and
 an inbox round trip cost more than its answer (measured: ~13% of a step on free text on a
@@ -37,7 +45,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams, draw_seed
@@ -83,6 +91,23 @@ class DraftsReady:
     drafts: tuple[Draft, ...] = ()
     seconds: float = 0.0
     error: MeshError | None = None
+    # The seconds include more than drafting: a chained proposer's call that was not queued behind
+    # another also timed its round trip, which the calls behind one another hide.
+    beyond_drafting: bool = False
+
+
+@dataclass(slots=True)
+class _Call:
+    """A proposer call in flight for one sequence. `stale` (loop thread) once the mirror is cut
+    after it: its answer would extend the wrong context. `pending` (drafter thread): the call it
+    went out in, for chained proposers, so a cut can cancel it (_cut)."""
+
+    generation: int  # the mirror's generation when sent: a cut since makes its answer stale
+    position: int  # its request's position
+    end: int  # the mirror's length once it answered in full
+    expected_at: float | None  # when its answer is expected (None: no estimate yet)
+    stale: bool = False
+    pending: object = None
 
 
 class _State:
@@ -101,16 +126,20 @@ class _State:
         self.dists: dict[int, DraftDist] = {}  # q of drafted positions (sampling proposers)
         self.confirmed = 0  # mirror[:confirmed] equals the committed tokens
         self.generation = 0  # bumped whenever the mirror is cut: answers to older requests are stale
-        self.outstanding = False
+        self.calls: list[_Call] = []  # in flight and not stale, oldest first
         self.exhausted = False  # the proposer had nothing more for this context: wait for a commit
         self.hold_until: float | None = None
-        self.expected_at: float | None = None  # when the outstanding call's answer is expected
-        self.requested_end = 0  # the mirror's length once the outstanding call has answered
         self.skipped = 0  # requests not made since the last one (the proposer could not keep ahead)
 
     @property
     def k(self) -> int:
         return self.k_cap if self.offered_length is not None else min(self.length.k, self.k_cap)
+
+    def answered(self, position: int, generation: int) -> None:
+        for i, call in enumerate(self.calls):
+            if call.position == position and call.generation == generation:
+                del self.calls[i]
+                return
 
 
 class Drafter:
@@ -131,6 +160,8 @@ class Drafter:
         self._released: list[SeqId] = []
         self.inline = bool(getattr(proposer, "inline", False))
         self.sizes_drafts = bool(getattr(proposer, "sizes_drafts", False))
+        self.chained = not self.inline and hasattr(proposer, "send")  # see the module docstring
+        self._last_done = 0.0  # drafter thread: when the last chained call's answer came
         self._thread = None
         if not self.inline:
             self._thread = threading.Thread(target=self._run, daemon=True, name="drafter")
@@ -207,8 +238,8 @@ class Drafter:
             st = self._states.get(request.seq_id)
             if st is None:
                 continue
-            st.outstanding = False
-            st.hold_until = st.expected_at = None
+            st.answered(request.position, generation)
+            st.hold_until = None
             if generation != st.generation:
                 continue  # the mirror was cut after this request: its tokens assumed the wrong context
             if message.error is not None:
@@ -217,6 +248,8 @@ class Drafter:
             draft = checked_draft(message.drafts[i], request, self.vocab_size)
             if draft.resync_from is not None:
                 self._cut(st, min(draft.resync_from, len(st.mirror)))
+            elif request.end != len(st.mirror):
+                pass  # chained onto a call that drafted less than asked: it continues nothing held
             else:
                 start = len(st.mirror)
                 for j, token in enumerate(draft.tokens):
@@ -243,7 +276,7 @@ class Drafter:
         drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
         if not drafted:
             return
-        if max(len(r.tokens) for r in message.requests) <= _STEADY_CONTEXT:
+        if max(len(r.tokens) for r in message.requests) <= _STEADY_CONTEXT and not message.beyond_drafting:
             self._draft_s.observe(drafted, message.seconds)
             return
         estimate = self._draft_s.seconds(drafted)
@@ -301,6 +334,16 @@ class Drafter:
             del st.dists[position]
         st.confirmed = min(st.confirmed, length)
         st.generation += 1
+        # The calls in flight drafted past the cut: a fresh request goes out at once instead of
+        # waiting for them, and a chained call still queued on the node is cancelled, so the node
+        # drafts the fresh one next (after a rejection, waiting for two stale calls and asking
+        # again took a median 134 ms, 4 plain steps, 30% of a free-text generation).
+        stale, st.calls = st.calls, []
+        for call in stale:
+            call.stale = True
+        for pending in {id(c.pending): c.pending for c in stale if c.pending is not None}.values():
+            if all(c.stale for c in pending.calls):
+                pending.cancel()
 
     def _offer(self, st: _State) -> None:
         seq = st.seq
@@ -321,15 +364,21 @@ class Drafter:
             seq.draft, seq.draft_dists = (), None
 
     def _request(self, st: _State) -> None:
-        if st.outstanding or st.exhausted or st.k == 0 or time.perf_counter() < self._paused_until:
+        if len(st.calls) >= (2 if self.chained else 1) or st.exhausted or st.k == 0 \
+                or time.perf_counter() < self._paused_until:
             return
         n = st.seq.num_tokens
+        live = st.calls
+        if live and st.confirmed < n:
+            return  # the committed tokens passed the mirror: the call in flight is checked first
+        # Chained onto a call in flight: from the end that call will reach (what it drafts is
+        # assumed, as any draft is); else from the mirror's end, with the committed tokens past it.
+        position = live[-1].end if live else len(st.mirror)
         # Two blocks ahead: the one verifying now (plus the verifier's bonus token), and the next.
         # An inline proposer answers at once, so one block is enough.
-        want = n + (1 if self.inline else 2) * (st.k + 1) - len(st.mirror)
+        want = n + (1 if self.inline else 2) * (st.k + 1) - position
         if want <= 0 or (len(st.mirror) > n and st.confirmed < n):
             return
-        position = len(st.mirror)
         tokens = tuple(st.seq.token_ids(position, n)) if position < n else ()
         k = self._block_length(st)
         if k == 0 and not self.config.wait_for_drafts:
@@ -342,18 +391,19 @@ class Drafter:
         request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, max(k, 1) + 1), st.sampling)
         st.mirror.extend(tokens)
         st.confirmed = max(st.confirmed, min(len(st.mirror), n))
-        st.outstanding = True
         released, self._released = self._released, []
-        if self.inline:
-            self.arrived(self._call([(request, st.generation, tuple(released))]))
-            return
         now = time.perf_counter()
-        st.requested_end = len(st.mirror) + request.k
         expected_s = self._draft_s.seconds(request.k) if self._draft_s.typical_step_s is not None else self._latency_s
-        st.expected_at = None if expected_s is None else now + expected_s
+        # A chained call starts when the one before it is done.
+        start = max(now, live[-1].expected_at or now) if live else now
+        call = _Call(st.generation, position, request.end + request.k, None if expected_s is None else start + expected_s)
+        st.calls.append(call)
+        if self.inline:
+            self.arrived(self._call([(request, call, tuple(released))]))
+            return
         if self.config.wait_for_drafts:
             st.hold_until = now + self.config.max_wait_s
-        self._work.put((request, st.generation, tuple(released)))
+        self._work.put((request, call, tuple(released)))
 
     def _block_length(self, st: _State) -> int:
         """Tokens per draft block: st.k, or for a proposer slower than a verifier pass the length
@@ -369,17 +419,19 @@ class Drafter:
         if self.config.wait_for_drafts:
             return  # held until the draft arrives (set with the request)
         st.hold_until = None
-        if self.inline or not st.outstanding or st.expected_at is None:
+        live = st.calls
+        if self.inline or not live or live[0].expected_at is None:
             return
         seq = st.seq
         k_now = len(seq.draft)
-        k_then = min(st.k, st.requested_end - seq.num_tokens)
+        k_then = min(st.k, live[0].end - seq.num_tokens)
         if seq.in_flight or seq.is_prefilling or k_then <= k_now:
             return
         now = time.perf_counter()
-        wait = max(0.0, st.expected_at - now)
+        expected_at = live[0].expected_at
+        wait = max(0.0, expected_at - now)
         alpha = st.length.alpha if st.offered_length is None else 0.5
-        hold_until = st.expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
+        hold_until = expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
         if hold_until > now and wait_pays(alpha, k_then, self._costs, st.rows, wait, k_now):
             st.hold_until = hold_until
 
@@ -398,23 +450,99 @@ class Drafter:
                 if item is None:
                     return
                 batch.append(item)
-            self._post(self._call(batch))
+            for answer in (i for i in batch if isinstance(i, _Answer)):
+                self._post_if(self._received(answer))
+            batch = [i for i in batch if not isinstance(i, _Answer)]
+            if batch and self.chained:
+                self._send(batch)
+            elif batch:
+                self._post_if(self._call(batch))
 
-    def _call(self, batch: list[tuple[ProposeRequest, int, tuple[SeqId, ...]]]) -> DraftsReady:
-        """One proposer call for a batch of (request, generation, released seq ids); never raises."""
-        released = [s for _, _, r in batch for s in r]
-        requests = tuple(r for r, _, _ in batch)
-        generations = tuple(g for _, g, _ in batch)
+    def _post_if(self, message: DraftsReady | None) -> None:
+        if message is not None:
+            self._post(message)
+
+    def _call(self, batch: list[tuple[ProposeRequest, _Call, tuple[SeqId, ...]]]) -> DraftsReady | None:
+        """One proposer call for a batch of (request, call, released seq ids); never raises. None
+        when every request went stale while queued (nothing to ask; releases go with the next)."""
+        released, requests, calls = _unpack(batch)
         started = time.perf_counter()
+        if not requests:
+            self.proposer.release(released)
+            return None
+
+        def drafts() -> list[Draft]:
+            if released:
+                self.proposer.release(released)
+            return self.proposer.propose(requests)
+        return self._ready(requests, calls, drafts, lambda: time.perf_counter() - started)
+
+    def _send(self, batch: list[tuple[ProposeRequest, _Call, tuple[SeqId, ...]]]) -> None:
+        """Start a call on a proposer that takes calls while others are in flight; its answer comes
+        back through the work queue (_received), so this thread never waits on the network."""
+        released, requests, calls = _unpack(batch)
+        if not requests:
+            self.proposer.release(released)
+            return
+        sent = time.perf_counter()
         try:
             if released:
                 self.proposer.release(released)
-            drafts = self.proposer.propose(requests)
-            if len(drafts) != len(requests):
-                raise MeshError(f"proposer {self.proposer.name} answered {len(drafts)} of {len(requests)} requests")
-            return DraftsReady(requests, generations, tuple(drafts), time.perf_counter() - started)
+            pending = self.proposer.send(requests)
+        except Exception as e:  # noqa: BLE001 - reported as the call's answer, as _ready does
+            self._post(self._ready(requests, calls, _raiser(e), lambda: 0.0))
+            return
+        pending.calls = calls
+        for call in calls:
+            call.pending = pending
+        pending.add_done_callback(lambda _: self._work.put(_Answer(pending, requests, calls, sent, time.perf_counter())))
+
+    def _received(self, answer: "_Answer") -> DraftsReady | None:
+        if answer.pending.cancelled:
+            return None  # every request in it went stale (Drafter._cut): nobody waits for it
+        # The node drafts a sequence's calls one after another: a call sent while another was in flight
+        # started drafting when that one was done, so its drafting time is counted from then.
+        queued = answer.sent < self._last_done
+        seconds = answer.done - max(answer.sent, self._last_done)
+        self._last_done = max(self._last_done, answer.done)
+        message = self._ready(answer.requests, answer.calls, lambda: self.proposer.receive(answer.pending),
+                              lambda: seconds)
+        return message if queued else replace(message, beyond_drafting=True)
+
+    def _ready(self, requests: tuple[ProposeRequest, ...], calls: tuple[_Call, ...],
+               drafts: Callable[[], list[Draft]], seconds: Callable[[], float]) -> DraftsReady:
+        """The leader's message for a call's answer: its drafts, or its error; never raises."""
+        generations = tuple(c.generation for c in calls)
+        try:
+            answer = drafts()
+            if len(answer) != len(requests):
+                raise MeshError(f"proposer {self.proposer.name} answered {len(answer)} of {len(requests)} requests")
+            return DraftsReady(requests, generations, tuple(answer), seconds())
         except MeshError as e:
             return DraftsReady(requests, generations, error=e)
         except Exception as e:  # noqa: BLE001 - a broken proposer must cost speed only, never the leader
             log.exception("proposer %s raised", self.proposer.name)
             return DraftsReady(requests, generations, error=MeshError(f"proposer raised {e!r}"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A chained call's completion, queued for the drafter thread (see Drafter._send)."""
+
+    pending: object  # what the proposer's send returned
+    requests: tuple[ProposeRequest, ...]
+    calls: tuple[_Call, ...]
+    sent: float
+    done: float
+
+
+def _unpack(batch) -> tuple[list[SeqId], tuple[ProposeRequest, ...], tuple[_Call, ...]]:
+    """Released ids, and the requests (with their calls) not gone stale while queued."""
+    live = [(r, c) for r, c, _ in batch if not c.stale]
+    return [s for _, _, r in batch for s in r], tuple(r for r, _ in live), tuple(c for _, c in live)
+
+
+def _raiser(error: Exception) -> Callable[[], list[Draft]]:
+    def drafts() -> list[Draft]:
+        raise error
+    return drafts

@@ -13,7 +13,7 @@ a speculative tail removes them, so a step costs O(k * max_ngram), not O(context
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from meshllm.engine.kv_cache import SeqId
@@ -89,8 +89,9 @@ class NgramProposer:
         self.config = config or NgramConfig()
         self._indexes: dict[SeqId, _Index] = {}
 
-    def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
-        return [self._propose_one(r) for r in requests]
+    def propose(self, requests: Sequence[ProposeRequest], cancelled: Callable[[], bool] = lambda: False
+                ) -> list[Draft]:
+        return [self._propose_one(r) for r in requests]  # microseconds: `cancelled` is never worth asking
 
     def _propose_one(self, request: ProposeRequest) -> Draft:
         index = self._indexes.get(request.seq_id)

@@ -11,7 +11,7 @@ resends from there. So a decode step costs a few token ids on the wire, not the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -97,7 +97,8 @@ class Proposer(Protocol):
     # leader asks for the most it may send and judges each offer by its length. Absent means False.
     sizes_drafts: bool
 
-    def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]: ...
+    # `cancelled` (optional to honour): asked while drafting; once true nobody wants the answer.
+    def propose(self, requests: Sequence[ProposeRequest], cancelled: Callable[[], bool] = ...) -> list[Draft]: ...
 
     def release(self, seq_ids: Sequence[SeqId]) -> None: ...
 

@@ -3,7 +3,10 @@
 RemoteProposer sends a batch of requests in one Propose call with a deadline in
 milliseconds (per block, not the channel's 10 s default): a draft that misses it is
 dropped (ProposerError), the leader decodes without it. Release requests ride along
-with the next call. Called from the leader's drafting thread only.
+with the next call. Called from the leader's drafting thread only. `send` starts a call
+and returns at once, `receive` takes its answer once done, so the leader can have a
+second call queued on the node behind the first (spec/drafter.py, chained calls);
+`propose` is the two in one.
 
 A call that carries a sequence's prompt (or a long stretch decoded plainly) is a catch-up:
 the proposer must prefill those tokens before it can draft, which for a draft model on a
@@ -20,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -41,6 +45,28 @@ EXCLUSION_S = 10.0
 PRIOR_PREFILL_S_PER_TOKEN = 0.05  # until measured: slower than any draft model worth placing
 PREFILL_MARGIN = 2.0  # a catch-up may take this many times its measured rate (a busy node)
 CATCH_UP_CAP_S = 30.0  # a proposer slower than this on a prompt is not worth waiting for
+
+
+@dataclass(slots=True)
+class PendingCall:
+    """A Propose call in flight (RemoteProposer.send). `calls`: the caller's own bookkeeping."""
+
+    call: object  # grpc.Future, or SignedFuture over a signed channel: result(), add_done_callback()
+    requests: tuple[ProposeRequest, ...]
+    release: tuple[SeqId, ...]
+    sent: float
+    proposer: "RemoteProposer | None" = None  # ReplanningProposer: the placement it went to
+    calls: object = None
+    cancelled: bool = False
+
+    def add_done_callback(self, fn: Callable[["PendingCall"], None]) -> None:
+        self.call.add_done_callback(lambda _: fn(self))
+
+    def cancel(self) -> None:
+        """Nobody wants the answer any more: a call still queued on the node is skipped there
+        (ProposerService). Its releases were delivered with it or go with the next call."""
+        self.cancelled = True
+        self.call.cancel()
 
 
 class RemoteProposer:
@@ -65,21 +91,31 @@ class RemoteProposer:
         self._released.extend(seq_ids)
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
+        return self.receive(self.send(requests))
+
+    def send(self, requests: Sequence[ProposeRequest]) -> PendingCall:
         release, self._released = self._released, []
         message = spec_convert.request_to_pb(self.model_id, requests, release)
-        context = catch_up_tokens(requests)
-        started = time.perf_counter()
+        call = self._stub.Propose.future(message, timeout=self.deadline_for(requests))
+        return PendingCall(call, tuple(requests), tuple(release), time.perf_counter())
+
+    def receive(self, pending: PendingCall) -> list[Draft]:
+        """The answer of a call `send` started (waits for it if it is not done)."""
+        requests, context = pending.requests, catch_up_tokens(pending.requests)
         try:
-            reply = self._stub.Propose(message, timeout=self.deadline_for(requests))
+            reply = pending.call.result()
+        except grpc.FutureCancelledError:
+            self._released = list(pending.release) + self._released
+            raise ProposerError(f"proposer {self.model_id} on {self.node_id}: the call was cancelled") from None
         except grpc.RpcError as e:
-            self._released = release + self._released  # not delivered: send again next time
+            self._released = list(pending.release) + self._released  # not delivered: send again next time
             if context and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 self.prefill_s_per_token *= 2  # slower than believed: the next catch-up waits longer
             error = ProposerError(f"proposer {self.model_id} on {self.node_id}: {e.code().name}: {e.details()}")
             error.unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND)
             raise error from None
         if context:
-            measured = (time.perf_counter() - started) / context
+            measured = (time.perf_counter() - pending.sent) / context
             self.prefill_s_per_token = 0.5 * self.prefill_s_per_token + 0.5 * measured
         try:
             return spec_convert.drafts_from_pb(reply, requests)
@@ -128,6 +164,9 @@ class ReplanningProposer:
             self._current.release(seq_ids)
 
     def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
+        return self.receive(self.send(requests))
+
+    def send(self, requests: Sequence[ProposeRequest]) -> PendingCall:
         with self._lock:
             if self._current is None:
                 try:
@@ -135,8 +174,14 @@ class ReplanningProposer:
                 except ProposerUnavailable as e:
                     raise ProposerError(f"no proposer available: {e}") from None
             current = self._current
+        pending = current.send(requests)
+        pending.proposer = current
+        return pending
+
+    def receive(self, pending: PendingCall) -> list[Draft]:
+        current = pending.proposer
         try:
-            drafts = current.propose(requests)
+            drafts = current.receive(pending)
         except ProposerError as e:
             with self._lock:
                 self._failures += 1

@@ -84,7 +84,11 @@ class ProposerService(proposer_pb2_grpc.ProposerServicer):
                 served.proposer.release(release)
                 for seq_id in release:
                     last_used.pop(seq_id, None)
-            drafts = served.proposer.propose(requests)
+            if not context.is_active():
+                # Cancelled while queued behind another call (a leader's chained call whose draft went
+                # stale): the next call is drafted sooner for not drafting this one.
+                return spec_convert.drafts_to_pb([])
+            drafts = served.proposer.propose(requests, cancelled=lambda: not context.is_active())
             now = time.monotonic()
             for r in requests:
                 last_used.pop(r.seq_id, None)  # re-inserted last: the dict stays oldest first

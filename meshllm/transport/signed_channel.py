@@ -139,8 +139,38 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         return _parse(self._deserialize, raw, self._method), call
 
     def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None):
-        raise NotImplementedError("signed calls verify their reply before returning: call them from a thread "
-                                  "instead of using .future()")
+        c = self._channel
+        body = self._serialize(request)
+        signed = c.signer.sign(self._method, c.receiver, body)
+        inner = self._inner.future(body, timeout=c.deadline(timeout), metadata=[*(metadata or ()), *signed],
+                                   credentials=credentials, wait_for_ready=wait_for_ready, compression=compression)
+
+        def verified(raw: bytes):
+            c.signer.check_reply(self._method, c.receiver, signed, inner.trailing_metadata(), raw)
+            return _parse(self._deserialize, raw, self._method)
+        return SignedFuture(inner, verified)
+
+
+class SignedFuture:
+    """A unary call in flight (`.future()`): `result()` verifies the reply as a blocking call does
+    (ReplyRejected when it fails), so an unverified reply is never handed out."""
+
+    def __init__(self, inner, verified: Callable):
+        self._inner = inner
+        self._verified = verified
+
+    def result(self, timeout: float | None = None):
+        return self._verified(self._inner.result(timeout))
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def cancel(self) -> bool:
+        return self._inner.cancel()
+
+    def add_done_callback(self, fn: Callable[["SignedFuture"], None]) -> None:
+        """`fn(this future)` once the call is over (at once when it already is)."""
+        self._inner.add_done_callback(lambda _: fn(self))
 
 
 class _StreamUnary(grpc.StreamUnaryMultiCallable):

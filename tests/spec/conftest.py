@@ -47,7 +47,7 @@ class GarbageProposer:
         self.vocab_size = vocab_size
         self.calls = 0
 
-    def propose(self, requests: Sequence[ProposeRequest]) -> list[Draft]:
+    def propose(self, requests: Sequence[ProposeRequest], cancelled=None) -> list[Draft]:
         from meshllm.engine.step import DraftDist
 
         out = []
@@ -77,7 +77,7 @@ class SlowProposer:
         self.inner, self.delay_s = inner, delay_s
         self.name = f"slow-{inner.name}"
 
-    def propose(self, requests):
+    def propose(self, requests, cancelled=None):
         time.sleep(self.delay_s)
         return self.inner.propose(requests)
 
@@ -88,7 +88,7 @@ class SlowProposer:
 class RaisingProposer:
     name = "raising"
 
-    def propose(self, requests):
+    def propose(self, requests, cancelled=None):
         raise RuntimeError("proposer crashed")
 
     def release(self, seq_ids) -> None:

@@ -114,6 +114,19 @@ def test_a_proposer_slower_than_the_verifier_gets_the_block_it_can_keep_ahead_of
     assert pipelined_length(0.95, 8, bf16, 1, drafter) == 0
 
 
+def test_long_blocks_pay_for_what_a_rejection_throws_away():
+    """Measured on the two-machine bench: a bf16 verifier whose extra rows are nearly free (18 ms a
+    step, 20-24 ms for 2-9 rows) and a Q4_1 draft node whose 5- and 6-token calls happened to be
+    measured alike. Extrapolating 9-token calls along those two made them look as cheap as 6, and
+    with nothing charged for the block a rejection throws away, 8-token blocks won; they spent
+    110-120 ms after each rejection getting back on track, against ~50 ms with short blocks."""
+    verifier = _costs({1: 0.018, 2: 0.024, 3: 0.020, 4: 0.021, 5: 0.020, 9: 0.023})
+    drafter = _costs({2: 0.017, 3: 0.029, 4: 0.038, 5: 0.044, 6: 0.044})
+    assert drafter.seconds(9) == pytest.approx(0.044 + 3 * (0.044 - 0.017) / 4)  # the widest slope
+    assert pipelined_length(0.9, 8, verifier, 1, drafter) in (1, 2, 3)
+    assert pipelined_length(0.95, 8, verifier, 1, drafter) < 8
+
+
 def test_waiting_for_a_draft_pays_only_when_it_commits_more_per_second():
     verifier = _costs({1: 0.024, 4: 0.054})
     assert wait_pays(0.95, 3, verifier, 1, wait_s=0.010)  # 3.7 tokens in 64 ms beats 2.7 plain steps
@@ -142,7 +155,7 @@ class _RemoteLike:
 
     name, inline = "remote-like", False
 
-    def propose(self, requests):
+    def propose(self, requests, cancelled=None):
         raise AssertionError("not called")
 
     def release(self, seq_ids):

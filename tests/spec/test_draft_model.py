@@ -41,3 +41,21 @@ def test_drafts_continue_greedily_and_a_short_catch_up_costs_no_forward_of_its_o
     assert list(second.tokens) == expected
     # The 2 tokens the KV lacks and the first draft in one forward, then one for the second draft.
     assert forwards == [2, 1]
+
+
+def test_a_cancelled_call_stops_drafting_and_the_next_one_carries_on(aidreams_path):
+    """`cancelled` is asked between forward passes (a proposer node's gRPC call that went away):
+    drafting stops there, and what was drafted stays held, so the next call continues greedily."""
+    files = open_model(aidreams_path)
+    decoder = load_stage_decoder(files.source, files.config, dtype=torch.float32, batch_invariant=True)
+    proposer = DraftModelProposer(decoder, "aidreams")
+    prompt = files.tokenizer.encode("Once upon a time, there was a little robot. The robot liked to")
+    rounds = []
+    stop_after_two = lambda: len(rounds) >= 2  # noqa: E731
+    forward = decoder.forward
+    decoder.forward = lambda *a, **kw: rounds.append(1) or forward(*a, **kw)
+    cut, = proposer.propose([ProposeRequest(SeqId(1), 0, tuple(prompt), 6)], cancelled=stop_after_two)
+    expected = _greedy(decoder, prompt, 5)
+    assert list(cut.tokens) == expected[:2]
+    rest, = proposer.propose([ProposeRequest(SeqId(1), len(prompt) + 2, (), 3)])
+    assert list(rest.tokens) == expected[2:]

@@ -25,7 +25,7 @@ class _Perfect:
 
     name, inline = "perfect", False
 
-    def propose(self, requests):
+    def propose(self, requests, cancelled=None):
         return [Draft(r.seq_id, tuple(TEXT[r.position + len(r.tokens):][:r.k])) for r in requests]
 
     def release(self, seq_ids):
@@ -81,7 +81,7 @@ def test_a_draft_that_went_another_way_than_a_commit_is_cut_on_arrival(drafting)
 class _Wrong(_Perfect):
     name = "wrong"
 
-    def propose(self, requests):
+    def propose(self, requests, cancelled=None):
         return [Draft(r.seq_id, (50,) * r.k) for r in requests]
 
 
@@ -109,3 +109,97 @@ def test_a_draft_overtaken_by_plain_steps_still_measures_acceptance():
     assert after > prior + 0.1
     prior, after = _acceptance_after_an_overtaken_draft(_Wrong())
     assert after < prior - 0.3
+
+
+class _Pending:
+    """A call in flight on _Chained: answered when the test says so."""
+
+    def __init__(self, requests):
+        self.requests, self.callbacks, self.cancelled, self.calls = requests, [], False, None
+
+    def add_done_callback(self, fn):
+        self.callbacks.append(fn)
+
+    def cancel(self):
+        self.cancelled = True
+
+    def finish(self):
+        for fn in self.callbacks:
+            fn(self)
+
+
+class _Chained(_Perfect):
+    """A proposer that takes calls while others are in flight (as a remote node does), answering
+    each only when the test finishes it: drafts of the verifier's continuation, like _Perfect."""
+
+    name = "chained"
+
+    def __init__(self):
+        self.sent: queue.Queue = queue.Queue()
+
+    def send(self, requests):
+        pending = _Pending(requests)
+        self.sent.put(pending)
+        return pending
+
+    def receive(self, pending):
+        return self.propose(pending.requests)
+
+
+@pytest.fixture
+def chained():
+    answers: queue.Queue = queue.Queue()
+    proposer = _Chained()
+    config = SpecConfig(lengths=DraftLengthConfig(k_max=1, k_start=1))
+    drafter = Drafter(proposer, vocab_size=100, post=answers.put, config=config)
+    try:
+        seq = Sequence(SeqId(1), TEXT[:3], SamplingParams(temperature=0.0, max_tokens=8))
+        drafter.admit(seq, seq.params, user_seeded=False)
+        yield drafter, proposer, answers, seq
+    finally:
+        drafter.close()
+
+
+def test_a_second_call_is_chained_onto_the_one_in_flight(chained):
+    """The next block is asked for while the first is still being drafted, from where the first
+    will end (no tokens: the node holds them), so the node starts it as soon as the first is done
+    and the round trip between calls costs nothing."""
+    drafter, proposer, answers, seq = chained
+    first = proposer.sent.get(timeout=5)
+    assert first.requests[0].tokens == (1, 2, 3) and first.requests[0].k == 2
+    drafter.committed(seq)  # any event of the loop asks again
+    second = proposer.sent.get(timeout=5)
+    (request,) = second.requests
+    assert (request.position, request.tokens) == (5, ())
+    assert proposer.sent.empty()  # two calls per sequence at most
+    first.finish()
+    second.finish()
+    for _ in range(2):
+        drafter.arrived(answers.get(timeout=5))
+    assert drafter._states[seq.seq_id].mirror == TEXT[:7]
+    assert seq.draft == (10,)
+
+
+def test_a_cut_cancels_the_calls_in_flight_and_asks_again_at_once(chained):
+    """When the verifier goes another way, the chained call (drafting past the cut) is cancelled,
+    so a node skips it if still queued, its answer is never delivered, and the fresh request goes
+    out at once instead of after the stale calls came back."""
+    drafter, proposer, answers, seq = chained
+    first = proposer.sent.get(timeout=5)
+    drafter.committed(seq)
+    second = proposer.sent.get(timeout=5)
+    first.finish()
+    drafter.arrived(answers.get(timeout=5))  # mirror: prompt, 10, 11
+    seq.output_ids += [99]  # the verifier chose 99 where the draft said 10
+    drafter.committed(seq)
+    assert second.cancelled and not first.cancelled
+    fresh = proposer.sent.get(timeout=5)
+    (request,) = fresh.requests
+    assert (request.position, request.tokens) == (3, (99,))
+    second.finish()  # its answer comes back after the cut: dropped on the drafter's thread
+    fresh.finish()
+    message = answers.get(timeout=5)
+    assert message.requests == fresh.requests
+    drafter.arrived(message)
+    assert answers.empty()
+    assert drafter._states[seq.seq_id].mirror == TEXT[:3] + [99] + TEXT[4:6]

@@ -78,7 +78,7 @@ class _Renamed:
     def __init__(self, inner, name):
         self.inner, self.name = inner, name
 
-    def propose(self, requests):
+    def propose(self, requests, cancelled=None):
         return self.inner.propose(requests)
 
     def release(self, seq_ids):
@@ -274,3 +274,43 @@ def test_a_proposer_left_out_for_lateness_is_placed_again_after_its_exclusion(pr
     replanning.deadline_s = 5.0  # the node is fast again (its catch-up is done)
     (draft,) = replanning.propose(request)
     assert draft.tokens == (2,) and not replanning.excluded  # a 1-token match drafts 1 token
+
+
+class _CountingSleeper:
+    name = "counting"
+
+    def __init__(self):
+        self.calls = []
+
+    def propose(self, requests, cancelled=None):
+        self.calls.append(tuple(r.seq_id for r in requests))
+        time.sleep(0.3)
+        return NgramProposer().propose(requests)
+
+    def release(self, seq_ids):
+        pass
+
+
+def test_a_call_cancelled_while_queued_behind_another_is_not_drafted():
+    """A leader chains a second call behind the one in flight, and cancels it when the verifier
+    goes another way: the node, drafting one call at a time, skips it instead of spending a
+    block's drafting on tokens nobody will use."""
+    key = generate_key()
+    counting = _CountingSleeper()
+    server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id="proposer-node"))
+    server.add(proposer_pb2_grpc.add_ProposerServicer_to_server, ProposerService([Served(counting)]))
+    server.start()
+    channels = ChannelPool(ChannelConfig("test-leader", key))
+    try:
+        remote = RemoteProposer(channels.get(server.address, "proposer-node"), "counting", "n", deadline_s=5.0)
+        first = remote.send([ProposeRequest(SeqId(1), 0, (1, 2, 1), 2)])
+        time.sleep(0.1)  # the first is being drafted
+        queued = remote.send([ProposeRequest(SeqId(2), 0, (1, 2, 1), 2)])
+        queued.cancel()
+        assert remote.receive(first)[0].tokens == (2,)
+        third = remote.send([ProposeRequest(SeqId(3), 0, (1, 2, 1), 2)])
+        assert remote.receive(third)[0].tokens == (2,)
+        assert counting.calls == [(SeqId(1),), (SeqId(3),)]
+    finally:
+        channels.close()
+        server.stop()

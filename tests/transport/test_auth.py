@@ -2,6 +2,7 @@
 
 import os
 import stat
+import threading
 import time
 
 import grpc
@@ -201,6 +202,32 @@ def test_unsigned_reply_is_refused_even_in_plaintext():
             with pytest.raises(ReplyRejected, match="no meshllm signature") as info:
                 cluster_pb2_grpc.ClusterStub(channel).Exchange(cluster_pb2.ExchangeRequest(), timeout=5)
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        rogue.stop(0)
+
+
+def test_a_signed_future_hands_out_only_verified_replies(served):
+    """`.future()` on a signed channel (the leader's chained proposer calls): the reply is checked
+    as a blocking call's is, so a rogue's unsigned answer is refused through result()."""
+    key, server, servicer, _ = served
+    with open_channel(server.address, ChannelConfig("client", key), receiver=SERVER_ID) as channel:
+        future = cluster_pb2_grpc.ClusterStub(channel).Exchange.future(cluster_pb2.ExchangeRequest(), timeout=5)
+        done = threading.Event()
+        future.add_done_callback(lambda f: done.set())
+        assert isinstance(future.result(), cluster_pb2.ExchangeResponse) and done.wait(5)
+    assert len(servicer.requests) == 1
+    from concurrent.futures import ThreadPoolExecutor
+
+    rogue = grpc.server(ThreadPoolExecutor(2))
+    cluster_pb2_grpc.add_ClusterServicer_to_server(UnsignedCluster(), rogue)
+    port = rogue.add_insecure_port("127.0.0.1:0")
+    rogue.start()
+    try:
+        config = ChannelConfig("client", auth.generate_key(), tls=PLAINTEXT)
+        with open_channel(f"127.0.0.1:{port}", config, receiver="rogue") as channel:
+            future = cluster_pb2_grpc.ClusterStub(channel).Exchange.future(cluster_pb2.ExchangeRequest(), timeout=5)
+            with pytest.raises(ReplyRejected, match="no meshllm signature"):
+                future.result()
     finally:
         rogue.stop(0)
 
