@@ -1,9 +1,7 @@
 """Several `meshllm node` processes on this machine, on loopback: the demo's cluster.
 
-Each node binds a port the kernel picks (`--port 0`) and reports it on its ready line:
-choosing a free port here and passing it on raced with every other socket on the machine
-(the port could be taken before the node bound it). The first node starts alone; the others
-start together with it as their seed, and gossip does the rest. Processes are stopped by pid, SIGTERM first, SIGKILL if they linger. A node
+Each node knows the one started before it (a line of seed peers); gossip does
+the rest. Processes are stopped by pid, SIGTERM first, SIGKILL if they linger. A node
 that dies on its own (killed, crashed) is reaped at once, never left a zombie, and
 reported through `on_exit`.
 """
@@ -11,7 +9,9 @@ reported through `on_exit`.
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +27,39 @@ READY_MARK = "listening on"
 
 class NodeStartFailed(MeshError):
     code = "node_start_failed"
+
+
+def free_port() -> int:
+    """A loopback port free now, below the kernel's ephemeral range. A port the kernel hands out
+    (bind to 0) is free only until the node binds it, and in between any outgoing connection on
+    the machine may take it as its own local port (the other nodes start gossiping at once): the
+    demo failed 1 run in 4 with 'Address already in use'. Outgoing connections never take a port
+    below the ephemeral range."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 20000), low)
+        if port in _handed_out:  # not yet bound by the node it went to
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    with socket.socket() as s:  # a machine with that whole range taken: the kernel's choice
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 class LocalCluster:
@@ -49,8 +82,8 @@ class LocalCluster:
         self.node_args: dict[int, tuple[str, ...]] = {}
         self.on_exit = on_exit
         self.key_file = state_dir / "cluster.key"
-        self.addresses: list[str] = []  # node i listens at addresses[i], "" until it is ready
-        self.node_ids = [f"node-{i}" for i in range(num_nodes)]
+        self.addresses: list[str] = []
+        self.node_ids = [f"node-{i}" for i in range(num_nodes)]  # node i listens at addresses[i]
         self.processes: list[subprocess.Popen] = []
         self.logs: list[list[str]] = []
         self.exit_codes: dict[int, int] = {}  # nodes that died on their own, by index
@@ -60,10 +93,9 @@ class LocalCluster:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if not self.key_file.exists():
             write_key(self.key_file, generate_key())
+        ready = [self._spawn() for _ in range(self.num_nodes)]
         deadline = time.monotonic() + timeout_s
-        self._wait_ready(0, self._spawn(), deadline)  # the seed of all the others
-        ready = [self._spawn() for _ in range(1, self.num_nodes)]
-        for i, event in enumerate(ready, start=1):
+        for i, event in enumerate(ready):
             self._wait_ready(i, event, deadline)
 
     def add_node(self, env: Mapping[str, str] | None = None, args: tuple[str, ...] = (),
@@ -82,27 +114,28 @@ class LocalCluster:
 
     def live_addresses(self) -> list[str]:
         """Addresses of the nodes still running (a killed node's address is useless as a peer)."""
-        return [a for a, p in zip(self.addresses, self.processes) if a and p.poll() is None]
+        return [a for a, p in zip(self.addresses, self.processes) if p.poll() is None]
 
     def live_nodes(self) -> list[tuple[str, str]]:
         """(address, node id) of the nodes still running."""
-        return [(a, n) for a, n, p in zip(self.addresses, self.node_ids, self.processes) if a and p.poll() is None]
+        return [(a, n) for a, n, p in zip(self.addresses, self.node_ids, self.processes) if p.poll() is None]
 
     def _spawn(self) -> threading.Event:
         i = len(self.processes)
         if i == len(self.node_ids):
             self.node_ids.append(f"node-{i}")
-        self.addresses.append("")
+        port = free_port()
+        self.addresses.append(f"127.0.0.1:{port}")
         env = dict(os.environ)
         if self.threads_per_node:
             env["OMP_NUM_THREADS"] = str(self.threads_per_node)
         env.update(self.node_env.get(i, {}))
-        args = [sys.executable, "-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--port", "0",
+        args = [sys.executable, "-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--port", str(port),
                 "--key-file", str(self.key_file), "--node-id", self.node_ids[i], "--no-discovery",
                 "--state-dir", str(self.state_dir / f"node-{i}"), *self.extra_args, *self.node_args.get(i, ())]
         for path in self.model_paths:
             args += ["--models", str(path)]
-        for peer in self.live_addresses()[-1:]:  # the newest node that is up
+        for peer in self.live_addresses()[-1:]:  # the newest live node: a line of seeds
             args += ["--peer", peer]
         process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                    start_new_session=True)
@@ -123,8 +156,7 @@ class LocalCluster:
     def _follow(self, index: int, process: subprocess.Popen, lines: list[str], ready: threading.Event) -> None:
         for line in process.stdout:
             lines.append(line.rstrip())
-            if READY_MARK in line and not ready.is_set():
-                self.addresses[index] = line.rsplit(READY_MARK, 1)[1].strip()
+            if READY_MARK in line:
                 ready.set()
         returncode = process.wait()  # reaps it: a dead node never lingers as a zombie
         if not self._stopping:
