@@ -41,7 +41,10 @@ class StepCosts:
     """Seconds per decode step by rows in it (decaying averages); a step with a prefill chunk
     is not a decode step and is not recorded."""
 
-    def __init__(self):
+    def __init__(self, widest_slope: bool = False):
+        """`widest_slope`: extrapolate past the measured counts along the slope between the smallest
+        and largest (a proposer's call times; see seconds), not the two nearest (step costs)."""
+        self.widest_slope = widest_slope
         self._seconds: dict[int, float] = {}
         # ratio() by (rows, extra) until the next observation: each sequence's draft length weighs
         # up to k_max lengths a step, 8 sequences ~150 lookups that all read the same estimates.
@@ -90,19 +93,24 @@ class StepCosts:
 
     def seconds(self, count: int) -> float | None:
         """Estimated seconds at `count`: measured, interpolated, or extrapolated from the nearest
-        measured count along the slope between the smallest and largest (through the origin when
-        only one is measured: a proposer's call time by tokens drafted, before calls of two sizes
-        were seen). Not the slope of the two nearest: two noisy neighbours (5- and 6-token calls
-        measured alike) made 9-token calls look as cheap as 6-token ones, and 8-token blocks won."""
+        measured count along the line through the two nearest measured counts, or with
+        `widest_slope` the smallest and largest (through the origin when only one is measured: a
+        proposer's call time by tokens drafted, before calls of two sizes were seen). A proposer's
+        two nearest can be two noisy neighbours: 5- and 6-token calls measured alike made 9-token
+        calls look as cheap as 6-token ones, and 8-token blocks won. Step costs keep the nearest
+        two: a step's cost is not linear in its rows over the whole range (the few-row kernels)."""
         estimate = self._estimate(count)
         if estimate is not None or not self._seconds:
             return estimate
         counts = sorted(self._seconds)
         if len(counts) == 1:
             return self._seconds[counts[0]] * count / counts[0]
-        lo, hi = counts[0], counts[-1]
+        nearest = counts[0] if count < counts[0] else counts[-1]
+        if self.widest_slope:
+            lo, hi = counts[0], counts[-1]
+        else:
+            lo, hi = (counts[0], counts[1]) if count < counts[0] else (counts[-2], counts[-1])
         slope = max(0.0, (self._seconds[hi] - self._seconds[lo]) / (hi - lo))
-        nearest = lo if count < lo else hi
         return max(0.0, self._seconds[nearest] + slope * (count - nearest))
 
     @property

@@ -154,7 +154,7 @@ class Drafter:
         self._costs = StepCosts()
         self._batch_rows = 1  # sequences in the last decode step
         self._latency_s: float | None = None  # decaying average of one proposer call
-        self._draft_s = StepCosts()  # a proposer call's seconds by tokens drafted (catch-ups aside)
+        self._draft_s = StepCosts(widest_slope=True)  # a proposer call's seconds by tokens drafted (catch-ups aside)
         self._paused_until = 0.0
         self._work: queue.Queue = queue.Queue()
         self._released: list[SeqId] = []
@@ -396,7 +396,8 @@ class Drafter:
         expected_s = self._draft_s.seconds(request.k) if self._draft_s.typical_step_s is not None else self._latency_s
         # A chained call starts when the one before it is done.
         start = max(now, live[-1].expected_at or now) if live else now
-        call = _Call(st.generation, position, request.end + request.k, None if expected_s is None else start + expected_s)
+        call = _Call(st.generation, position, request.end + request.k,
+                     None if expected_s is None else start + expected_s)
         st.calls.append(call)
         if self.inline:
             self.arrived(self._call([(request, call, tuple(released))]))
@@ -495,7 +496,8 @@ class Drafter:
         pending.calls = calls
         for call in calls:
             call.pending = pending
-        pending.add_done_callback(lambda _: self._work.put(_Answer(pending, requests, calls, sent, time.perf_counter())))
+        pending.add_done_callback(
+            lambda _: self._work.put(_Answer(pending, requests, calls, sent, time.perf_counter())))
 
     def _received(self, answer: "_Answer") -> DraftsReady | None:
         if answer.pending.cancelled:

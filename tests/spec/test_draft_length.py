@@ -87,8 +87,8 @@ def test_cheap_rows_keep_drafting_at_modest_acceptance():
     assert lengths.send_length(2, costs(2.0), 1) == 0  # the same acceptance cannot pay for dear rows
 
 
-def _costs(seconds_by_count: dict[int, float]) -> StepCosts:
-    costs = StepCosts()
+def _costs(seconds_by_count: dict[int, float], widest_slope: bool = False) -> StepCosts:
+    costs = StepCosts(widest_slope)
     for count, seconds in seconds_by_count.items():
         costs.observe(count, seconds)
     return costs
@@ -121,7 +121,7 @@ def test_long_blocks_pay_for_what_a_rejection_throws_away():
     with nothing charged for the block a rejection throws away, 8-token blocks won; they spent
     110-120 ms after each rejection getting back on track, against ~50 ms with short blocks."""
     verifier = _costs({1: 0.018, 2: 0.024, 3: 0.020, 4: 0.021, 5: 0.020, 9: 0.023})
-    drafter = _costs({2: 0.017, 3: 0.029, 4: 0.038, 5: 0.044, 6: 0.044})
+    drafter = _costs({2: 0.017, 3: 0.029, 4: 0.038, 5: 0.044, 6: 0.044}, widest_slope=True)
     assert drafter.seconds(9) == pytest.approx(0.044 + 3 * (0.044 - 0.017) / 4)  # the widest slope
     assert pipelined_length(0.9, 8, verifier, 1, drafter) in (1, 2, 3)
     assert pipelined_length(0.95, 8, verifier, 1, drafter) < 8
