@@ -239,17 +239,20 @@ class Drafter:
             if st is None:
                 continue
             st.answered(request.position, generation)
-            st.hold_until = None
             if generation != st.generation:
                 continue  # the mirror was cut after this request: its tokens assumed the wrong context
+            st.hold_until = None
+            if request.position > len(st.mirror):
+                # Chained onto a call that has not answered (the node's lock does not serve waiting
+                # calls in order) or that drafted less than asked: it continues nothing the mirror
+                # holds, and neither its draft nor its failure says anything about what it does hold.
+                continue
             if message.error is not None:
                 self._cut(st, request.position)  # the proposer may not hold what the request carried
                 continue
             draft = checked_draft(message.drafts[i], request, self.vocab_size)
             if draft.resync_from is not None:
                 self._cut(st, min(draft.resync_from, len(st.mirror)))
-            elif request.end != len(st.mirror):
-                pass  # chained onto a call that drafted less than asked: it continues nothing held
             else:
                 start = len(st.mirror)
                 for j, token in enumerate(draft.tokens):
@@ -276,11 +279,14 @@ class Drafter:
         drafted = max((len(d.tokens) for d in message.drafts), default=0)  # sequences draft side by side
         if not drafted:
             return
-        if max(len(r.tokens) for r in message.requests) <= _STEADY_CONTEXT and not message.beyond_drafting:
+        steady = max(len(r.tokens) for r in message.requests) <= _STEADY_CONTEXT
+        if steady and not message.beyond_drafting:
             self._draft_s.observe(drafted, message.seconds)
             return
         estimate = self._draft_s.seconds(drafted)
-        if estimate is not None and message.seconds < estimate:
+        # A steady call that also timed its round trip seeds an empty estimate: a proposer always
+        # overtaken by plain steps may never get a call queued behind another to time it.
+        if (estimate is None and steady) or (estimate is not None and message.seconds < estimate):
             self._draft_s.observe(drafted, message.seconds)
 
     def holding(self, now: float) -> bool:
@@ -400,7 +406,9 @@ class Drafter:
                      None if expected_s is None else start + expected_s)
         st.calls.append(call)
         if self.inline:
-            self.arrived(self._call([(request, call, tuple(released))]))
+            message = self._call([(request, call, tuple(released))])
+            if message is not None:  # always, for a request made just now on this thread
+                self.arrived(message)
             return
         if self.config.wait_for_drafts:
             st.hold_until = now + self.config.max_wait_s
@@ -496,6 +504,8 @@ class Drafter:
         pending.calls = calls
         for call in calls:
             call.pending = pending
+        if all(c.stale for c in calls):  # cut while being sent: _cut saw no pending call to cancel
+            pending.cancel()
         pending.add_done_callback(
             lambda _: self._work.put(_Answer(pending, requests, calls, sent, time.perf_counter())))
 

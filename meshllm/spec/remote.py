@@ -64,7 +64,8 @@ class PendingCall:
 
     def cancel(self) -> None:
         """Nobody wants the answer any more: a call still queued on the node is skipped there
-        (ProposerService). Its releases were delivered with it or go with the next call."""
+        (ProposerService), after applying the releases it carried. A call cancelled before the
+        node saw it loses those: the node's lease (--plan-lease) frees them."""
         self.cancelled = True
         self.call.cancel()
 
@@ -184,6 +185,8 @@ class ReplanningProposer:
             drafts = current.receive(pending)
         except ProposerError as e:
             with self._lock:
+                if self._current is not current:
+                    raise  # a call to a proposer already replaced says nothing about the new one
                 self._failures += 1
                 gone = getattr(e, "unreachable", False)
                 if (gone or self._failures >= self.max_failures) and self._current is current:

@@ -116,6 +116,7 @@ class _Pending:
 
     def __init__(self, requests):
         self.requests, self.callbacks, self.cancelled, self.calls = requests, [], False, None
+        self.answer = None  # what receive() gives instead of _Perfect's drafts
 
     def add_done_callback(self, fn):
         self.callbacks.append(fn)
@@ -143,7 +144,7 @@ class _Chained(_Perfect):
         return pending
 
     def receive(self, pending):
-        return self.propose(pending.requests)
+        return pending.answer or self.propose(pending.requests)
 
 
 @pytest.fixture
@@ -203,3 +204,20 @@ def test_a_cut_cancels_the_calls_in_flight_and_asks_again_at_once(chained):
     drafter.arrived(message)
     assert answers.empty()
     assert drafter._states[seq.seq_id].mirror == TEXT[:3] + [99] + TEXT[4:6]
+
+
+def test_a_chained_answer_before_the_one_it_continues_is_dropped_without_a_cut(chained):
+    """The node's lock does not serve waiting calls in order: the chained call can be answered
+    first. It continues nothing the mirror holds yet, so it is dropped, and the call before it,
+    still good, is neither cancelled nor made stale."""
+    drafter, proposer, answers, seq = chained
+    first = proposer.sent.get(timeout=5)
+    drafter.committed(seq)
+    second = proposer.sent.get(timeout=5)
+    second.answer = [Draft(seq.seq_id, resync_from=3)]  # what a node holding 3 tokens answers
+    second.finish()
+    drafter.arrived(answers.get(timeout=5))
+    assert not first.cancelled and drafter._states[seq.seq_id].mirror == TEXT[:3]
+    first.finish()
+    drafter.arrived(answers.get(timeout=5))
+    assert drafter._states[seq.seq_id].mirror == TEXT[:5] and seq.draft == (10,)
