@@ -56,6 +56,7 @@ from meshllm.errors import MeshError
 from meshllm.spec.draft_length import (DraftLength, DraftLengthConfig, OfferedLength, StepCosts, pipelined_length,
                                        wait_pays)
 from meshllm.spec.proposer import Draft, DraftSampling, Proposer, ProposeRequest, catch_up_tokens, checked_draft
+from meshllm.spec.trace import SpecTrace
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class Drafter:
         self.inline = bool(getattr(proposer, "inline", False))
         self.sizes_drafts = bool(getattr(proposer, "sizes_drafts", False))
         self.chained = not self.inline and hasattr(proposer, "send")  # see the module docstring
+        self._trace = SpecTrace.from_env()
         self._last_done = 0.0  # drafter thread: when the last chained call's answer came
         self._thread = None
         if not self.inline:
@@ -188,6 +190,8 @@ class Drafter:
             self._released.append(seq_id)
 
     def verified(self, work: Work, num_accepted: int, batch: MicroBatch) -> None:
+        if self._trace is not None:
+            self._trace.verified(len(work.draft), num_accepted)
         st = self._states.get(work.seq.seq_id)
         if st is None:
             return
@@ -206,6 +210,8 @@ class Drafter:
         micro-batch was in flight beside it; its round trip then includes waiting behind that one,
         the same with or without extra rows, so its cost is its busiest stage's compute (by round
         trips, 2 stages, 8 free-text sequences drafted at 0.59 acceptance and ran 0.84x plain)."""
+        if self._trace is not None:
+            self._trace.step(batch.num_tokens, seconds)
         if batch.works and all(w.num_scored == w.num_tokens for w in batch.works):  # decode rows only
             busiest = max((t.compute_s for t in overlapped_timings), default=None)
             self._costs.observe(batch.num_tokens, seconds if busiest is None else busiest)
@@ -307,6 +313,8 @@ class Drafter:
         if self._thread is not None:
             self._work.put(None)
             self._thread.join(timeout=5)
+        if self._trace is not None:
+            self._trace.write(self.proposer.name)
 
     # --- internals (loop thread) -------------------------------------------------------------------
     def _confirm(self, st: _State) -> None:
@@ -529,7 +537,12 @@ class Drafter:
             answer = drafts()
             if len(answer) != len(requests):
                 raise MeshError(f"proposer {self.proposer.name} answered {len(answer)} of {len(requests)} requests")
-            return DraftsReady(requests, generations, tuple(answer), seconds())
+            message = DraftsReady(requests, generations, tuple(answer), seconds())
+            if self._trace is not None:
+                self._trace.call(max(r.k for r in requests), max(len(r.tokens) for r in requests),
+                                 max((len(d.tokens) for d in answer), default=0), message.seconds,
+                                 requests[0].position)
+            return message
         except MeshError as e:
             return DraftsReady(requests, generations, error=e)
         except Exception as e:  # noqa: BLE001 - a broken proposer must cost speed only, never the leader
