@@ -16,19 +16,22 @@ A sequence whose proposer is drafting for it (a draft it lacks, or more than it 
 the next micro-batch when waiting pays: when the draft, expected at the proposer's measured
 latency, commits more tokens per second than sending the step now (draft_length.wait_pays,
 which counts the other rows of the step the hold stalls); else the step goes without, and
-the proposer's continuation resumes the chain if the committed tokens match it. A proposer slower than a verifier pass drafts blocks of the
-length that maximises the pipelined rate (draft_length.pipelined_length), none where it cannot
-keep up (a same-size model drafting on an equally fast machine).
+the proposer's continuation resumes the chain if the committed tokens match it. A proposer
+slower than a verifier pass drafts blocks of the length that maximises the pipelined rate
+(draft_length.pipelined_length), none where it cannot keep up (a same-size model drafting on
+an equally fast machine).
 Requests of many sequences travel as one batch; a draft that misses its block's deadline is
 dropped by the proposer client, and failures only cost speed.
 
 A proposer that takes calls while one is in flight (`send`/`receive`: a remote node, which
-queues them behind each other) gets a second call per sequence *chained* onto the first: it
-continues from the end the first will reach, so the node starts it the moment the first is
-done. Its round trip (and the leader's turnaround) then overlaps the first call's compute
-instead of idling the proposer between calls: the proposer's drafting rate, not a call's
-latency, bounds a pipelined draft. Measured (SmolLM2 bf16 verifier, Q4_1 draft node, 3 ms
-round trip): a 2-token call took 20 ms end to end against 14.5 ms of drafting.
+queues them behind each other; `send` returns the call with its `requests`, `cancel()`,
+`cancelled` and `add_done_callback()`, as spec/remote.PendingCall) gets a second call per
+sequence *chained* onto the first: it continues from the end the first will reach, so the node
+starts it the moment the first is done. Its round trip (and the leader's turnaround) then
+overlaps the first call's compute instead of idling the proposer between calls: the proposer's
+drafting rate, not a call's latency, bounds a pipelined draft. Measured (SmolLM2 bf16 verifier,
+Q4_1 draft node, 3 ms round trip): a 2-token call took 20 ms end to end against 14.5 ms of
+drafting.
 
 An *inline* proposer (`proposer.inline`: it answers in microseconds, in this process, with no
 I/O, like the n-gram one) is called right here on the loop thread instead: a thread hop and
@@ -45,7 +48,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams, draw_seed
@@ -382,12 +385,12 @@ class Drafter:
                 or time.perf_counter() < self._paused_until:
             return
         n = st.seq.num_tokens
-        live = st.calls
-        if live and st.confirmed < n:
+        previous = st.calls[-1] if st.calls else None
+        if previous is not None and st.confirmed < n:
             return  # the committed tokens passed the mirror: the call in flight is checked first
         # Chained onto a call in flight: from the end that call will reach (what it drafts is
         # assumed, as any draft is); else from the mirror's end, with the committed tokens past it.
-        position = live[-1].end if live else len(st.mirror)
+        position = previous.end if previous is not None else len(st.mirror)
         # Two blocks ahead: the one verifying now (plus the verifier's bonus token), and the next.
         # An inline proposer answers at once, so one block is enough.
         want = n + (1 if self.inline else 2) * (st.k + 1) - position
@@ -409,7 +412,7 @@ class Drafter:
         now = time.perf_counter()
         expected_s = self._draft_s.seconds(request.k) if self._draft_s.typical_step_s is not None else self._latency_s
         # A chained call starts when the one before it is done.
-        start = max(now, live[-1].expected_at or now) if live else now
+        start = max(now, previous.expected_at or now) if previous is not None else now
         call = _Call(st.generation, position, request.end + request.k,
                      None if expected_s is None else start + expected_s)
         st.calls.append(call)
@@ -436,16 +439,16 @@ class Drafter:
         if self.config.wait_for_drafts:
             return  # held until the draft arrives (set with the request)
         st.hold_until = None
-        live = st.calls
-        if self.inline or not live or live[0].expected_at is None:
+        first = st.calls[0] if st.calls else None
+        if self.inline or first is None or first.expected_at is None:
             return
         seq = st.seq
         k_now = len(seq.draft)
-        k_then = min(st.k, live[0].end - seq.num_tokens)
+        k_then = min(st.k, first.end - seq.num_tokens)
         if seq.in_flight or seq.is_prefilling or k_then <= k_now:
             return
         now = time.perf_counter()
-        expected_at = live[0].expected_at
+        expected_at = first.expected_at
         wait = max(0.0, expected_at - now)
         alpha = st.length.alpha if st.offered_length is None else 0.5
         hold_until = expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
@@ -514,8 +517,7 @@ class Drafter:
             call.pending = pending
         if all(c.stale for c in calls):  # cut while being sent: _cut saw no pending call to cancel
             pending.cancel()
-        pending.add_done_callback(
-            lambda _: self._work.put(_Answer(pending, requests, calls, sent, time.perf_counter())))
+        pending.add_done_callback(lambda _: self._work.put(_Answer(pending, sent, time.perf_counter())))
 
     def _received(self, answer: "_Answer") -> DraftsReady | None:
         if answer.pending.cancelled:
@@ -525,19 +527,20 @@ class Drafter:
         queued = answer.sent < self._last_done
         seconds = answer.done - max(answer.sent, self._last_done)
         self._last_done = max(self._last_done, answer.done)
-        message = self._ready(answer.requests, answer.calls, lambda: self.proposer.receive(answer.pending),
-                              lambda: seconds)
-        return message if queued else replace(message, beyond_drafting=True)
+        pending = answer.pending
+        return self._ready(pending.requests, pending.calls, lambda: self.proposer.receive(pending),
+                           lambda: seconds, beyond_drafting=not queued)
 
     def _ready(self, requests: tuple[ProposeRequest, ...], calls: tuple[_Call, ...],
-               drafts: Callable[[], list[Draft]], seconds: Callable[[], float]) -> DraftsReady:
+               drafts: Callable[[], list[Draft]], seconds: Callable[[], float],
+               beyond_drafting: bool = False) -> DraftsReady:
         """The leader's message for a call's answer: its drafts, or its error; never raises."""
         generations = tuple(c.generation for c in calls)
         try:
             answer = drafts()
             if len(answer) != len(requests):
                 raise MeshError(f"proposer {self.proposer.name} answered {len(answer)} of {len(requests)} requests")
-            message = DraftsReady(requests, generations, tuple(answer), seconds())
+            message = DraftsReady(requests, generations, tuple(answer), seconds(), beyond_drafting=beyond_drafting)
             if self._trace is not None:
                 self._trace.call(max(r.k for r in requests), max(len(r.tokens) for r in requests),
                                  max((len(d.tokens) for d in answer), default=0), message.seconds,
@@ -554,9 +557,7 @@ class Drafter:
 class _Answer:
     """A chained call's completion, queued for the drafter thread (see Drafter._send)."""
 
-    pending: object  # what the proposer's send returned
-    requests: tuple[ProposeRequest, ...]
-    calls: tuple[_Call, ...]
+    pending: object  # what the proposer's send returned: its requests, and the calls _send gave it
     sent: float
     done: float
 

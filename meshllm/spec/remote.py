@@ -63,9 +63,9 @@ class PendingCall:
         self.call.add_done_callback(lambda _: fn(self))
 
     def cancel(self) -> None:
-        """Nobody wants the answer any more: a call still queued on the node is skipped there
-        (ProposerService), after applying the releases it carried. A call cancelled before the
-        node saw it loses those: the node's lease (--plan-lease) frees them."""
+        """Nobody wants the answer any more (it is not to be received): a call still queued on the
+        node is skipped there (ProposerService), after applying the releases it carried. A call
+        cancelled before the node saw it loses those: the node's lease (--plan-lease) frees them."""
         self.cancelled = True
         self.call.cancel()
 
@@ -105,9 +105,6 @@ class RemoteProposer:
         requests, context = pending.requests, catch_up_tokens(pending.requests)
         try:
             reply = pending.call.result()
-        except grpc.FutureCancelledError:
-            self._released = list(pending.release) + self._released
-            raise ProposerError(f"proposer {self.model_id} on {self.node_id}: the call was cancelled") from None
         except grpc.RpcError as e:
             self._released = list(pending.release) + self._released  # not delivered: send again next time
             if context and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:

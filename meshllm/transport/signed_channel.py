@@ -129,26 +129,28 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
 
     def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
                   compression=None):
-        c = self._channel
-        body = self._serialize(request)
-        signed = c.signer.sign(self._method, c.receiver, body)
-        raw, call = self._inner.with_call(body, timeout=c.deadline(timeout), metadata=[*(metadata or ()), *signed],
-                                          credentials=credentials, wait_for_ready=wait_for_ready,
-                                          compression=compression)
-        c.signer.check_reply(self._method, c.receiver, signed, call.trailing_metadata(), raw)
-        return _parse(self._deserialize, raw, self._method), call
+        body, signed = self._signed(request)
+        raw, call = self._inner.with_call(body, timeout=self._channel.deadline(timeout),
+                                          metadata=[*(metadata or ()), *signed], credentials=credentials,
+                                          wait_for_ready=wait_for_ready, compression=compression)
+        return self._verified(signed, call.trailing_metadata(), raw), call
 
     def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None):
-        c = self._channel
-        body = self._serialize(request)
-        signed = c.signer.sign(self._method, c.receiver, body)
-        inner = self._inner.future(body, timeout=c.deadline(timeout), metadata=[*(metadata or ()), *signed],
+        body, signed = self._signed(request)
+        inner = self._inner.future(body, timeout=self._channel.deadline(timeout), metadata=[*(metadata or ()), *signed],
                                    credentials=credentials, wait_for_ready=wait_for_ready, compression=compression)
+        return SignedFuture(inner, lambda raw: self._verified(signed, inner.trailing_metadata(), raw))
 
-        def verified(raw: bytes):
-            c.signer.check_reply(self._method, c.receiver, signed, inner.trailing_metadata(), raw)
-            return _parse(self._deserialize, raw, self._method)
-        return SignedFuture(inner, verified)
+    def _signed(self, request) -> tuple[bytes, list[tuple[str, str]]]:
+        """The request's bytes and the signature over exactly them."""
+        body = self._serialize(request)
+        return body, self._channel.signer.sign(self._method, self._channel.receiver, body)
+
+    def _verified(self, signed: list[tuple[str, str]], trailing_metadata, raw: bytes):
+        """The reply parsed, once its signature proves it answers this call (ReplyRejected if not)."""
+        c = self._channel
+        c.signer.check_reply(self._method, c.receiver, signed, trailing_metadata, raw)
+        return _parse(self._deserialize, raw, self._method)
 
 
 class SignedFuture:

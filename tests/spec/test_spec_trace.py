@@ -4,6 +4,7 @@ bench/spec_trace.py's summary of it."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +16,7 @@ from meshllm.spec.trace import TRACE_ENV
 from tests.spec.conftest import EXACT, PROMPTS
 from tests.spec.test_speculative_identity import run_all
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from spec_trace import summarise  # noqa: E402
+SUMMARY = Path(__file__).resolve().parents[2] / "bench" / "spec_trace.py"
 
 
 def test_a_traced_leader_records_its_steps_checks_and_calls(aidreams_path, tmp_path, monkeypatch):
@@ -39,7 +39,9 @@ def test_a_traced_leader_records_its_steps_checks_and_calls(aidreams_path, tmp_p
     # accepted draft tokens plus the verifier's own.
     committed = sum(1 + accepted for _, _, _, accepted in checks)
     assert committed == sum(len(o) for o in outputs)
-    summary = summarise(record["events"])
+    (summary,) = json.loads(subprocess.run([sys.executable, str(SUMMARY), str(path)], capture_output=True,
+                                           text=True, check=True, timeout=60).stdout)
+    assert summary["proposer"] == "ngram"
     assert sum(s["count"] for s in summary["steps_by_rows"].values()) == len([e for e in record["events"]
                                                                              if e[0] == "step"])
     assert sum(summary["verified_drafted_accepted"].values()) == len(checks)

@@ -1,5 +1,6 @@
 """Cluster-key authentication of calls and replies on a real gRPC server on loopback."""
 
+import contextlib
 import os
 import stat
 import threading
@@ -189,7 +190,9 @@ class UnsignedCluster(cluster_pb2_grpc.ClusterServicer):
         return cluster_pb2.ExchangeResponse(cards=[cluster_pb2.Card(node_id="forged")])
 
 
-def test_unsigned_reply_is_refused_even_in_plaintext():
+@contextlib.contextmanager
+def rogue_channel():
+    """A plaintext channel to an UnsignedCluster on loopback."""
     from concurrent.futures import ThreadPoolExecutor
 
     rogue = grpc.server(ThreadPoolExecutor(2))
@@ -199,11 +202,16 @@ def test_unsigned_reply_is_refused_even_in_plaintext():
     try:
         config = ChannelConfig("client", auth.generate_key(), tls=PLAINTEXT)
         with open_channel(f"127.0.0.1:{port}", config, receiver="rogue") as channel:
-            with pytest.raises(ReplyRejected, match="no meshllm signature") as info:
-                cluster_pb2_grpc.ClusterStub(channel).Exchange(cluster_pb2.ExchangeRequest(), timeout=5)
-            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            yield channel
     finally:
         rogue.stop(0)
+
+
+def test_unsigned_reply_is_refused_even_in_plaintext():
+    with rogue_channel() as channel:
+        with pytest.raises(ReplyRejected, match="no meshllm signature") as info:
+            cluster_pb2_grpc.ClusterStub(channel).Exchange(cluster_pb2.ExchangeRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_a_signed_future_hands_out_only_verified_replies(served):
@@ -216,20 +224,10 @@ def test_a_signed_future_hands_out_only_verified_replies(served):
         future.add_done_callback(lambda f: done.set())
         assert isinstance(future.result(), cluster_pb2.ExchangeResponse) and done.wait(5)
     assert len(servicer.requests) == 1
-    from concurrent.futures import ThreadPoolExecutor
-
-    rogue = grpc.server(ThreadPoolExecutor(2))
-    cluster_pb2_grpc.add_ClusterServicer_to_server(UnsignedCluster(), rogue)
-    port = rogue.add_insecure_port("127.0.0.1:0")
-    rogue.start()
-    try:
-        config = ChannelConfig("client", auth.generate_key(), tls=PLAINTEXT)
-        with open_channel(f"127.0.0.1:{port}", config, receiver="rogue") as channel:
-            future = cluster_pb2_grpc.ClusterStub(channel).Exchange.future(cluster_pb2.ExchangeRequest(), timeout=5)
-            with pytest.raises(ReplyRejected, match="no meshllm signature"):
-                future.result()
-    finally:
-        rogue.stop(0)
+    with rogue_channel() as channel:
+        future = cluster_pb2_grpc.ClusterStub(channel).Exchange.future(cluster_pb2.ExchangeRequest(), timeout=5)
+        with pytest.raises(ReplyRejected, match="no meshllm signature"):
+            future.result()
 
 
 def test_replay_guard_forgets_after_the_window_and_has_a_capacity():
