@@ -197,6 +197,15 @@ class GGMLMatrix:
             g.ggml_free(self._ctx)
             self._buffer = None
 
+    def spans(self) -> list[tuple[int, int]]:
+        """The (start, end) addresses of the memory this matrix holds: its ggml buffer, and its
+        remainder where it has one."""
+        base = self.g.ggml_backend_buffer_get_base(self._buffer)
+        out = [(base, base + self.g.ggml_backend_buffer_get_size(self._buffer))]
+        if self.remainder is not None:
+            out.append((self.remainder.data_ptr(), self.remainder.data_ptr() + self.remainder.nbytes))
+        return out
+
     @property
     def fits_q8_0x8(self) -> bool:
         """Whether repack_q8_0x8 applies: a Q8_0 matrix in ggml's layout, of whole groups of 8 rows."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
@@ -24,7 +25,7 @@ from meshllm.cluster.stage_budget import WeightBytes
 from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, held_block_bytes, linear_block_parts
-from meshllm.engine.host_memory import return_freed_memory
+from meshllm.engine.host_memory import back_with_huge_pages, return_freed_memory
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.batch_invariant import make_batch_invariant
 from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm, warm_fused_kernels
@@ -105,9 +106,22 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
              describe_weights(decoder))
     if why_not is None:
         decoder.fast_path = ggml_stage.GGMLStage(rt, decoder)  # the linears stay as ggml reads them
-        return decoder
-    log.debug("whole-layer ggml path unused for %s: %s", source.path, why_not)
-    return prepare_for_cpu(decoder, None, batch_invariant=False)
+    else:
+        log.debug("whole-layer ggml path unused for %s: %s", source.path, why_not)
+        decoder = prepare_for_cpu(decoder, None, batch_invariant=False)
+    _weights_in_huge_pages(decoder)
+    return decoder
+
+
+def _weights_in_huge_pages(decoder: Decoder) -> None:
+    """Every decode step streams the weights: in 2 MiB pages (host_memory says why)."""
+    tensors = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}.values()
+    spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.device.type == "cpu"]
+    spans += [span for m in ggml_matrices(decoder) for span in m.spans()]
+    started = time.perf_counter()
+    collapsed = back_with_huge_pages(spans)
+    if collapsed:
+        log.debug("weights: %.0f MiB in 2 MiB pages (%.2f s)", collapsed / 2**20, time.perf_counter() - started)
 
 
 def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int, last_layer: int | None,
