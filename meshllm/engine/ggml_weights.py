@@ -20,6 +20,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from torch import Tensor
 
 from meshllm.engine.ggml_lib import Runtime
+from meshllm.engine.host_memory import hint_huge_pages
 from meshllm.engine.kernels.custom_ops import q8_0x8_ops
 from meshllm.errors import ModelLoadError
 
@@ -185,6 +186,7 @@ class GGMLMatrix:
                                                                      else rt.cpu_buffer_type))
         if not self._buffer:
             raise MemoryError(f"ggml could not allocate {matrix.num_bytes} bytes for a {matrix.shape} matrix")
+        hint_huge_pages(*self._buffer_span())  # before the upload writes it (host_memory says why)
         data = matrix.data.contiguous()
         assert g.ggml_nbytes(self.tensor) == data.numel()
         # The repack buffer re-lays the blocks out as they are set: one call with the whole tensor.
@@ -197,11 +199,14 @@ class GGMLMatrix:
             g.ggml_free(self._ctx)
             self._buffer = None
 
+    def _buffer_span(self) -> tuple[int, int]:
+        base = self.g.ggml_backend_buffer_get_base(self._buffer)
+        return base, base + self.g.ggml_backend_buffer_get_size(self._buffer)
+
     def spans(self) -> list[tuple[int, int]]:
         """The (start, end) addresses of the memory this matrix holds: its ggml buffer, and its
         remainder where it has one."""
-        base = self.g.ggml_backend_buffer_get_base(self._buffer)
-        out = [(base, base + self.g.ggml_backend_buffer_get_size(self._buffer))]
+        out = [self._buffer_span()]
         if self.remainder is not None:
             out.append((self.remainder.data_ptr(), self.remainder.data_ptr() + self.remainder.nbytes))
         return out

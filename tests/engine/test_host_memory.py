@@ -103,11 +103,23 @@ def test_a_filled_buffer_is_collapsed_into_huge_pages_and_keeps_its_bytes(monkey
     assert buffer[:] == pattern
 
 
+@pytest.mark.skipif(not _collapse_supported(), reason="needs Linux 6.1+ with THP not 'never'")
+def test_memory_hinted_before_its_first_write_comes_in_huge_pages(monkeypatch):
+    monkeypatch.delenv("MESHLLM_HUGE_PAGES", raising=False)
+    size = 16 << 20
+    buffer = mmap.mmap(-1, size, flags=_PRIVATE)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    host_memory.hint_huge_pages(start, start + size)
+    buffer.write(b"\7" * size)
+    assert _huge_bytes(start, start + size) >= size - 2 * host_memory.HUGE_PAGE_BYTES
+
+
 def test_huge_pages_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("MESHLLM_HUGE_PAGES", "0")
     buffer = mmap.mmap(-1, 8 << 20, flags=_PRIVATE)
-    buffer.write(b"\1" * (8 << 20))
     start = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    host_memory.hint_huge_pages(start, start + (8 << 20))
+    buffer.write(b"\1" * (8 << 20))
     assert host_memory.back_with_huge_pages([(start, start + (8 << 20))]) == 0
     assert _huge_bytes(start, start + (8 << 20)) == 0 or "[always]" in Path(
         "/sys/kernel/mm/transparent_hugepage/enabled").read_text()
