@@ -37,7 +37,15 @@ size_t meshllm_quant_few_rows_tensor_size(void) { return sizeof(struct ggml_tens
 #include <immintrin.h>
 
 #define OP_MAX_ROWS 16
-#define ROWS_PER_PASS 8 /* accumulators in registers; more activation rows re-read the weights from L1 */
+/* A pass over a block of weights unpacks it once (Q4_0 nibbles, Q8_0's offset sums) and takes it
+ * to every activation row of the pass. Passes of up to 8 rows made a 9th row cost a second unpack
+ * and pass: whole SmolLM2 step, 8 sequences at 300 cached tokens, one thread, 8 / 9 / 11 rows
+ * Q4_1 22.4 / 29.9 / 33.4 ms -> 22.3 / 27.1 / 30.8, Q8_0 32.4 / 41.9 / 48.3 -> 31.9 / 37.3 / 43.1.
+ * Past 12 rows the accumulators outgrow the registers: two even passes (13 and 16 rows as before). */
+#define ROWS_PER_PASS 16 /* the most any pass takes (OP_MAX_ROWS) */
+#ifndef SPLIT_ABOVE
+#define SPLIT_ABOVE 12
+#endif
 #define GROUP_BYTES (8 * 2 + 128)
 
 int meshllm_quant_few_rows_available(void) { return 1; }
@@ -161,7 +169,7 @@ static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int M
         _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(m % 2 ? odds : evens, acc[m / 2])));
 }
 
-/* A function `name` running rows_fn with the pass's row count (1..8) as a constant at each call
+/* A function `name` running rows_fn with the pass's row count (1..16) as a constant at each call
  * site, so each instance keeps its accumulators in registers */
 #define ROW_COUNT_DISPATCH(name, rows_fn, out_decl) \
     static void name(const uint8_t *weights, const struct quantized *xq, int64_t K, int64_t m0, int mx, out_decl) { \
@@ -173,21 +181,36 @@ static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int M
         case 5: rows_fn(weights, xq, K, m0, 5, out); break; \
         case 6: rows_fn(weights, xq, K, m0, 6, out); break; \
         case 7: rows_fn(weights, xq, K, m0, 7, out); break; \
-        default: rows_fn(weights, xq, K, m0, 8, out); break; \
+        case 8: rows_fn(weights, xq, K, m0, 8, out); break; \
+        case 9: rows_fn(weights, xq, K, m0, 9, out); break; \
+        case 10: rows_fn(weights, xq, K, m0, 10, out); break; \
+        case 11: rows_fn(weights, xq, K, m0, 11, out); break; \
+        case 12: rows_fn(weights, xq, K, m0, 12, out); break; \
+        case 13: rows_fn(weights, xq, K, m0, 13, out); break; \
+        case 14: rows_fn(weights, xq, K, m0, 14, out); break; \
+        case 15: rows_fn(weights, xq, K, m0, 15, out); break; \
+        default: rows_fn(weights, xq, K, m0, 16, out); break; \
         } \
     }
 
 typedef void (*group_dispatch_fn)(const uint8_t *, const struct quantized *, int64_t, int64_t, int, float[][8]);
+
+/* Activation rows per pass over a weight block: all of them up to SPLIT_ABOVE, else as few even
+ * passes as keep each within it (more accumulators than registers cost more than a second pass) */
+static inline int64_t rows_per_pass(int64_t n) {
+    const int64_t passes = (n + SPLIT_ABOVE - 1) / SPLIT_ABOVE;
+    return (n + passes - 1) / passes;
+}
 
 /* Groups [g0, g1) of 8 weight rows (`group_bytes` each from `weights`) times the n activation rows
  * of xq, in passes of up to ROWS_PER_PASS rows, into dst's outputs g*8 .. g*8+7 */
 static void groups_times_rows(const uint8_t *weights, int64_t group_bytes, int64_t g0, int64_t g1,
                               const struct quantized *xq, int64_t K, group_dispatch_fn dispatch,
                               struct ggml_tensor *dst) {
-    const int64_t n = xq->rows;
+    const int64_t n = xq->rows, per = rows_per_pass(n);
     for (int64_t g = g0; g < g1; g++) {
-        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
-            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
+        for (int64_t m0 = 0; m0 < n; m0 += per) {
+            const int mx = (int)(n - m0 < per ? n - m0 : per);
             float out[ROWS_PER_PASS][8];
             dispatch(weights + g * group_bytes, xq, K, m0, mx, out);
             for (int m = 0; m < mx; m++)
@@ -319,10 +342,11 @@ void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
     if (r0 >= r1) return;
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q8_0);
+    const int64_t per = rows_per_pass(n);
     for (int64_t r = r0; r < r1; r++) {
         const uint8_t *row = (const uint8_t *)w->data + r * w->nb[1];
-        for (int64_t m0 = 0; m0 < n; m0 += ROWS_PER_PASS) {
-            const int mx = (int)(n - m0 < ROWS_PER_PASS ? n - m0 : ROWS_PER_PASS);
+        for (int64_t m0 = 0; m0 < n; m0 += per) {
+            const int mx = (int)(n - m0 < per ? n - m0 : per);
             float out[ROWS_PER_PASS];
             q8_dispatch(row, &xq, K, m0, mx, out);
             for (int m = 0; m < mx; m++) ((float *)((char *)dst->data + (m0 + m) * dst->nb[1]))[r] = out[m];
@@ -338,7 +362,7 @@ void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
  * activation rows: the op above 1.5 / 5.2 / 10.2 ms, this one 0.8 / 2.0 / 5.4). Each block's integer dot is exact; it is scaled and
  * accumulated in block order per output (not ggml's 8 partial lanes per row, so one row is not
  * bitwise ggml's product), and rows stay independent of each other, any number of them: a
- * group's weights stay in L1 across passes of 8 rows. Embedding lookups of the same table (a tied
+ * group's weights stay in L1 across passes (rows_per_pass). Embedding lookups of the same table (a tied
  * head) go through meshllm_ggml_q8_0x8_get_rows, which dequantizes as ggml's get_rows does. */
 #define Q8X8_GROUP_BYTES (8 * 2 + 256)
 
