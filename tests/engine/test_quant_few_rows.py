@@ -102,7 +102,7 @@ def test_each_row_is_independent_of_the_rows_beside_it(rt, ggml_type, rows, cols
     matrix, _ = _matrix(rt, ggml_type, rows, cols, seed=rows * cols)
     x = torch.randn(16, cols, generator=torch.Generator().manual_seed(8))
     alone = torch.cat([_op(rt, matrix, x[i:i + 1]) for i in range(16)])
-    for n in (2, 3, 5, 8, 9, 16):
+    for n in (2, 3, 5, 8, 9, 12, 13, 16):  # 12 | 13: one pass | two (rows_per_pass)
         assert torch.equal(_op(rt, matrix, x[:n]), alone[:n]), n
 
 
@@ -206,7 +206,7 @@ def test_q8_0x8_rows_are_independent_of_the_rows_beside_them(q8_0x8):
     _, relaid, _ = q8_0x8
     x = torch.randn(20, 544, generator=torch.Generator().manual_seed(13))
     alone = torch.cat([relaid.matmul(x[i:i + 1]) for i in range(20)])
-    for n in (2, 7, 8, 9, 17, 20):
+    for n in (2, 7, 8, 9, 12, 13, 17, 20):
         assert torch.equal(relaid.matmul(x[:n]), alone[:n]), n
 
 
