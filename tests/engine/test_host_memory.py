@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import platform
 import subprocess
 import sys
@@ -125,25 +126,40 @@ def test_huge_pages_can_be_switched_off(monkeypatch):
         "/sys/kernel/mm/transparent_hugepage/enabled").read_text()
 
 
+# Loads a GGUF as a stage does and prints the share of its weight bytes that the mappings holding
+# them have in huge pages. In a fresh interpreter: in this one, memory that earlier tests hinted
+# or collapsed is reused, and a mapping's huge pages say nothing about this load.
+_STAGE_WORKLOAD = """
+import sys
+from meshllm.engine import host_memory
+from meshllm.engine.quantized import ggml_matrices
+from meshllm.engine.stage_weights import load_stage_decoder
+from meshllm.model.source import open_model
+from tests.engine.test_host_memory import _huge_bytes
+host_memory.return_large_frees()
+files = open_model(sys.argv[1])
+decoder = load_stage_decoder(files.source, files.config)
+matrices = ggml_matrices(decoder)
+spans = host_memory._joined(span for m in matrices for span in m.spans())
+print(sum(_huge_bytes(start, end) for start, end in spans) / sum(m.num_bytes for m in matrices))
+"""
+
+
 @pytest.mark.skipif(not _collapse_supported(), reason="needs Linux 6.1+ (MADV_COLLAPSE) with THP not 'never'")
-def test_a_loaded_stage_holds_its_weights_in_huge_pages(smollm2_gguf_path, monkeypatch):
-    """The SmolLM2 Q4_1 GGUF, every layer, loaded twice: with the collapse switched off (the
-    control: small pages, whatever the allocators hinted) and on."""
+def test_a_loaded_stage_holds_its_weights_in_huge_pages(smollm2_gguf_path):
+    """The SmolLM2 Q4_1 GGUF, every layer, loaded with huge pages switched off (the control:
+    small pages, whatever the allocators hinted) and on."""
     from meshllm.engine.ggml_lib import runtime
-    from meshllm.engine.quantized import ggml_matrices
-    from meshllm.engine.stage_weights import load_stage_decoder
-    from meshllm.model.source import open_model
 
     if runtime() is None:
         pytest.skip("ggml is not built here (install.sh builds it)")
 
     def huge_share(switch: str) -> float:
-        monkeypatch.setenv("MESHLLM_HUGE_PAGES", switch)
-        files = open_model(smollm2_gguf_path)
-        decoder = load_stage_decoder(files.source, files.config)
-        spans = host_memory._joined(span for m in ggml_matrices(decoder) for span in m.spans())
-        weights = sum(m.num_bytes for m in ggml_matrices(decoder))
-        return sum(_huge_bytes(start, end) for start, end in spans) / weights
+        env = {**os.environ, "MESHLLM_HUGE_PAGES": switch}
+        done = subprocess.run([sys.executable, "-c", _STAGE_WORKLOAD, str(smollm2_gguf_path)], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=Path(__file__).resolve().parents[2])
+        assert done.returncode == 0, done.stderr
+        return float(done.stdout.split()[-1])
 
     off, on = huge_share("0"), huge_share("1")
     assert on >= 0.9, f"{on:.0%} of the weights in huge pages"
