@@ -142,6 +142,12 @@ def leader_over(pool: Pool, files, visible: set[str], **options) -> Iterator[Liv
     def view():
         return [c for c in pool.view() if c.node_id in visible]
 
+    # Every visible node's card, with the model, before the first plan. A 3-stage plan over 4 nodes
+    # came out with 2 stages in whole-suite runs (never alone): plan_owner falls back to fewer
+    # stages when fewer nodes qualify, and the likeliest reason is a card the view lacked while
+    # gossip lagged under the suite's load.
+    wait_until(lambda: {c.node_id for c in view() if any(m.fingerprint == pool.fingerprint for m in c.models)}
+               >= visible, timeout=60, message=f"{sorted(visible)} in the fleet view")
     backend, owner = build_cluster_backend(files, view, pool.channels, replace(OPTIONS, **options))
     try:
         with serve(backend) as live:
