@@ -40,7 +40,7 @@ size_t meshllm_quant_few_rows_tensor_size(void) { return sizeof(struct ggml_tens
 /* A pass over a block of weights unpacks it once (Q4_0 nibbles, Q8_0's offset sums) and takes it
  * to every activation row of the pass. Passes of up to 8 rows made a 9th row cost a second unpack
  * and pass: whole SmolLM2 step, 8 sequences at 300 cached tokens, one thread, 8 / 9 / 11 rows
- * Q4_1 22.4 / 29.9 / 33.4 ms -> 22.3 / 27.1 / 30.8, Q8_0 32.4 / 41.9 / 48.3 -> 31.9 / 37.3 / 43.1.
+ * Q4_1 23.0 / 29.9 / 33.4 ms -> 22.8 / 27.1 / 30.8, Q8_0 32.4 / 41.9 / 48.3 -> 31.9 / 37.3 / 43.1.
  * Past 12 rows the accumulators outgrow the registers: two even passes (13 and 16 rows as before). */
 #define ROWS_PER_PASS 16 /* the most any pass takes (OP_MAX_ROWS) */
 #ifndef SPLIT_ABOVE
