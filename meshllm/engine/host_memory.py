@@ -25,9 +25,9 @@ keep the hint, which khugepaged acts on slowly).
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import os
+import platform
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,8 +51,6 @@ def _libc():
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return None
-    if not (hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim")):
-        return None
     if hasattr(libc, "madvise"):
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return libc
@@ -62,19 +60,30 @@ def return_large_frees() -> bool:
     """Fix glibc's mmap threshold (which also stops its growth), so blocks of at least
     MMAP_THRESHOLD_BYTES go back to the OS when freed. Call once, early; True when it took."""
     libc = _libc()
-    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1)
+    return bool(libc is not None and hasattr(libc, "mallopt")
+                and libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1)
 
 
 def return_freed_memory() -> None:
     """Give freed heap pages back to the OS now (after loading: the weight read buffers)."""
     libc = _libc()
-    if libc is not None:
+    if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
 
 
+def _madvise():
+    """libc's madvise where huge pages may be asked for: Linux on x86-64 or arm64 (the advice
+    numbers above are theirs) with transparent huge pages not switched off (by the admin, or
+    MESHLLM_HUGE_PAGES=0); else None."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "madvise") or not _huge_pages_allowed():
+        return None
+    return libc.madvise
+
+
 def _huge_pages_allowed() -> bool:
-    """Linux with transparent huge pages not switched off (by the admin, or MESHLLM_HUGE_PAGES=0)."""
-    if not sys.platform.startswith("linux") or os.environ.get("MESHLLM_HUGE_PAGES") == "0":
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64") \
+            or os.environ.get("MESHLLM_HUGE_PAGES") == "0":
         return False
     try:
         return "[never]" not in _THP_SETTING.read_text()
@@ -83,7 +92,7 @@ def _huge_pages_allowed() -> bool:
 
 
 def _joined(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
-    """(start, end) address spans, sorted, those less than _JOIN_GAP_BYTES apart made one."""
+    """(start, end) address spans, sorted, those at most _JOIN_GAP_BYTES apart made one."""
     out: list[list[int]] = []
     for start, end in sorted(spans):
         if out and start - out[-1][1] <= _JOIN_GAP_BYTES:
@@ -105,14 +114,22 @@ def _interior(start: int, end: int) -> tuple[int, int]:
     return first, end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES - first
 
 
+@functools.cache
+def _collapse_known() -> bool:
+    """Whether this kernel knows MADV_COLLAPSE (Linux 6.1+): advice it does not know is refused
+    with EINVAL even over zero bytes, before anything else is looked at."""
+    libc = _libc()
+    return (sys.platform.startswith("linux") and libc is not None and hasattr(libc, "madvise")
+            and libc.madvise(0, 0, _MADV_COLLAPSE) == 0)
+
+
 def hint_huge_pages(start: int, end: int) -> None:
     """Ask for 2 MiB pages in [start, end) before it is first written: they then come huge at the
     first touch, with nothing for back_with_huge_pages to copy afterwards."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "madvise") and _huge_pages_allowed():
-        first, size = _interior(start, end)
-        if size > 0:
-            libc.madvise(first, size, _MADV_HUGEPAGE)
+    madvise = _madvise()
+    first, size = _interior(start, end)
+    if madvise is not None and size > 0:
+        madvise(first, size, _MADV_HUGEPAGE)
 
 
 def back_with_huge_pages(spans: Iterable[tuple[int, int]]) -> int:
@@ -120,26 +137,29 @@ def back_with_huge_pages(spans: Iterable[tuple[int, int]]) -> int:
     huge pages now; returns the bytes collapsed (0 where this cannot be done: not Linux, THP
     off, a kernel before 6.1, which keeps the MADV_HUGEPAGE hint for khugepaged). The contents
     stay."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "madvise") or not _huge_pages_allowed():
+    madvise = _madvise()
+    if madvise is None:
         return 0
+    collapse = _collapse_known()
     collapsed, vmas = 0, None
     for start, end in _joined(spans):
         first, size = _interior(start, end)
         if size <= 0:
             continue
         # The hint first: a span covers several mappings (one per allocation, some already
-        # hinted by their allocator), and the same flags let the kernel merge them; a collapse
-        # fails (EINVAL) at the first mapping that cannot hold a whole huge page.
-        libc.madvise(first, size, _MADV_HUGEPAGE)
-        if libc.madvise(first, size, _MADV_COLLAPSE) == 0:
+        # hinted by their allocator), and the same flags let the kernel merge them.
+        madvise(first, size, _MADV_HUGEPAGE)
+        if not collapse:
+            continue  # khugepaged may act on the hint
+        if madvise(first, size, _MADV_COLLAPSE) == 0:
             collapsed += size
             continue
-        if ctypes.get_errno() != errno.EINVAL:
-            continue  # EAGAIN, ENOMEM: no huge page free now; the span stays in small pages
-        vmas = _vmas() if vmas is None else vmas  # mappings left unmerged: one at a time
+        # The kernel stops at the first mapping that fails (EINVAL: one that cannot hold a whole
+        # huge page; EAGAIN: no huge page free; ENOMEM: a hole in the span), so the ones after
+        # it go one at a time.
+        vmas = _vmas() if vmas is None else vmas
         for vma_start, vma_end in vmas:
             piece, piece_size = _interior(max(vma_start, first), min(vma_end, first + size))
-            if piece_size > 0 and libc.madvise(piece, piece_size, _MADV_COLLAPSE) == 0:
+            if piece_size > 0 and madvise(piece, piece_size, _MADV_COLLAPSE) == 0:
                 collapsed += piece_size
     return collapsed

@@ -114,9 +114,12 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
 
 
 def _weights_in_huge_pages(decoder: Decoder) -> None:
-    """Every decode step streams the weights: in 2 MiB pages (host_memory says why)."""
-    tensors = {id(t): t for t in (*decoder.parameters(), *decoder.buffers())}.values()
-    spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors if t.device.type == "cpu"]
+    """Every decode step streams the weights: in 2 MiB pages (host_memory says why). Stages on
+    ggml's path only: the others (no ggml here, or batch-invariant mode) are fallbacks and
+    references, not what serves."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the memory held, views or not
+                for t in (*decoder.parameters(), *decoder.buffers()) if t.device.type == "cpu"}
+    spans = [(start, start + size) for start, size in storages.items()]
     spans += [span for m in ggml_matrices(decoder) for span in m.spans()]
     started = time.perf_counter()
     collapsed = back_with_huge_pages(spans)

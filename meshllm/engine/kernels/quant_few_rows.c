@@ -41,11 +41,9 @@ size_t meshllm_quant_few_rows_tensor_size(void) { return sizeof(struct ggml_tens
  * to every activation row of the pass. Passes of up to 8 rows made a 9th row cost a second unpack
  * and pass: whole SmolLM2 step, 8 sequences at 300 cached tokens, one thread, 8 / 9 / 11 rows
  * Q4_1 23.0 / 29.9 / 33.4 ms -> 22.8 / 27.1 / 30.8, Q8_0 32.4 / 41.9 / 48.3 -> 31.9 / 37.3 / 43.1.
- * Past 12 rows the accumulators outgrow the registers: two even passes (13 and 16 rows as before). */
-#define ROWS_PER_PASS 16 /* the most any pass takes (OP_MAX_ROWS) */
-#ifndef SPLIT_ABOVE
-#define SPLIT_ABOVE 12
-#endif
+ * Past 12 rows the accumulators outgrow the registers (one pass of 16 measured no better than
+ * two of 8): even passes of at most 12 (13 and 16 rows as before). */
+#define ROWS_PER_PASS 12
 #define GROUP_BYTES (8 * 2 + 128)
 
 int meshllm_quant_few_rows_available(void) { return 1; }
@@ -169,7 +167,7 @@ static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int M
         _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(m % 2 ? odds : evens, acc[m / 2])));
 }
 
-/* A function `name` running rows_fn with the pass's row count (1..16) as a constant at each call
+/* A function `name` running rows_fn with the pass's row count (1..ROWS_PER_PASS) as a constant at each call
  * site, so each instance keeps its accumulators in registers */
 #define ROW_COUNT_DISPATCH(name, rows_fn, out_decl) \
     static void name(const uint8_t *weights, const struct quantized *xq, int64_t K, int64_t m0, int mx, out_decl) { \
@@ -185,20 +183,16 @@ static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int M
         case 9: rows_fn(weights, xq, K, m0, 9, out); break; \
         case 10: rows_fn(weights, xq, K, m0, 10, out); break; \
         case 11: rows_fn(weights, xq, K, m0, 11, out); break; \
-        case 12: rows_fn(weights, xq, K, m0, 12, out); break; \
-        case 13: rows_fn(weights, xq, K, m0, 13, out); break; \
-        case 14: rows_fn(weights, xq, K, m0, 14, out); break; \
-        case 15: rows_fn(weights, xq, K, m0, 15, out); break; \
-        default: rows_fn(weights, xq, K, m0, 16, out); break; \
+        default: rows_fn(weights, xq, K, m0, 12, out); break; \
         } \
     }
 
 typedef void (*group_dispatch_fn)(const uint8_t *, const struct quantized *, int64_t, int64_t, int, float[][8]);
 
-/* Activation rows per pass over a weight block: all of them up to SPLIT_ABOVE, else as few even
- * passes as keep each within it (more accumulators than registers cost more than a second pass) */
+/* Activation rows per pass over a weight block: all of them up to ROWS_PER_PASS, else as few
+ * even passes as keep each within it */
 static inline int64_t rows_per_pass(int64_t n) {
-    const int64_t passes = (n + SPLIT_ABOVE - 1) / SPLIT_ABOVE;
+    const int64_t passes = (n + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
     return (n + passes - 1) / passes;
 }
 
