@@ -45,7 +45,9 @@ def copy_tokenizer(meta: dict, writer: GGUFWriter) -> None:
 
 
 def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
-                          seed: int = 0) -> Path:
+                          seed: int = 0, embedding_type: GGML = GGML.Q8_0, head_type: GGML | None = None) -> Path:
+    """`embedding_type` Q8_0 or BF16; `head_type` given: an LM head of its own (output.weight) in
+    that type, else the head is tied to the embedding."""
     meta = GGUFFile.open(tokenizer_gguf).metadata
     vocab = len(meta["tokenizer.ggml.tokens"])
     w = GGUFWriter(out, "llama")
@@ -69,8 +71,17 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
         blocks = quantize(rt, weight, kind)
         w.add_tensor(name, blocks.data.numpy(), raw_shape=blocks.data.shape, raw_dtype=kind)
 
-    # The embedding is Q8_0 as llama.cpp's converters keep it for most types (it is tied to the head).
-    add_blocks("token_embd.weight", torch.randn(vocab, HIDDEN, generator=g), GGML.Q8_0)
+    def add(name: str, weight: torch.Tensor, kind: GGML) -> None:
+        if kind == GGML.BF16:
+            raw = weight.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
+        else:
+            add_blocks(name, weight, kind)
+
+    # The embedding is Q8_0 as llama.cpp's converters keep it for most types (tied to the head).
+    add("token_embd.weight", torch.randn(vocab, HIDDEN, generator=g), embedding_type)
+    if head_type is not None:
+        add("output.weight", matrix(vocab, HIDDEN), head_type)
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     for i in range(num_layers):
         q, k = matrix(HEADS * HEAD_DIM, HIDDEN), matrix(KV_HEADS * HEAD_DIM, HIDDEN)

@@ -150,7 +150,8 @@ class DeviceBlockForm:
             return None
         return BlockLinear(parts, self.device)
 
-    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None:
+    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size,
+                  shared_with_head: bool) -> nn.Module | None:
         table = self._blocks(source, hf_name)
         if table is None:
             return None

@@ -192,12 +192,34 @@ class GGMLMatrix:
         # The repack buffer re-lays the blocks out as they are set: one call with the whole tensor.
         g.ggml_backend_tensor_set(self.tensor, ctypes.c_void_p(data.data_ptr()), 0, data.numel())
 
+    @classmethod
+    def in_place(cls, rt: Runtime, matrix: BlockMatrix) -> GGMLMatrix:
+        """`matrix` read where it lies, in ggml's plain layout: no buffer, no copy. For a table
+        over a file map (GGUFSource.mapped_blocks), whose rows become resident only as lookups
+        read them; ggml's CPU backend reads a tensor through its data pointer."""
+        self = cls.__new__(cls)
+        g = self.g = rt.lib
+        self.rt, self.ggml_type, (self.rows, self.cols) = rt, matrix.ggml_type, matrix.shape
+        self.remainder, self.layout, self.num_bytes = None, "ggml", matrix.num_bytes
+        self._data = matrix.data  # the memory the tensor points at, alive as long as this matrix
+        self._buffer = None
+        self._ctx = g.ggml_init(g.ggml_init_params(mem_size=g.ggml_tensor_overhead() * 2, mem_buffer=None,
+                                                   no_alloc=True))
+        self.tensor = g.ggml_new_tensor_2d(self._ctx, int(matrix.ggml_type), self.cols, self.rows)
+        assert matrix.data.is_contiguous() and g.ggml_nbytes(self.tensor) == matrix.num_bytes
+        self.tensor.contents.data = matrix.data.data_ptr()
+        return self
+
     def __del__(self):
         g = getattr(self, "g", None)
-        if g is not None and getattr(self, "_buffer", None):
+        if g is None:
+            return
+        if getattr(self, "_buffer", None):
             g.ggml_backend_buffer_free(self._buffer)
-            g.ggml_free(self._ctx)
             self._buffer = None
+        if getattr(self, "_ctx", None):
+            g.ggml_free(self._ctx)
+            self._ctx = None
 
     def _buffer_span(self) -> tuple[int, int]:
         base = self.g.ggml_backend_buffer_get_base(self._buffer)
@@ -205,7 +227,9 @@ class GGMLMatrix:
 
     def spans(self) -> list[tuple[int, int]]:
         """The (start, end) addresses of the memory this matrix holds: its ggml buffer, and its
-        remainder where it has one."""
+        remainder where it has one; nothing for one read in place (that memory is the file's)."""
+        if self._buffer is None:
+            return []
         out = [self._buffer_span()]
         if self.remainder is not None:
             out.append((self.remainder.data_ptr(), self.remainder.data_ptr() + self.remainder.nbytes))
@@ -214,7 +238,7 @@ class GGMLMatrix:
     @property
     def fits_q8_0x8(self) -> bool:
         """Whether repack_q8_0x8 applies: a Q8_0 matrix in ggml's layout, of whole groups of 8 rows."""
-        return self.ggml_type == GGML.Q8_0 and self.rows % 8 == 0 and self.layout == "ggml"
+        return self.ggml_type == GGML.Q8_0 and self.rows % 8 == 0 and self.layout == "ggml" and self._buffer is not None
 
     def repack_q8_0x8(self) -> None:
         """Re-lay this Q8_0 matrix's blocks out in place as meshllm's 8-row layout (quant_few_rows.c:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 
 import torch
@@ -43,10 +44,11 @@ QUANTIZE_TYPES = {"int8": GGML.Q8_0, "int4": GGML.Q4_0}
 
 
 class GGMLWeightForm:
-    """loader.WeightForm: GGUF blocks kept as they are, or dense weights quantized to `quantize_to`."""
+    """loader.WeightForm: GGUF blocks kept as they are, or dense weights quantized to `quantize_to`;
+    an embedding table no head shares read in place from the file (`maps_embeddings` says why)."""
 
-    def __init__(self, rt: Runtime, quantize_to: GGML | None):
-        self.rt, self.quantize_to = rt, quantize_to
+    def __init__(self, rt: Runtime, quantize_to: GGML | None, dtype: torch.dtype):
+        self.rt, self.quantize_to, self.dtype = rt, quantize_to, dtype
 
     def _blocks(self, source: TensorSource, name: str) -> BlockMatrix | None:
         is_blocks = getattr(source, "is_block_quantized", None)
@@ -64,12 +66,16 @@ class GGMLWeightForm:
             return None
         return QuantizedLinear.from_parts(self.rt, parts)
 
-    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None:
+    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size,
+                  shared_with_head: bool) -> nn.Module | None:
+        if not shared_with_head and maps_embeddings():
+            mapped = _mapped_embedding(self.rt, source, hf_name, shape, self.dtype)
+            if mapped is not None:
+                return mapped
         table = self._blocks(source, hf_name)
         if table is None:
             return None
-        if table.shape != tuple(shape):
-            raise ModelLoadError(f"{source.path}: tensor {hf_name!r} has shape {table.shape}, expected {tuple(shape)}")
+        _check_shape(source, hf_name, table.shape, shape)
         # Plain (not repacked) layout: get_rows reads it, and a tied LM head multiplies the same copy.
         return QuantizedEmbedding(self.rt, GGMLMatrix(self.rt, table, repack=False), torch.float32)
 
@@ -77,6 +83,54 @@ class GGMLWeightForm:
         if isinstance(embedding, QuantizedEmbedding):
             return QuantizedLinear([embedding.table])
         return None
+
+
+def maps_embeddings() -> bool:
+    """Whether an embedding table no LM head shares is read in place from the model file.
+
+    A step reads a few rows of it (one per token), yet a copy keeps all of it resident: 1.1B
+    Llama shapes with SmolLM2's 49152-token vocabulary hold 102 MiB of it in Q8_0, 192 MiB in
+    BF16; a 128k-token vocabulary several times that. Over a private map of the file only the
+    pages holding the rows read become resident, as clean pages the kernel may drop again
+    (llama.cpp maps all its weights so). Not for a table the head shares: the head reads all
+    of it every step, and re-lays it out (ggml_stage). `MESHLLM_MAP_EMBEDDINGS=0` copies it, for
+    a model file that may be rewritten or vanish (a network mount) while the stage runs: a
+    mapped page of a truncated file faults the process (SIGBUS)."""
+    return os.environ.get("MESHLLM_MAP_EMBEDDINGS") != "0"
+
+
+def _mapped_embedding(rt: Runtime, source: TensorSource, hf_name: str, shape: torch.Size,
+                      dtype: torch.dtype) -> nn.Module | None:
+    """The table over a private map of the file, or None where the source cannot map it (not a
+    GGUF, or a float type other than `dtype`, which converting would copy anyway)."""
+    if getattr(source, "mapped_blocks", None) is None:
+        return None
+    if source.is_block_quantized(hf_name):
+        if source.block_type(hf_name) not in KEPT_TYPES:
+            return None  # the copying path names the type in its error
+        blocks = source.mapped_blocks(hf_name)
+        if blocks is None:
+            return None
+        _check_shape(source, hf_name, blocks.shape, shape)
+        return QuantizedEmbedding(rt, GGMLMatrix.in_place(rt, blocks), torch.float32)
+    weight = source.mapped_tensor(hf_name, dtype)
+    if weight is None:
+        return None
+    _check_shape(source, hf_name, tuple(weight.shape), shape)
+    return FileEmbedding.from_pretrained(weight, freeze=True)
+
+
+class FileEmbedding(nn.Embedding):
+    """An nn.Embedding whose table is a private map of the model file (maps_embeddings)."""
+
+
+def _mapped_parameters(decoder: Decoder) -> list[nn.Parameter]:
+    return [p for m in decoder.modules() if isinstance(m, FileEmbedding) for p in m.parameters()]
+
+
+def _check_shape(source: TensorSource, hf_name: str, found: tuple[int, ...], shape: torch.Size) -> None:
+    if tuple(found) != tuple(shape):
+        raise ModelLoadError(f"{source.path}: tensor {hf_name!r} has shape {tuple(found)}, expected {tuple(shape)}")
 
 
 def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0,
@@ -98,7 +152,7 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
                              "use --quantize int8 or no quantization")
         decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress)
         return prepare_for_cpu(decoder, quantization if quantization in QUANTIZATIONS else None, batch_invariant)
-    form = GGMLWeightForm(rt, QUANTIZE_TYPES.get(quantization))
+    form = GGMLWeightForm(rt, QUANTIZE_TYPES.get(quantization), dtype)
     decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form)
     return_freed_memory()  # the read buffers freed during loading
     why_not = ggml_stage.supports(decoder)
@@ -117,8 +171,9 @@ def _weights_in_huge_pages(decoder: Decoder) -> None:
     """Every decode step streams the weights: in 2 MiB pages (host_memory says why). Stages on
     ggml's path only: the others (no ggml here, or batch-invariant mode) are fallbacks and
     references, not what serves."""
+    in_place = {id(p) for p in _mapped_parameters(decoder)}  # the file's memory: left as it is
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the memory held, views or not
-                for t in (*decoder.parameters(), *decoder.buffers()) if t.device.type == "cpu"}
+                for t in (*decoder.parameters(), *decoder.buffers()) if t.device.type == "cpu" and id(t) not in in_place}
     spans = [(start, start + size) for start, size in storages.items()]
     spans += [span for m in ggml_matrices(decoder) for span in m.spans()]
     started = time.perf_counter()

@@ -30,7 +30,8 @@ class WeightForm(Protocol):
 
     def linear(self, source: TensorSource, hf_names: list[str], rows: list[int]) -> nn.Module | None: ...
 
-    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size) -> nn.Module | None: ...
+    def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size,
+                  shared_with_head: bool) -> nn.Module | None: ...
 
     def tied_head(self, embedding: nn.Module) -> nn.Module | None: ...
 
@@ -109,7 +110,9 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
         swapped = weight_form is not None and _swap_module(decoder, weight_form, source, available, config,
                                                            ours, hf_names, expected[ours], shares_embedding)
         if swapped:
-            pass
+            held = _own_parameter(decoder, ours)  # a swapped module may hold the tensor as it is (a mapped table)
+            if held is not None:
+                state[ours] = held
         elif shares_embedding and ours == "lm_head.weight":
             state[ours] = state["embed_tokens.weight"]
         else:
@@ -119,6 +122,13 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
     assert set(state) == {name for name, _ in decoder.named_parameters()}, "swapped modules left parameters"
     decoder.load_state_dict(state, assign=True, strict=True)
     return decoder
+
+
+def _own_parameter(decoder: Decoder, name: str) -> nn.Parameter | None:
+    try:
+        return decoder.get_parameter(name)
+    except AttributeError:
+        return None
 
 
 def _swap_module(decoder: Decoder, form: WeightForm, source: TensorSource, available: set[str],
@@ -135,7 +145,7 @@ def _swap_module(decoder: Decoder, form: WeightForm, source: TensorSource, avail
     path = ours.removesuffix(".weight")
     old = decoder.get_submodule(path)
     if ours == "embed_tokens.weight":
-        module = form.embedding(source, hf_names[0], shape)
+        module = form.embedding(source, hf_names[0], shape, shared_with_head=shares_embedding)
     elif ours == "lm_head.weight" and shares_embedding:
         module = form.tied_head(decoder.embed_tokens)
     else:
