@@ -179,8 +179,8 @@ def run_steady(leader, prompts: list[list[int]], concurrency: int, params: Sampl
 
 
 def measure(make_leader, files, args) -> dict:
-    """Both leaders live side by side and their runs alternate (plain, speculative, plain, ...), so
-    drift in what else this shared machine runs hits both alike."""
+    """Both leaders live side by side and their runs alternate (plain, speculative, speculative,
+    plain, ...), so drift in what else this shared machine runs hits both alike."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     results = {}
     for kind in args.kinds:
@@ -203,8 +203,10 @@ def measure(make_leader, files, args) -> dict:
                 rates = {m: [] for m in modes}
                 decode_rates = {m: [] for m in modes}
                 outputs = {}
-                for _ in range(args.repeats):
-                    for m in modes:
+                for repeat in range(args.repeats):
+                    # ABBA: each mode runs first as often as second, so a drift within a pair
+                    # (a cache warmed, a neighbour's load) does not favour one of them.
+                    for m in modes if repeat % 2 == 0 else modes[::-1]:
                         if steady:
                             rate, decode_rate, outputs[m] = run_steady(leaders[m], groups[0], batch, params)
                         else:
@@ -225,7 +227,7 @@ def measure(make_leader, files, args) -> dict:
                           "tokens_generated": [len(t) for t in outputs[m]]}
             row["identical"] = outputs["plain"] == outputs["speculative"]
             row["speedup"] = round(row["speculative"]["tok_s"] / row["plain"]["tok_s"], 3)
-            # Per pair of neighbouring runs: how noisy the ratio is.
+            # Per pair of neighbouring runs (in either order): how noisy the ratio is.
             row["speedup_runs"] = [round(s / p, 3) for p, s in zip(rates["plain"], rates["speculative"])]
             # Without the prompts' prefill (the same work in both modes): what drafting changes.
             row["decode_speedup"] = round(row["speculative"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 3)
