@@ -91,11 +91,12 @@ def maps_embeddings() -> bool:
     A step reads a few rows of it (one per token), yet a copy keeps all of it resident: 1.1B
     Llama shapes with SmolLM2's 49152-token vocabulary hold 102 MiB of it in Q8_0, 192 MiB in
     BF16; a 128k-token vocabulary several times that. Over a private map of the file only the
-    pages holding the rows read become resident, as clean pages the kernel may drop again
-    (llama.cpp maps all its weights so). Not for a table the head shares: the head reads all
-    of it every step, and re-lays it out (ggml_stage). `MESHLLM_MAP_EMBEDDINGS=0` copies it, for
-    a model file that may be rewritten or vanish (a network mount) while the stage runs: a
-    mapped page of a truncated file faults the process (SIGBUS)."""
+    pages around the rows read become resident (GGUFFile.private_map says how many), as clean
+    pages the kernel may drop again (llama.cpp maps all its weights so). Not for a table the
+    head shares: the head reads all of it every step, and re-lays it out (ggml_stage).
+    `MESHLLM_MAP_EMBEDDINGS=0` copies it, for a model file that may be rewritten or vanish (a
+    network mount) while the stage runs: a mapped page of a truncated file faults the process
+    (SIGBUS)."""
     return os.environ.get("MESHLLM_MAP_EMBEDDINGS") != "0"
 
 
