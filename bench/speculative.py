@@ -248,7 +248,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens (default: stop at EOS)")
     parser.add_argument("--kinds", nargs="+", default=list(PROMPTS))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=4, help="runs of each mode, in ABBA order (default 4: even, "
+                        "so each mode runs first as often as second)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--batch-invariant", action="store_true")
     parser.add_argument("--threads", type=int, default=1)

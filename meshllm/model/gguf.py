@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import mmap
+import os
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -107,6 +108,7 @@ class GGUFFile:
     tensors: dict[str, GGUFTensorInfo]
     data: np.ndarray  # uint8 over `mapping`
     mapping: mmap.mmap
+    identity: tuple[int, int, int, int] = (0, 0, 0, 0)  # device, inode, size, mtime: the file opened
 
     @classmethod
     def open(cls, path: str | Path) -> "GGUFFile":
@@ -118,6 +120,7 @@ class GGUFFile:
             raise CorruptWeights(f"{path} is {size} bytes, too short to be a GGUF file")
         with open(path, "rb") as f:
             mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            identity = _identity(os.fstat(f.fileno()))
         data = np.frombuffer(mapping, dtype=np.uint8)
         cur = _Cursor(memoryview(data), path)
         magic, version, num_tensors, num_kv = cur.take("<4sIQQ")
@@ -150,7 +153,7 @@ class GGUFFile:
             raise CorruptWeights(f"{path}: general.alignment is {alignment!r}; the header is corrupt")
         data_start = -(-cur.pos // alignment) * alignment
         tensors = {entry[0]: _tensor_info(path, size, data_start, *entry) for entry in table}
-        return cls(path, metadata, tensors, data, mapping)
+        return cls(path, metadata, tensors, data, mapping, identity)
 
     def raw(self, info: GGUFTensorInfo) -> np.ndarray:
         """The tensor's bytes as a read-only view of the map: [rows, bytes per row]."""
@@ -174,6 +177,8 @@ class GGUFFile:
         alone."""
         start = info.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
         with open(self.path, "rb") as f:
+            if _identity(os.fstat(f.fileno())) != self.identity:  # its offsets are the header's we parsed
+                raise ModelLoadError(f"{self.path} changed on disk while it was loading; load it again")
             mapping = mmap.mmap(f.fileno(), info.offset + info.num_bytes - start, offset=start,
                                 access=mmap.ACCESS_COPY)
         if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
@@ -194,6 +199,10 @@ class GGUFFile:
         start = info.offset // _RELEASE_WINDOW * _RELEASE_WINDOW
         stop = min(len(self.mapping), -(-(info.offset + info.num_bytes) // _RELEASE_WINDOW) * _RELEASE_WINDOW)
         self.mapping.madvise(dont_need, start, stop - start)
+
+
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def _tensor_info(path: Path, file_size: int, data_start: int, name: str, shape: tuple[int, ...],

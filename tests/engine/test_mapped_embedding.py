@@ -4,6 +4,9 @@ no huge-page collapse of it, and writes never reach the file."""
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as GGML
@@ -13,6 +16,7 @@ from meshllm.engine.ggml_stage import GGMLStage
 from meshllm.engine.kv_cache import SequenceKV
 from meshllm.engine.quantized import QuantizedEmbedding
 from meshllm.engine.stage_weights import FileEmbedding, load_stage_decoder
+from meshllm.errors import ModelLoadError
 from meshllm.model.decoder import SeqSlice
 from meshllm.model.source import open_model
 from tests.quantized_gguf import HIDDEN, write_quantized_llama
@@ -78,6 +82,8 @@ def test_mapped_table_gives_the_copied_tables_outputs(files, monkeypatch, name):
     assert torch.equal(_last_logits(mapped), _last_logits(copied))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or mmap.PAGESIZE != PAGE,
+                    reason="reads Linux's /proc/self/smaps; the folio bound assumes 4 KiB pages")
 @pytest.mark.parametrize("name", ["q8_0", "bf16"])
 def test_table_rows_become_resident_only_as_they_are_read(files, monkeypatch, name):
     decoder = _load(files[name], monkeypatch, True)
@@ -94,6 +100,7 @@ def test_writes_to_a_mapped_table_never_reach_the_file(files, monkeypatch):
     path = files["bf16"]
     before = path.read_bytes()
     decoder = _load(path, monkeypatch, True)
+    assert type(decoder.embed_tokens) is FileEmbedding
     decoder.embed_tokens.weight.data[:4].fill_(1.5)  # copy-on-write: this process's pages only
     assert decoder.embed_tokens.weight[0, 0].item() == 1.5
     assert path.read_bytes() == before
@@ -105,6 +112,15 @@ def test_a_table_the_head_shares_is_copied(files, monkeypatch):
     # A first stage of the same model holds no head: its table is mapped.
     first = _load(files["tied"], monkeypatch, True, last_layer=2)
     assert first.embed_tokens.table.spans() == []
+
+
+def test_a_file_changed_since_its_header_was_read_is_not_mapped(files, tmp_path):
+    path = tmp_path / "model.gguf"
+    path.write_bytes(files["q8_0"].read_bytes())
+    model = open_model(path)
+    path.write_bytes(files["bf16"].read_bytes())  # another model at the same path
+    with pytest.raises(ModelLoadError, match="changed on disk"):
+        model.source.mapped_blocks("model.embed_tokens.weight")
 
 
 def test_a_dense_table_of_another_dtype_is_converted(files, monkeypatch):
