@@ -374,6 +374,9 @@ class PlanOwner:
             except grpc.RpcError as e:
                 log.info("unload of plan %s on %s deferred: %s", plan_id, address, e.code().name)
                 continue
+            except ValueError:  # grpc's "Cannot invoke RPC on closed channel": the process is closing
+                log.debug("unload of stale plans stopped: the channels are closed (their leases lapse)")
+                return
             with self._lock:
                 self._stale.discard((address, node_id, plan_id))
 
