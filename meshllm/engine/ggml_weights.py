@@ -171,17 +171,12 @@ class GGMLMatrix:
         """`repack=False` keeps ggml's plain layout, which get_rows (embedding lookups) needs.
         `ggml_type` stays the source's; a Q4_1 matrix is held as Q4_0 plus `remainder` (split_q4_1)
         where this CPU has repacked Q4_0 kernels."""
-        g = self.g = rt.lib
-        self.rt = rt
-        self.ggml_type, (self.rows, self.cols) = matrix.ggml_type, matrix.shape
-        self.remainder: Tensor | None = None
-        self.layout = "ggml"  # or "q8_0x8": repack_q8_0x8 re-laid the blocks out for meshllm's op
+        self._describe(rt, matrix)
+        g = self.g
         if repack and splits_q4_1(rt, matrix.ggml_type, self.rows):
             matrix, self.remainder = split_q4_1(matrix)
         self.num_bytes = matrix.num_bytes + (0 if self.remainder is None else self.remainder.nbytes)
-        params = g.ggml_init_params(mem_size=g.ggml_tensor_overhead() * 2, mem_buffer=None, no_alloc=True)
-        self._ctx = g.ggml_init(params)
-        self.tensor = g.ggml_new_tensor_2d(self._ctx, int(matrix.ggml_type), self.cols, self.rows)
+        self._new_tensor(matrix)
         self._buffer = g.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx, (rt.buffer_type_for(int(matrix.ggml_type), self.rows) if repack
                                                                      else rt.cpu_buffer_type))
         if not self._buffer:
@@ -198,17 +193,26 @@ class GGMLMatrix:
         over a file map (GGUFSource.mapped_blocks), whose rows become resident only as lookups
         read them; ggml's CPU backend reads a tensor through its data pointer."""
         self = cls.__new__(cls)
-        g = self.g = rt.lib
-        self.rt, self.ggml_type, (self.rows, self.cols) = rt, matrix.ggml_type, matrix.shape
-        self.remainder, self.layout, self.num_bytes = None, "ggml", matrix.num_bytes
+        self._describe(rt, matrix)
+        self.num_bytes, self._buffer = matrix.num_bytes, None
         self._data = matrix.data  # the memory the tensor points at, alive as long as this matrix
-        self._buffer = None
+        self._new_tensor(matrix)
+        assert matrix.data.is_contiguous() and self.g.ggml_nbytes(self.tensor) == matrix.num_bytes
+        self.tensor.contents.data = matrix.data.data_ptr()
+        return self
+
+    def _describe(self, rt: Runtime, matrix: BlockMatrix) -> None:
+        self.g, self.rt = rt.lib, rt
+        self.ggml_type, (self.rows, self.cols) = matrix.ggml_type, matrix.shape
+        self.remainder: Tensor | None = None
+        self.layout = "ggml"  # or "q8_0x8": repack_q8_0x8 re-laid the blocks out for meshllm's op
+
+    def _new_tensor(self, matrix: BlockMatrix) -> None:
+        """The ggml tensor of `matrix`'s type and shape, in a context of its own (no data yet)."""
+        g = self.g
         self._ctx = g.ggml_init(g.ggml_init_params(mem_size=g.ggml_tensor_overhead() * 2, mem_buffer=None,
                                                    no_alloc=True))
         self.tensor = g.ggml_new_tensor_2d(self._ctx, int(matrix.ggml_type), self.cols, self.rows)
-        assert matrix.data.is_contiguous() and g.ggml_nbytes(self.tensor) == matrix.num_bytes
-        self.tensor.contents.data = matrix.data.data_ptr()
-        return self
 
     def __del__(self):
         g = getattr(self, "g", None)

@@ -125,10 +125,6 @@ class FileEmbedding(nn.Embedding):
     """An nn.Embedding whose table is a private map of the model file (maps_embeddings)."""
 
 
-def _mapped_parameters(decoder: Decoder) -> list[nn.Parameter]:
-    return [p for m in decoder.modules() if isinstance(m, FileEmbedding) for p in m.parameters()]
-
-
 def _check_shape(source: TensorSource, hf_name: str, found: tuple[int, ...], shape: torch.Size) -> None:
     if tuple(found) != tuple(shape):
         raise ModelLoadError(f"{source.path}: tensor {hf_name!r} has shape {tuple(found)}, expected {tuple(shape)}")
@@ -172,7 +168,8 @@ def _weights_in_huge_pages(decoder: Decoder) -> None:
     """Every decode step streams the weights: in 2 MiB pages (host_memory says why). Stages on
     ggml's path only: the others (no ggml here, or batch-invariant mode) are fallbacks and
     references, not what serves."""
-    in_place = {id(p) for p in _mapped_parameters(decoder)}  # the file's memory: left as it is
+    # A mapped table is the file's memory: left as it is.
+    in_place = {id(p) for m in decoder.modules() if isinstance(m, FileEmbedding) for p in m.parameters()}
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the memory held, views or not
                 for t in (*decoder.parameters(), *decoder.buffers()) if t.device.type == "cpu" and id(t) not in in_place}
     spans = [(start, start + size) for start, size in storages.items()]
