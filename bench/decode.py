@@ -128,10 +128,11 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
     return figures
 
 
-def speeds(decoder, sync=lambda: None) -> dict:
+def speeds(decoder, sync=lambda: None, warm_batch: bool = False) -> dict:
     """Decode tok/s at batch 1 (median of 3, after a warm-up) and BATCH, prefill tok/s (best of 2),
     and the batch-1 step's split into graph building and ggml compute where ggml runs it. `sync`
-    waits for a device's queued work (torch.cuda.synchronize on a GPU) before a clock is read."""
+    waits for a device's queued work (torch.cuda.synchronize on a GPU) before a clock is read;
+    `warm_batch`: a warm-up at BATCH too (a GPU's first batched step compiles or records)."""
     import torch
 
     from meshllm.engine.kv_cache import SequenceKV
@@ -153,7 +154,7 @@ def speeds(decoder, sync=lambda: None) -> dict:
             slices = [SeqSlice(kv, i, 1) for i, kv in enumerate(kvs)]
             logits = decoder(tokens, torch.tensor([kv.length for kv in kvs]), slices, torch.arange(batch))
             tokens = logits.argmax(dim=-1)
-            if decoder.fast_path is not None:
+            if hasattr(decoder.fast_path, "last_build_s"):  # ggml's whole-stage path
                 build.append(decoder.fast_path.last_build_s)
                 compute.append(decoder.fast_path.last_compute_s)
         sync()
@@ -171,6 +172,8 @@ def speeds(decoder, sync=lambda: None) -> dict:
         decoder(ids, torch.arange(PREFILL), [SeqSlice(kv, 0, PREFILL)], torch.tensor([PREFILL - 1]))
         sync()
         prefill.append(PREFILL / (time.perf_counter() - t))
+    if warm_batch:
+        decode(BATCH)
     figures = {"decode_tok_s": round(statistics.median(r[0] for r in runs), 2),
                "decode_tok_s_runs": [round(r[0], 2) for r in runs],
                "decode_batch8_tok_s": round(decode(BATCH)[0], 2), "prefill_tok_s": round(max(prefill), 1)}

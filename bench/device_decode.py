@@ -2,11 +2,14 @@
 
 Rows, each on the same GPU in this one process:
 - ours, blocks: the GGUF as `meshllm serve --device cuda` loads it (engine/device_weights.py):
-  block-quantized weights stay the file's blocks on the device; products of up to 16 rows run
-  the fused Triton kernel (engine/triton_blocks.py), larger ones dequantize by torch ops inside
-  each product; activations and KV in --dtype. "ours_blocks_torch_path": the same with the
-  fused kernel off (every product dequantizes by torch ops).
-- ours, dense: the same file dequantized to --dtype at load (what a safetensors model is).
+  block-quantized weights stay the file's bytes on the device (Q8_0/Q4_0/Q4_1 split into planes,
+  engine/block_planes.py); products of up to 16 rows run a fused Triton kernel
+  (engine/triton_blocks.py), larger ones dequantize by torch ops inside each product; decode
+  steps replay as CUDA graphs (engine/cuda_graphs.py); activations and KV in --dtype.
+  The same with one part changed back at a time: "_no_graphs" (every step's kernels launched
+  from Python), "_torch_path" (no fused kernel: every product dequantizes by torch ops).
+- ours, dense: the same file dequantized to --dtype at load (what a safetensors model is), with
+  and without CUDA graphs.
 - transformers: its own model of the same GGUF (it dequantizes the blocks at load) in --dtype,
   decoding with its DynamicCache in the same loop (no generate() overhead): the reference on
   this machine. llama.cpp's CUDA build is not made here: it takes longer than the 15 minutes of
@@ -15,8 +18,8 @@ Rows, each on the same GPU in this one process:
 Figures per row as bench/decode.py's (decode batch 1 / 8, prefill 512), plus the GPU memory the
 weights take and the peak while running, CUDA kernels launched per batch-1 decode step, and how
 many of 32 greedy tokens after a real prompt ours and transformers agree on (a prefix length).
-"matrix_products": one product with Llama-8B-sized matrices in each fused type, fused kernel
-against the torch path and a dense bf16 matrix (microseconds, GB/s of the bytes read).
+"matrix_products": one product with Llama-8B-sized matrices in each fused type: the fused
+kernel, the torch path and a dense bf16 matrix (microseconds, GB/s of the bytes read).
 
     python bench/device_decode.py [--model PATH] [--device cuda] [--dtype bfloat16]
 
@@ -81,6 +84,7 @@ def kernels_per_step(step, device) -> int | None:
 def ours(files, dtype, device, dense: bool) -> tuple[dict, list[int]]:
     import torch
 
+    from meshllm.engine.cuda_graphs import graphed
     from meshllm.engine.kv_cache import SequenceKV
     from meshllm.engine.stage_weights import decoder_bytes, load_stage_decoder
     from meshllm.model.decoder import SeqSlice
@@ -90,13 +94,13 @@ def ours(files, dtype, device, dense: bool) -> tuple[dict, list[int]]:
     sync = synchronizer(device)
     t = time.perf_counter()
     if dense:
-        decoder = load_decoder(files.source, files.config, dtype=dtype).to(device)
+        decoder = graphed(load_decoder(files.source, files.config, dtype=dtype).to(device))
     else:
         decoder = load_stage_decoder(files.source, files.config, dtype=dtype, device=str(device))
     sync()
     load_s = time.perf_counter() - t
     weights = gpu_memory(device)[0]
-    figures = speeds(decoder, sync=sync)
+    figures = speeds(decoder, sync=sync, warm_batch=on_cuda(device))
     kv = SequenceKV(decoder.kv_layout(), 8)
 
     def step():
@@ -107,6 +111,9 @@ def ours(files, dtype, device, dense: bool) -> tuple[dict, list[int]]:
                    gpu_weights_mib=round(weights / 2**20, 1),
                    gpu_peak_mib=round(gpu_memory(device)[1] / 2**20, 1),
                    kernels_per_decode_step=kernels_per_step(step, device))
+    if hasattr(decoder.fast_path, "recorded"):
+        figures["cuda_graphs"] = {"recorded": decoder.fast_path.recorded, "replays": decoder.fast_path.replays,
+                                  "enabled": decoder.fast_path.enabled}
     ids = files.tokenizer.encode(PROMPT_TEXT)
     kv = SequenceKV(decoder.kv_layout(), len(ids) + AGREE_TOKENS)
     logits = decoder(torch.tensor(ids), torch.arange(len(ids)), [SeqSlice(kv, 0, len(ids))],
@@ -186,7 +193,7 @@ def matrix_products(device) -> dict:
     import torch
     from gguf.constants import GGML_QUANT_SIZES
 
-    from meshllm.engine import triton_blocks
+    from meshllm.engine import block_planes, triton_blocks
     from meshllm.engine.block_dequant import dequantize
 
     if not triton_blocks.available(device):
@@ -215,16 +222,20 @@ def matrix_products(device) -> dict:
             scales[:, :, :2] = torch.tensor([0x1F, 0x21], dtype=torch.uint8, device=device)  # f16 ~0.0104
             if ggml_type.name == "Q4_1":
                 scales[:, :, 2:4] = torch.tensor([0x1F, 0xA1], dtype=torch.uint8, device=device)  # m ~ -0.0104
+            planes = block_planes.split(blocks, ggml_type)
             for rows in (1, 8):
                 x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
                 y = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
-                fused = timed(lambda: triton_blocks.rows_times_blocks(x, blocks, ggml_type, k, y))
+                want = F.linear(x.float(), dequantize(blocks, ggml_type, k, torch.bfloat16).float())
+                fused = timed(lambda: triton_blocks.rows_times_planes(x, planes, ggml_type, y))
+                error = ((y.float() - want).abs().max() / want.abs().max()).item()
                 torch_path = timed(lambda: F.linear(x, dequantize(blocks, ggml_type, k, torch.bfloat16)))
                 dense_us = timed(lambda: F.linear(x, dense))
                 out[f"{n}x{k} {ggml_type.name} rows={rows}"] = {
-                    "fused_us": round(fused, 1), "torch_path_us": round(torch_path, 1), "dense_bf16_us": round(dense_us, 1),
-                    "fused_gb_s": round(blocks.numel() / fused / 1e3, 1),
-                    "dense_bf16_gb_s": round(dense.numel() * 2 / dense_us / 1e3, 1)}
+                    "fused_us": round(fused, 1), "torch_path_us": round(torch_path, 1),
+                    "dense_bf16_us": round(dense_us, 1), "fused_gb_s": round(blocks.numel() / fused / 1e3, 1),
+                    "dense_bf16_gb_s": round(dense.numel() * 2 / dense_us / 1e3, 1),
+                    "fused_max_error_rel": float(f"{error:.2g}")}
     return out
 
 
@@ -241,6 +252,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16", help="activations, KV and dense weights (default bfloat16)")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--products-only", action="store_true", help="only the matrix products (no model needed)")
     args = parser.parse_args()
     import torch
 
@@ -250,6 +262,10 @@ def main() -> None:
     device = torch.device(args.device)
     if on_cuda(device) and not torch.cuda.is_available():
         sys.exit(f"{args.device}: this torch ({torch.__version__}) has no CUDA device")
+    if args.products_only:
+        print(json.dumps({"device": torch.cuda.get_device_name(device) if on_cuda(device) else "cpu",
+                          "torch": torch.__version__, "matrix_products": matrix_products(device)}, indent=1))
+        return
     dtype = torch_dtype(args.dtype)
     path = args.model or default_model_path()
     files = open_model(path)
@@ -257,22 +273,32 @@ def main() -> None:
     result = {"model": path.name, "device": name, "torch": torch.__version__,
               "dtype": str(dtype).removeprefix("torch."), "prompt": PROMPT, "new_tokens": NEW, "batch": BATCH,
               "prefill": PREFILL}
-    from meshllm.engine import triton_blocks
+    from meshllm.engine import cuda_graphs, triton_blocks
 
     result["fused_kernel"] = triton_blocks.available(device) and triton_blocks.ENABLED
     result["ours_blocks"], greedy_blocks = ours(files, dtype, device, dense=False)
-    if result["fused_kernel"]:
-        triton_blocks.ENABLED = False
-        result["ours_blocks_torch_path"], greedy_torch_path = ours(files, dtype, device, dense=False)
-        triton_blocks.ENABLED = True
-    if on_cuda(device):
-        torch.cuda.empty_cache()
+    greedy_others = {}
+    if on_cuda(device):  # the same with one part changed back at a time
+        for name, module, attribute, value in (("no_graphs", cuda_graphs, "ENABLED", False),
+                                               ("torch_path", triton_blocks, "ENABLED", False)):
+            kept = getattr(module, attribute)
+            setattr(module, attribute, value)
+            try:
+                result[f"ours_blocks_{name}"], greedy_others[name] = ours(files, dtype, device, dense=False)
+            finally:
+                setattr(module, attribute, kept)
+            torch.cuda.empty_cache()
     result["ours_dense"], greedy_dense = ours(files, dtype, device, dense=True)
     if on_cuda(device):
         torch.cuda.empty_cache()
+        cuda_graphs.ENABLED = False
+        result["ours_dense_no_graphs"], greedy_others["dense_no_graphs"] = ours(files, dtype, device, dense=True)
+        cuda_graphs.ENABLED = True
+        torch.cuda.empty_cache()
     result["greedy_agree"] = {"blocks_vs_dense": common_prefix(greedy_blocks, greedy_dense), "of": AGREE_TOKENS}
+    for name, greedy in greedy_others.items():
+        result["greedy_agree"][f"blocks_vs_{name}"] = common_prefix(greedy_blocks, greedy)
     if result["fused_kernel"]:
-        result["greedy_agree"]["fused_vs_torch_path"] = common_prefix(greedy_blocks, greedy_torch_path)
         result["matrix_products"] = matrix_products(device)
     if not args.skip_transformers:
         result["transformers"], greedy_hf = transformers_row(path, dtype, device)

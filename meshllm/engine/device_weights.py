@@ -2,8 +2,10 @@
 
 ggml's fast kernels are its CPU backend's, so on another device a GGUF block-quantized weight
 is held as the file's blocks, `[rows, bytes per row]` uint8 on the device (Q4_K: 4.5 bits a
-weight, where the dense form takes 16). Products of up to 16 rows (decode, verify passes) of
-Q8_0/Q4_0/Q4_1 blocks on CUDA run one fused Triton kernel (engine/triton_blocks.py); others
+weight, where the dense form takes 16). Q8_0/Q4_0/Q4_1 are held as the same bytes split into
+planes (codes, scales, minimums: engine/block_planes.py), which GPU kernels load 16 bytes at a
+time. Products of up to 16 rows (decode, verify passes) of those types on CUDA run one fused
+Triton kernel (engine/triton_blocks.py); others
 dequantize by torch ops (engine/block_dequant.py) into the activations' dtype inside each
 product; only one layer's matrix is ever dense at a time, for the length of its product.
 `--quantize int8|int4` on a device makes the same blocks from a 16/32-bit weight with ggml's
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
 
-from meshllm.engine import triton_blocks
+from meshllm.engine import block_planes, triton_blocks
 from meshllm.engine.block_dequant import SUPPORTED, dequantize
 from meshllm.engine.ggml_weights import BlockMatrix, linear_block_parts
 from meshllm.errors import ModelLoadError
@@ -32,10 +34,20 @@ from meshllm.model.weights import TensorSource
 log = logging.getLogger(__name__)
 
 
+def _dense(data: Tensor, ggml_type: GGML, cols: int, dtype: torch.dtype) -> Tensor:
+    """A held buffer (planes for the planar types, else the file's blocks) -> the dense [rows,
+    cols] matrix in `dtype`."""
+    if ggml_type in block_planes.PLANAR:
+        return block_planes.dequantize(data, ggml_type, dtype)
+    return dequantize(data, ggml_type, cols, dtype)
+
+
 class BlockLinear(nn.Module):
     """y = x @ W.T (+ bias), W the row-concatenation of block matrices held as device buffers."""
 
-    def __init__(self, parts: list[BlockMatrix], device: torch.device, bias: Tensor | None = None):
+    def __init__(self, parts: list[BlockMatrix], device: torch.device, bias: Tensor | None = None,
+                 held: bool = False):
+        # held: the parts' data are buffers as the device forms hold them already (a tied head)
         super().__init__()
         assert parts and len({p.cols for p in parts}) == 1, "row parts must share the input width"
         if len(parts) > 1 and len({p.ggml_type for p in parts}) == 1:
@@ -45,7 +57,10 @@ class BlockLinear(nn.Module):
         self.types = [p.ggml_type for p in parts]
         self._fused_types = all(t in triton_blocks.TYPES for t in self.types)  # fixed: checked once
         for i, p in enumerate(parts):
-            self.register_buffer(f"blocks{i}", p.data.to(device), persistent=False)
+            data = p.data.to(device)
+            if p.ggml_type in block_planes.PLANAR and not held:
+                data = block_planes.split(data, p.ggml_type)
+            self.register_buffer(f"blocks{i}", data, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def blocks(self) -> list[tuple[Tensor, GGML]]:
@@ -53,7 +68,7 @@ class BlockLinear(nn.Module):
 
     def weight(self, dtype: torch.dtype) -> Tensor:
         """The dense [out, in] matrix in `dtype` (made now, dropped after the product)."""
-        dense = [dequantize(data, t, self.in_features, dtype) for data, t in self.blocks()]
+        dense = [_dense(data, t, self.in_features, dtype) for data, t in self.blocks()]
         return dense[0] if len(dense) == 1 else torch.cat(dense)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -70,8 +85,8 @@ class BlockLinear(nn.Module):
     def _fused(self, x: Tensor) -> Tensor:
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         row = 0
-        for data, t in self.blocks():
-            triton_blocks.rows_times_blocks(x, data, t, self.in_features, out[:, row:row + data.shape[0]])
+        for data, t in self.blocks():  # the fused types are planar (triton_blocks.TYPES)
+            triton_blocks.rows_times_planes(x, data, t, out[:, row:row + data.shape[0]])
             row += data.shape[0]
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
@@ -102,12 +117,17 @@ class BlockEmbedding(nn.Module):
 
     def __init__(self, table: BlockMatrix, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        self.register_buffer("blocks0", table.data.to(device), persistent=False)
+        data = table.data.to(device)
+        planar = table.ggml_type in block_planes.PLANAR
+        self.register_buffer("blocks0", block_planes.split(data, table.ggml_type) if planar else data,
+                             persistent=False)
         self.ggml_type, self.dtype = table.ggml_type, dtype
         self.num_embeddings, self.embedding_dim = table.rows, table.cols
 
     def forward(self, ids: Tensor) -> Tensor:
         # ids: [n] -> [n, embedding_dim]
+        if self.ggml_type in block_planes.PLANAR:
+            return block_planes.rows(self.blocks0, self.ggml_type, ids, self.dtype)
         return dequantize(self.blocks0[ids], self.ggml_type, self.embedding_dim, self.dtype)
 
     def blocks(self) -> list[tuple[Tensor, GGML]]:
@@ -116,7 +136,8 @@ class BlockEmbedding(nn.Module):
     def head(self) -> BlockLinear:
         """The tied LM head over the same buffer (no second copy: it is on the device already, so
         Decoder.to(device) leaves both modules' references to it alone)."""
-        return BlockLinear([BlockMatrix(self.blocks0, self.ggml_type, self.embedding_dim)], self.blocks0.device)
+        return BlockLinear([BlockMatrix(self.blocks0, self.ggml_type, self.embedding_dim)], self.blocks0.device,
+                           held=True)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, blocks {self.ggml_type.name}"

@@ -25,6 +25,12 @@ LOCAL_OWNER = Owner(0)
 PARKED = Owner(-1)  # no stream holds it: kept until its deadline for a re-planned plan to adopt
 
 _MIN_CAPACITY = 64
+# Caches off the CPU start zeroed: a decode step replayed as a CUDA graph (engine/cuda_graphs.py)
+# attends over a cache's whole capacity with the unwritten positions masked, and a masked weight
+# of 0 times uninitialized memory that holds a NaN is still NaN. A GPU memset is nearly free; on
+# the CPU no step reads past a sequence's length, and untouched pages cost no memory, so there it
+# is off (tests of that static step on the CPU turn it on).
+ZERO_FILL_ON_CPU = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +64,8 @@ class SequenceKV:
 
     def _empty(self, capacity: int) -> Tensor:
         lay = self.layout
-        return torch.empty(lay.num_layers, lay.num_key_value_heads, capacity, lay.head_dim,
-                           dtype=lay.dtype, device=lay.device)
+        make = torch.empty if lay.device.type == "cpu" and not ZERO_FILL_ON_CPU else torch.zeros
+        return make(lay.num_layers, lay.num_key_value_heads, capacity, lay.head_dim, dtype=lay.dtype, device=lay.device)
 
     @property
     def capacity(self) -> int:

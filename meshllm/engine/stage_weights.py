@@ -29,6 +29,7 @@ from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, hel
 from meshllm.engine.host_memory import back_with_huge_pages, return_freed_memory
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.batch_invariant import make_batch_invariant
+from meshllm.engine.cuda_graphs import graphed
 from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm, warm_fused_kernels
 from meshllm.engine.weight_forms import QUANTIZATIONS, prepare_for_cpu
 from meshllm.errors import BadRequest, ModelLoadError
@@ -214,7 +215,7 @@ def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int,
     log.info("layers [%d, %d) of %s on %s: weights %s", first_layer, decoder.last_layer, source.path, device,
              describe_weights(decoder))
     warm_fused_kernels(decoder, dtype)
-    return decoder
+    return graphed(decoder)
 
 
 def decoder_bytes(decoder: Decoder) -> int:

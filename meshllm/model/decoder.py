@@ -32,6 +32,20 @@ class SeqSlice:
         return self.kv.length
 
 
+@dataclass(frozen=True, slots=True)
+class StaticSlice:
+    """One sequence's single row in a decode step whose shapes and addresses never change (what a
+    CUDA graph replays, engine/cuda_graphs.py): its key and value are written at the device index
+    `at` [1], and the query attends over the cache's whole capacity through `visible` [1, 1, 1,
+    capacity] (True up to and including `at`, within the sliding window if any)."""
+
+    kv: SequenceKV
+    row: int
+    at: Tensor
+    visible: Tensor
+    num_tokens: int = 1
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -57,22 +71,28 @@ class Rotary:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def __call__(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0]:
-            self._grow(max(needed, 2 * self.cos.shape[0]))
-        if self.cos.device != positions.device:
-            # The tables are not module buffers, so Decoder.to(device) leaves them behind: follow the input.
-            self.cos, self.sin = self.cos.to(positions.device), self.sin.to(positions.device)
+    def __call__(self, positions: Tensor, checked: bool = True) -> tuple[Tensor, Tensor]:
+        # checked=False: the caller made sure of the tables (ensure) and this must not read the
+        # positions back to the host (a step being captured into a CUDA graph)
+        if checked:
+            self.ensure(int(positions.max()) + 1 if positions.numel() else 0, positions.device)
         return self.cos[positions], self.sin[positions]
 
-    def rotation(self, positions: Tensor) -> Tensor:
+    def ensure(self, num_positions: int, device: torch.device) -> None:
+        """Tables for positions [0, num_positions), on `device`."""
+        if num_positions > self.cos.shape[0]:
+            self._grow(max(num_positions, 2 * self.cos.shape[0]))
+        if self.cos.device != device:
+            # The tables are not module buffers, so Decoder.to(device) leaves them behind: follow the input.
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    def rotation(self, positions: Tensor, checked: bool = True) -> Tensor:
         """Matrices R [tokens, head_dim, head_dim] (fp32) with x @ R == x * cos + rotate_half(x) * sin.
 
         Rotating q and k of all heads is then one batched matmul per layer instead of
         seven elementwise ops each; at decode the per-op dispatch cost is what counts.
         """
-        cos, sin = (t.float() for t in self(positions))  # [tokens, head_dim]
+        cos, sin = (t.float() for t in self(positions, checked))  # [tokens, head_dim]
         n, dim = cos.shape
         half = dim // 2
         cols = torch.arange(dim, device=cos.device)
@@ -138,8 +158,10 @@ class Attention(nn.Module):
                                           v[s.row:s.row + s.num_tokens], s, layer) for s in slices])
         return self.o_proj(out.reshape(n, self.q_size))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, s: SeqSlice, layer: int) -> Tensor:
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, s: SeqSlice | StaticSlice, layer: int) -> Tensor:
         # q: [t, heads, dim]; k, v: [t, kv_heads, dim] -> [t, heads, dim]
+        if isinstance(s, StaticSlice):
+            return self._attend_static(q, k, v, s, layer)
         start, t = s.start, s.num_tokens
         end = start + t
         s.kv.k[layer, :, start:end].copy_(k.transpose(0, 1))
@@ -161,6 +183,15 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._mask(start, t, q.device),
                                                  enable_gqa=True)
         return out[0].transpose(0, 1)
+
+    def _attend_static(self, q: Tensor, k: Tensor, v: Tensor, s: StaticSlice, layer: int) -> Tensor:
+        # One decode row: [1, heads, dim] against the whole cache, the positions past `at` masked.
+        keys, values = s.kv.k[layer], s.kv.v[layer]  # [kv_heads, capacity, dim]
+        keys.index_copy_(1, s.at, k.transpose(0, 1).to(keys.dtype))
+        values.index_copy_(1, s.at, v.transpose(0, 1).to(values.dtype))
+        qg = q.view(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=s.visible)
+        return out.reshape(1, self.num_heads, self.head_dim)
 
     def _attend_one(self, q: Tensor, s: SeqSlice, layer: int, end: int) -> Tensor:
         # One query row [heads, dim] at position end - 1 against its visible keys -> [1, heads, dim].
@@ -255,22 +286,26 @@ class Decoder(nn.Module):
         assert row == x.shape[0] == positions.shape[0], (row, x.shape[0], positions.shape[0])
         for s in slices:
             s.kv.reserve(s.start + s.num_tokens)
-        if self.fast_path is not None:
-            out = self.fast_path.forward(x, positions, slices, logit_rows)
-            for s in slices:
-                s.kv.length += s.num_tokens
-            return out
+        run = self.run if self.fast_path is None else self.fast_path.forward
+        out = run(x, positions, slices, logit_rows)
+        for s in slices:
+            s.kv.length += s.num_tokens
+        return out
+
+    def run(self, x: Tensor, positions: Tensor, slices: list[SeqSlice] | list[StaticSlice],
+            logit_rows: Tensor | None = None) -> Tensor:
+        """forward's computation by torch ops, the KV lengths left to the caller. With StaticSlices
+        (one row each) nothing is read back to the host: a CUDA graph can capture it."""
+        static = bool(slices) and isinstance(slices[0], StaticSlice)
         device = self.device
         # Weights on a GPU (--device): inputs follow them there, each on its own (tokens sampled on
         # the device come with positions made on the host). .to() is free for one already there.
         x, positions = x.to(device), positions.to(device)
         logit_rows = None if logit_rows is None else logit_rows.to(device)
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
-        rotation = self.rotary.rotation(positions)
+        rotation = self.rotary.rotation(positions, checked=not static)
         for i, layer in enumerate(self.layers):
             h = layer(h, rotation, slices, i)
-        for s in slices:
-            s.kv.length += s.num_tokens
         if not self.has_head:
             return h
         if logit_rows is not None:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
-from meshllm.engine import triton_blocks
 from meshllm.engine.block_dequant import SUPPORTED, dequantize
 from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm
 from meshllm.engine.ggml_lib import runtime
@@ -124,33 +122,3 @@ def test_a_gguf_stays_blocks_on_the_device_and_decodes_as_on_the_cpu(smollm2_ggu
     [got] = generate_many(on_device, files.tokenizer, [ids], params)
     [want] = generate_many(cpu, files.tokenizer, [ids], params)
     assert got.token_ids == want.token_ids
-
-
-FUSED = sorted(triton_blocks.TYPES, key=lambda t: t.value)
-
-
-def _random_blocks(ggml_type: GGML, rows: int, cols: int, seed: int) -> torch.Tensor:
-    """Blocks of random weights by the gguf package's own quantizer (no ggml needed)."""
-    weight = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
-    return torch.from_numpy(gguf_quants.quantize(weight, ggml_type).copy())
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("ggml_type", FUSED, ids=lambda t: t.name)
-def test_the_fused_decode_kernel_multiplies_the_reference_weights(ggml_type, dtype):
-    if not triton_blocks.available(torch.device("cuda")):
-        pytest.skip(f"no CUDA device with Triton here (torch {torch.__version__}); run on a GPU host")
-    blocks = _random_blocks(ggml_type, 200, 96 * 32, seed=ggml_type.value).cuda()
-    weight = dequantize(blocks, ggml_type, 96 * 32, dtype).float()  # what the torch path multiplies by
-    x = torch.randn(16, 96 * 32, device="cuda", generator=torch.Generator("cuda").manual_seed(0)).to(dtype)
-    out = torch.empty(16, 200, device="cuda", dtype=dtype)
-    triton_blocks.rows_times_blocks(x, blocks, ggml_type, 96 * 32, out)
-    want = x.float() @ weight.T
-    # fp32 multiplies IEEE (no TF32); 16-bit the same products, fp32 sums in another order, one rounding out
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
-    assert (out.float() - want).abs().max() <= tolerance * want.abs().max()
-    # and a row's result does not depend on the rows beside it (a verify pass = its one-row steps)
-    for m in (1, 5):
-        alone = torch.empty(m, 200, device="cuda", dtype=dtype)
-        triton_blocks.rows_times_blocks(x[:m].contiguous(), blocks, ggml_type, 96 * 32, alone)
-        assert torch.equal(alone, out[:m])
