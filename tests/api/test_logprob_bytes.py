@@ -27,9 +27,9 @@ def _assert_rebuilds(text: str, joined: bytes, finish_reason: str) -> None:
     assert joined == data
 
 
-def test_chat_logprob_bytes_rebuild_emoji_and_non_latin_text(smollm2_server):
-    client = smollm2_server.client()
-    model = smollm2_server.backend.model_id
+def test_chat_logprob_bytes_rebuild_emoji_and_non_latin_text(smollm2_fast_server):
+    client = smollm2_fast_server.client()
+    model = smollm2_fast_server.backend.model_id
     reply = client.chat.completions.create(model=model, messages=REPEAT, temperature=0, max_tokens=24,
                                            logprobs=True, top_logprobs=2)
     text = reply.choices[0].message.content
@@ -55,9 +55,9 @@ def test_chat_logprob_bytes_rebuild_emoji_and_non_latin_text(smollm2_server):
     _assert_rebuilds(streamed_text, b"".join(bytes(e.bytes) for e in entries), finish[0])
 
 
-def test_completion_tokens_rebuild_the_text(smollm2_server):
-    client = smollm2_server.client()
-    kwargs = dict(model=smollm2_server.backend.model_id, prompt="🎉🦀🎉🦀 日本語 🎉🦀🎉🦀 日本語 🎉🦀",
+def test_completion_tokens_rebuild_the_text(smollm2_fast_server):
+    client = smollm2_fast_server.client()
+    kwargs = dict(model=smollm2_fast_server.backend.model_id, prompt="🎉🦀🎉🦀 日本語 🎉🦀🎉🦀 日本語 🎉🦀",
                   temperature=0, max_tokens=16, logprobs=1)
     whole = client.completions.create(**kwargs).choices[0]
     assert any("\\x" in t for t in whole.logprobs.tokens), whole.logprobs.tokens

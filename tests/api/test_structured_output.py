@@ -63,8 +63,8 @@ def test_fifty_sampled_completions_validate_against_a_strict_schema(wide_smollm2
     assert len({json.dumps(d, sort_keys=True) for d in documents}) > 25  # sampled, not one answer repeated
 
 
-def test_json_object_always_parses_whole_and_streamed(smollm2_server):
-    client, model = smollm2_server.client(), smollm2_server.backend.model_id
+def test_json_object_always_parses_whole_and_streamed(smollm2_fast_server):
+    client, model = smollm2_fast_server.client(), smollm2_fast_server.backend.model_id
     ask = [{"role": "user", "content": "Give the capital of France as JSON with one key."}]
     reply = client.chat.completions.create(model=model, messages=ask, response_format={"type": "json_object"},
                                            temperature=0, max_tokens=120)

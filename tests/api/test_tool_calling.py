@@ -86,8 +86,8 @@ def _round_trip(client, model: str, tools: list[dict], extra: dict) -> None:
     assert answer.content or answer.tool_calls
 
 
-def test_smollm2_tool_round_trip(smollm2_server):
-    client, model = smollm2_server.client(), smollm2_server.backend.model_id
+def test_smollm2_tool_round_trip(smollm2_fast_server):
+    client, model = smollm2_fast_server.client(), smollm2_fast_server.backend.model_id
     _round_trip(client, model, [WEATHER, TIME], {})
     # one call only when parallel calls are off
     reply = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
@@ -103,8 +103,8 @@ def test_smollm2_tool_round_trip(smollm2_server):
     assert final.choices[0].finish_reason in ("stop", "length")
 
 
-def test_tool_choice_none_and_auto_without_a_call_return_content(smollm2_server):
-    client, model = smollm2_server.client(), smollm2_server.backend.model_id
+def test_tool_choice_none_and_auto_without_a_call_return_content(smollm2_fast_server):
+    client, model = smollm2_fast_server.client(), smollm2_fast_server.backend.model_id
     reply = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="none",
                                            temperature=0, max_tokens=16)
     assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
@@ -141,7 +141,7 @@ def test_forced_calls_through_a_two_stage_pipeline(long_server):
         _check_calls(choice.message.tool_calls)
 
 
-def test_openai_agents_loop_with_this_server_as_its_model(smollm2_server):
+def test_openai_agents_loop_with_this_server_as_its_model(smollm2_fast_server):
     from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI
 
@@ -154,10 +154,10 @@ def test_openai_agents_loop_with_this_server_as_its_model(smollm2_server):
         asked.append(city)
         return f"It is 18 degrees and sunny in {city}."
 
-    client = AsyncOpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    client = AsyncOpenAI(base_url=f"{smollm2_fast_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     agent = Agent(name="weather", instructions="You answer questions about the weather. Use the tools.",
                   tools=[get_weather],
-                  model=OpenAIChatCompletionsModel(model=smollm2_server.backend.model_id, openai_client=client),
+                  model=OpenAIChatCompletionsModel(model=smollm2_fast_server.backend.model_id, openai_client=client),
                   # required for the first turn; the SDK resets it to auto once a tool ran
                   model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
                                                max_tokens=60))
