@@ -95,12 +95,15 @@ class GraphedDecode:
             return None
         if logit_rows is not None and not torch.equal(logit_rows.cpu(), torch.arange(rows)):
             return None
-        return (tuple(x.shape), x.dtype, self.decoder.rotary.cos.data_ptr(),
+        rotary = self.decoder.rotary
+        return (tuple(x.shape), x.dtype, rotary.cos.data_ptr(), rotary.sin.data_ptr(),
                 tuple((s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.capacity) for s in slices))
 
     @torch.inference_mode()
     def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> Tensor:
-        with self._lock:
+        # The stage's GPU made current: current_stream() below, and recording's synchronize, are
+        # the current device's, and a stage may be on cuda:1 while the thread's device is 0.
+        with self._lock, torch.cuda.device(self.decoder.device):
             return self._forward(x, positions, slices, logit_rows)
 
     def _forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> Tensor:
@@ -134,9 +137,12 @@ class GraphedDecode:
     def _record(self, key: tuple, step: StaticStep) -> None:
         graph = torch.cuda.CUDAGraph()
         try:
+            # The outer context puts this thread back on its stream even when the recording's own
+            # exit fails (torch ends the capture, which raises, before it restores the stream).
             # thread_local: other threads of the node (a stage of another plan, a transfer) may
-            # use the GPU meanwhile; their work is not part of this recording
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            # use the GPU meanwhile; their work is not part of this recording.
+            with torch.cuda.stream(torch.cuda.current_stream()), \
+                    torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 step.run(self.decoder, self.window)
         except Exception:  # noqa: BLE001 -- any failure: this stage runs its steps as before
             self.enabled = False
@@ -144,6 +150,10 @@ class GraphedDecode:
             log.warning("CUDA graphs off for layers [%d, %d): recording a decode step failed",
                         self.decoder.first_layer, self.decoder.last_layer, exc_info=True)
             return
+        # The graph holds the caches' addresses, not the caches: a finished sequence's memory is
+        # freed now, not when its graph is dropped. A replay needs live caches at those very
+        # addresses and capacities (the key), so it only ever writes into the batch's own.
+        step.slices = []
         self.graphs[key] = (graph, step)
         self.recorded += 1
         while len(self.graphs) > MAX_GRAPHS:
