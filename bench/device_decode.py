@@ -277,24 +277,21 @@ def main() -> None:
 
     result["fused_kernel"] = triton_blocks.available(device) and triton_blocks.ENABLED
     result["ours_blocks"], greedy_blocks = ours(files, dtype, device, dense=False)
+    result["ours_dense"], greedy_dense = ours(files, dtype, device, dense=True)
     greedy_others = {}
     if on_cuda(device):  # the same with one part changed back at a time
-        for name, module, attribute, value in (("no_graphs", cuda_graphs, "ENABLED", False),
-                                               ("torch_path", triton_blocks, "ENABLED", False)):
+        torch.cuda.empty_cache()
+        for name, dense, module, attribute, value in (("no_graphs", False, cuda_graphs, "ENABLED", False),
+                                                      ("torch_path", False, triton_blocks, "ENABLED", False),
+                                                      ("dense_no_graphs", True, cuda_graphs, "ENABLED", False)):
             kept = getattr(module, attribute)
             setattr(module, attribute, value)
             try:
-                result[f"ours_blocks_{name}"], greedy_others[name] = ours(files, dtype, device, dense=False)
+                row = f"ours_{name}" if dense else f"ours_blocks_{name}"
+                result[row], greedy_others[name] = ours(files, dtype, device, dense=dense)
             finally:
                 setattr(module, attribute, kept)
             torch.cuda.empty_cache()
-    result["ours_dense"], greedy_dense = ours(files, dtype, device, dense=True)
-    if on_cuda(device):
-        torch.cuda.empty_cache()
-        cuda_graphs.ENABLED = False
-        result["ours_dense_no_graphs"], greedy_others["dense_no_graphs"] = ours(files, dtype, device, dense=True)
-        cuda_graphs.ENABLED = True
-        torch.cuda.empty_cache()
     result["greedy_agree"] = {"blocks_vs_dense": common_prefix(greedy_blocks, greedy_dense), "of": AGREE_TOKENS}
     for name, greedy in greedy_others.items():
         result["greedy_agree"][f"blocks_vs_{name}"] = common_prefix(greedy_blocks, greedy)

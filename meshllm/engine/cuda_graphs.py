@@ -1,8 +1,8 @@
 """Decode steps replayed as CUDA graphs (`--device cuda`).
 
-Why: a decode step of a stage is hundreds of small kernels (SmolLM2-135M: ~540), each launched
+Why: a decode step of a stage is hundreds of small kernels (SmolLM2-135M: ~600), each launched
 from Python; on a fast GPU the launches, not the kernels, set the pace (measured on an H200:
-~60 tok/s, where the weights would allow thousands). A CUDA graph records the step's kernels
+~60-90 tok/s, where the weights would allow thousands). A CUDA graph records the step's kernels
 once and replays them with one launch. A recorded step reads the same addresses with the same
 shapes every time, so the step runs in its static form (model/decoder.py StaticSlice): each
 sequence's key and value are written at a device index, and its query attends over the cache's
@@ -11,9 +11,10 @@ whole capacity through a mask, instead of over a slice whose length changes ever
 A graph belongs to one batch: its sequences' KV tensors (their addresses and capacity, which
 change when a cache grows or a sequence is new) and the row count. A batch is recorded the
 second step in a row it is seen (a one-off batch is not worth recording), and up to MAX_GRAPHS
-are kept, least recently used dropped, each with its own memory pool for its intermediates. Steps that are not decode steps of that shape (prefill,
-verify passes, chosen logit rows) run as before. A failure to record turns graphs off for the
-stage, logged once, and the step runs as before.
+are kept, least recently used dropped, each with its own memory pool for its intermediates.
+Steps that are not decode steps of that shape (prefill, verify passes, chosen logit rows) run
+as before. A failure to record turns graphs off for the stage, logged once, and the step runs
+as before.
 
     MESHLLM_CUDA_GRAPHS=0 turns them off (bench/device_decode.py measures both).
 """
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from meshllm.engine.kv_cache import SequenceKV
 from meshllm.model.decoder import Decoder, SeqSlice, StaticSlice
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class StaticStep:
     x: Tensor  # token ids [rows] or hidden states [rows, hidden]
     positions: Tensor  # [rows], for the rotary tables
     at: Tensor  # [rows]: each sequence's KV length, where its new key and value go
-    slices: list[StaticSlice]
+    caches: list[SequenceKV]  # until the step is recorded (the graph keeps their addresses)
     out: Tensor | None = None
 
     @classmethod
@@ -53,7 +55,7 @@ class StaticStep:
         x = x.to(device, copy=True)
         positions = positions.to(device, copy=True)
         at = torch.tensor([s.kv.length for s in slices], device=device)
-        return cls(x, positions, at, [StaticSlice(s.kv, i, at[i:i + 1], None) for i, s in enumerate(slices)])
+        return cls(x, positions, at, [s.kv for s in slices])
 
     def load(self, x: Tensor, positions: Tensor, slices: list[SeqSlice]) -> None:
         self.x.copy_(x, non_blocking=True)
@@ -63,12 +65,13 @@ class StaticStep:
     def run(self, decoder: Decoder, window: int | None) -> Tensor:
         """The step by torch ops; nothing read back to the host, so a graph can record it."""
         slices = []
-        for s in self.slices:
-            keys = torch.arange(s.kv.capacity, device=self.at.device)
-            visible = keys <= s.at
+        for row, kv in enumerate(self.caches):
+            at = self.at[row:row + 1]
+            keys = torch.arange(kv.capacity, device=at.device)
+            visible = keys <= at
             if window is not None:
-                visible &= keys > s.at - window
-            slices.append(StaticSlice(s.kv, s.row, s.at, visible.view(1, 1, 1, -1)))
+                visible &= keys > at - window
+            slices.append(StaticSlice(kv, row, at, visible.view(1, 1, 1, -1)))
         self.out = decoder.run(self.x, self.positions, slices)
         return self.out
 
@@ -153,7 +156,7 @@ class GraphedDecode:
         # The graph holds the caches' addresses, not the caches: a finished sequence's memory is
         # freed now, not when its graph is dropped. A replay needs live caches at those very
         # addresses and capacities (the key), so it only ever writes into the batch's own.
-        step.slices = []
+        step.caches = []
         self.graphs[key] = (graph, step)
         self.recorded += 1
         while len(self.graphs) > MAX_GRAPHS:

@@ -5,9 +5,8 @@ is held as the file's blocks, `[rows, bytes per row]` uint8 on the device (Q4_K:
 weight, where the dense form takes 16). Q8_0/Q4_0/Q4_1 are held as the same bytes split into
 planes (codes, scales, minimums: engine/block_planes.py), which GPU kernels load 16 bytes at a
 time. Products of up to 16 rows (decode, verify passes) of those types on CUDA run one fused
-Triton kernel (engine/triton_blocks.py); others
-dequantize by torch ops (engine/block_dequant.py) into the activations' dtype inside each
-product; only one layer's matrix is ever dense at a time, for the length of its product.
+Triton kernel (engine/triton_blocks.py); others dequantize by torch ops (engine/block_dequant.py)
+into the activations' dtype inside each product; only one layer's matrix is ever dense at a time, for the length of its product.
 `--quantize int8|int4` on a device makes the same blocks from a 16/32-bit weight with ggml's
 quantizer (Q8_0 / Q4_0) before it leaves the CPU. GGUF types without a torch port here (Q2_K,
 Q3_K, the IQ types) load dense, as before.
@@ -34,6 +33,11 @@ from meshllm.model.weights import TensorSource
 log = logging.getLogger(__name__)
 
 
+def _held(data: Tensor, ggml_type: GGML) -> Tensor:
+    """A matrix's blocks as the device forms hold them: split into planes for the planar types."""
+    return block_planes.split(data, ggml_type) if ggml_type in block_planes.PLANAR else data
+
+
 def _dense(data: Tensor, ggml_type: GGML, cols: int, dtype: torch.dtype) -> Tensor:
     """A held buffer (planes for the planar types, else the file's blocks) -> the dense [rows,
     cols] matrix in `dtype`."""
@@ -58,9 +62,7 @@ class BlockLinear(nn.Module):
         self._fused_types = all(t in triton_blocks.TYPES for t in self.types)  # fixed: checked once
         for i, p in enumerate(parts):
             data = p.data.to(device)
-            if p.ggml_type in block_planes.PLANAR and not held:
-                data = block_planes.split(data, p.ggml_type)
-            self.register_buffer(f"blocks{i}", data, persistent=False)
+            self.register_buffer(f"blocks{i}", data if held else _held(data, p.ggml_type), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def blocks(self) -> list[tuple[Tensor, GGML]]:
@@ -117,10 +119,7 @@ class BlockEmbedding(nn.Module):
 
     def __init__(self, table: BlockMatrix, dtype: torch.dtype, device: torch.device):
         super().__init__()
-        data = table.data.to(device)
-        planar = table.ggml_type in block_planes.PLANAR
-        self.register_buffer("blocks0", block_planes.split(data, table.ggml_type) if planar else data,
-                             persistent=False)
+        self.register_buffer("blocks0", _held(table.data.to(device), table.ggml_type), persistent=False)
         self.ggml_type, self.dtype = table.ggml_type, dtype
         self.num_embeddings, self.embedding_dim = table.rows, table.cols
 

@@ -11,16 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from meshllm.cluster.gossip import fetch_view
-from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.engine.ggml_lib import runtime
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.source import open_model
-from meshllm.pipeline.cluster import leader_for_plan, local_leader, wait_for_fleet
+from meshllm.pipeline.cluster import local_leader
 from meshllm.pipeline.local_cluster import LocalCluster
-from meshllm.transport.auth import load_key
-from meshllm.transport.channels import ChannelConfig, ChannelPool
-from tests.pipeline.conftest import OPTIONS
+from tests.pipeline.conftest import OPTIONS, Cluster
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -35,7 +31,7 @@ def gpu_cluster(aidreams_path, tmp_path_factory):
                          extra_args=("--gossip-interval", "0.3", "--device", "cuda"), threads_per_node=1)
     local.start(timeout_s=180)
     try:
-        yield local
+        yield Cluster(local)
     finally:
         local.stop()
 
@@ -55,13 +51,7 @@ def test_a_gpu_pipeline_gives_the_single_process_gpu_tokens(gpu_cluster, aidream
         want = [[e.token_id for e in reference.generate(ids, params) if e.token_id is not None] for ids in prompts]
     finally:
         reference.close()
-    key = load_key(gpu_cluster.key_file)
-    wait_for_fleet(lambda: fetch_view(gpu_cluster.addresses[0], key), files.source.fingerprint(), 2, timeout_s=60)
-    stages = tuple(StageAssignment(gpu_cluster.node_ids[i], gpu_cluster.addresses[i], a, b, 0, 0, 0)
-                   for i, (a, b) in enumerate([(0, 2), (2, 4)]))
-    plan = Plan(files.model_id, files.source.fingerprint(), files.config.num_hidden_layers, options.context_length,
-                options.max_batch, 4, 4, stages, 0.0, False)
-    leader = leader_for_plan(files, plan, ChannelPool(ChannelConfig("test-leader", key)), options)
+    leader = gpu_cluster.leader(files, [(0, 2), (2, 4)], options)
     try:
         got = [[e.token_id for e in leader.generate(ids, params) if e.token_id is not None] for ids in prompts]
     finally:
