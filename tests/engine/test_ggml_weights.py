@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as GGML
 
-from meshllm.engine.ggml_lib import runtime
+from meshllm.engine.ggml_lib import GGML_VERSION, runtime
 from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, quantize
 
 GGUF_TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
@@ -45,7 +45,7 @@ def rt():
 
 def test_ctypes_layer_matches_the_library(rt):
     g = rt.lib
-    assert g.ggml_version().decode() == "0.15.3"
+    assert g.ggml_version().decode() == GGML_VERSION
     assert g.ggml_tensor_overhead() == g.GGML_OBJECT_SIZE + ctypes.sizeof(g.ggml_tensor)
     for name in POINTER_RETURNING:
         restype = getattr(g, name).restype
