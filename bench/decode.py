@@ -98,8 +98,9 @@ def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
     out.with_suffix(".tmp").rename(out)
 
 
-def ours(path: Path, threads: int, dense: str | None = None) -> dict:
-    """Our figures for one GGUF, in this (fresh) process; `dense`: dequantized to that dtype."""
+def ours(path: Path, threads: int, dense: str | None = None, own_ops: bool = True) -> dict:
+    """Our figures for one GGUF, in this (fresh) process; `dense`: dequantized to that dtype;
+    `own_ops=False`: ggml's kernels only (meshllm's few-row products off; what they buy)."""
     import psutil
     import torch
 
@@ -111,6 +112,11 @@ def ours(path: Path, threads: int, dense: str | None = None) -> dict:
     from meshllm.engine.dtypes import DEFAULT_DTYPE, DTYPES
 
     return_large_frees()  # as every meshllm command does
+    if not own_ops:
+        from meshllm.engine import ggml_stage
+
+        ggml_stage.FEW_ROWS_MAX = ggml_stage.QUANT_FEW_ROWS_MAX = 0
+        ggml_stage.q8_0x8_ops = lambda: None  # the Q8_0 head re-laid out for meshllm's op
     files = open_model(path)
     dtype = DTYPES[DEFAULT_DTYPE]  # what `meshllm serve` runs with: --dtype auto
     t = time.perf_counter()
@@ -214,13 +220,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of us and llama.cpp (default 3)")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # internal: our figures for one file
     parser.add_argument("--dense", help=argparse.SUPPRESS)  # internal: with --one, dequantized to this dtype
+    parser.add_argument("--ggml-ops-only", action="store_true",
+                        help="our rows with ggml's kernels only: meshllm's few-row products (bf16, Q4_0/Q4_1, Q8_0) off")
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(ours(args.one, args.threads, args.dense)))
+        print(json.dumps(ours(args.one, args.threads, args.dense, own_ops=not args.ggml_ops_only)))
         return
     import llama_cpp
 
-    out: dict = {"threads": args.threads, "prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tokens": PREFILL,
+    out: dict = {"meshllm_few_row_ops": not args.ggml_ops_only, "threads": args.threads, "prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tokens": PREFILL,
                  "rows": {}}
     for row in args.rows.split(","):
         path = model_path(row)
@@ -233,7 +241,8 @@ def main() -> None:
         ours_rounds, theirs_rounds = [], []
         for _ in range(args.rounds):
             done = subprocess.run([sys.executable, __file__, "--one", str(path), "--threads", str(args.threads),
-                                   *dense], check=True, capture_output=True, text=True)
+                                   *dense, *(["--ggml-ops-only"] if args.ggml_ops_only else [])],
+                                  check=True, capture_output=True, text=True)
             ours_rounds.append(json.loads(done.stdout.strip().splitlines()[-1]))
             if compare:
                 theirs_rounds.append(llama_cpp.bench(path, args.threads, PREFILL, NEW))

@@ -20,6 +20,7 @@ import time
 import weakref
 
 import torch
+from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
@@ -34,6 +35,9 @@ _F32 = 4
 # Graph capacity: ~25 nodes per layer (~50 with Q4_1 remainders) plus 14 per sequence and layer
 # (views count), with room to spare.
 _NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 80, 24
+# A few-row step over K-quant parts split for per-row products (below): up to 7 parts a layer
+# (mixed-type q/k/v, gate/up, o, down), each up to 8 nodes (3 views, 3 products, 2 concats) for 1.
+_NODES_PER_SPLIT_LAYER = 56
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # Products of a bf16 weight with at most this many rows run meshllm's kernel as a ggml custom op
 # (kernels/gemv.c says why): a row's result never depends on the rows beside it (ggml's tinyBLAS
@@ -59,6 +63,19 @@ _TILED_ATTENTION_ROWS = 64
 # split into sequences (speculative drafts change the split nearly every step; a new graph cost
 # ~15 ms of Python and allocation at 8 sequences, half a step).
 ATTENTION_FEW_ROWS_MAX = 16
+# ggml (0.25.3) multiplies this many activation rows and more of these types, in its plain layout,
+# with a tiled GEMM (ggml-cpu/tiled), and fewer with one dot product per row and output. The GEMM
+# sums in another order, so a row's bits would depend on how many rows share its step. Steps of
+# up to QUANT_FEW_ROWS_MAX rows run the product in pieces of fewer rows: a verify pass scores
+# bitwise what its one-row steps score, and a sequence's logits do not depend on its batch, as
+# on the types meshllm's few-row ops cover. Measured (2 threads, AMD Zen 4, Q6_K): 8 rows of a
+# 11264x2048 matrix 6.8 ms tiled against 2.9 per row, 49152x2048 22 against 13; 16 rows of small
+# matrices (2560x2048) 0.7 against 1.5. Prefill chunks (more rows) take the GEMM: 512 rows of
+# 5632x2048 Q5_K 24 ms against 147.
+_TILED_GEMM_MIN_ROWS = 8
+_TILED_GEMM_TYPES = frozenset(int(t) for t in (
+    GGML.Q2_K, GGML.Q3_K, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_XS, GGML.IQ2_XXS, GGML.IQ2_XS,
+    GGML.IQ2_S, GGML.IQ3_XXS, GGML.IQ3_S, GGML.IQ1_S, GGML.IQ1_M))
 _TABLE_FIELDS = 7  # per sequence: row, rows, start, K address, V address, position stride, head stride
 
 
@@ -211,7 +228,10 @@ class GGMLStage:
                     outs.append((g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 2 if remainder is None else 3,
                                                   op, -1, None), first, rows))
                     continue
-                out = g.ggml_mul_mat(s.ctx, tensor, x)
+                if _TILED_GEMM_MIN_ROWS <= n <= QUANT_FEW_ROWS_MAX and self._takes_tiled_gemm(tensor):
+                    out = self._per_row_products(s, tensor, x)
+                else:
+                    out = g.ggml_mul_mat(s.ctx, tensor, x)
                 if remainder is not None and self._remainder_op is not None:
                     args = (ctypes.POINTER(type(out.contents)) * 3)(out, x, remainder)
                     out = g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 3, self._remainder_op, -1, None)
@@ -227,13 +247,36 @@ class GGMLStage:
     def _quant_few_rows_op(self, tensor):
         """meshllm's few-row op for `tensor`'s layout, or None: Q4_0 in ggml's repack buffer, Q8_0
         in the plain one (the layouts quant_few_rows.c reads)."""
-        t, g = tensor.contents, self.g
+        t = tensor.contents
         op = self._quant_few_rows_ops.get(t.type)
         if op is None or not t.buffer:
             return None
-        repacked = self.rt.repack_buffer_type is not None and \
-            g.ggml_backend_buffer_get_type(t.buffer) == self.rt.repack_buffer_type
-        return op if repacked == (t.type == g.GGML_TYPE_Q4_0) else None
+        return op if self._repacked(t) == (t.type == self.g.GGML_TYPE_Q4_0) else None
+
+    def _takes_tiled_gemm(self, tensor) -> bool:
+        """Whether ggml would multiply 8 rows and more of `tensor` with its tiled GEMM: a type it
+        has one for, in the plain layout (repacked matrices run their own kernels)."""
+        t = tensor.contents
+        return t.type in _TILED_GEMM_TYPES and not self._repacked(t)
+
+    def _repacked(self, t) -> bool:
+        """Whether ggml tensor `t` (its contents) lies in ggml's repack buffer."""
+        return bool(t.buffer) and self.rt.repack_buffer_type is not None and \
+            self.g.ggml_backend_buffer_get_type(t.buffer) == self.rt.repack_buffer_type
+
+    @staticmethod
+    def _per_row_products(s: GraphScope, tensor, x):
+        """tensor times x [cols, n] in pieces of fewer rows than ggml's tiled GEMM takes, joined."""
+        g = s.g
+        if not g.ggml_is_contiguous(x):
+            x = g.ggml_cont(s.ctx, x)
+        cols, n, nb1 = x.contents.ne[0], x.contents.ne[1], x.contents.nb[1]
+        out = None
+        for first in range(0, n, _TILED_GEMM_MIN_ROWS - 1):
+            rows = min(_TILED_GEMM_MIN_ROWS - 1, n - first)
+            piece = g.ggml_mul_mat(s.ctx, tensor, g.ggml_view_2d(s.ctx, x, cols, rows, nb1, first * nb1))
+            out = piece if out is None else g.ggml_concat(s.ctx, out, piece, 1)
+        return out
 
     @staticmethod
     def _block_sums(s: GraphScope, x):
@@ -394,7 +437,8 @@ class GGMLStage:
 
     def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
         g, c, n = self.g, self.config, x.shape[0]
-        max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices)) + 64
+        split = _NODES_PER_SPLIT_LAYER if _TILED_GEMM_MIN_ROWS <= n <= QUANT_FEW_ROWS_MAX else 0
+        max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
         ctx = s.ctx
         s.writes, s.reads = [], []
