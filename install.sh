@@ -39,11 +39,23 @@ build_ggml() {
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' RETURN
     pip download --quiet --no-deps --no-binary :all: "$GGML_PYTHON" "$GGML_SOURCE" -d "$tmp" &&
-    mkdir "$tmp/bindings" "$tmp/llama" &&
-    tar -xzf "$tmp"/ggml_python-*.tar.gz -C "$tmp/bindings" --strip-components=1 &&
-    tar -xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp/llama" --strip-components=1 --wildcards '*/vendor/llama.cpp/ggml/*' &&
-    rm -rf "$tmp/bindings/vendor/ggml" &&
-    mv "$tmp/llama/vendor/llama.cpp/ggml" "$tmp/bindings/vendor/ggml" &&
+    python - "$tmp" <<'PY' &&
+# ggml-python's sdist with its vendored ggml replaced by llama-cpp-python's, as $tmp/bindings
+# (Python's tarfile: tar's --wildcards is GNU's, and macOS has bsdtar)
+import pathlib, shutil, sys, tarfile
+tmp = pathlib.Path(sys.argv[1])
+def unpack(pattern, into, keep=lambda name: True):
+    with tarfile.open(next(tmp.glob(pattern))) as tar:
+        members = [m for m in tar.getmembers() if keep(m.name + "/")]
+        tar.extractall(tmp / into, members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    (top,) = (tmp / into).iterdir()  # an sdist's one top folder
+    return top
+bindings = unpack("ggml_python-*.tar.gz", "ggml-python")
+llama = unpack("llama_cpp_python-*.tar.gz", "llama-cpp-python", lambda name: "/vendor/llama.cpp/ggml/" in name)
+shutil.rmtree(bindings / "vendor" / "ggml")
+shutil.move(str(llama / "vendor" / "llama.cpp" / "ggml"), str(bindings / "vendor" / "ggml"))
+bindings.rename(tmp / "bindings")
+PY
     CMAKE_ARGS="$GGML_FLAGS" pip install --quiet --no-cache-dir --no-deps --force-reinstall "$tmp/bindings"
 }
 if python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$BUILD_ID" ]; then
