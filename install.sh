@@ -34,11 +34,11 @@ if [ "$(uname -m)" = x86_64 ]; then
 fi
 BUILT_WITH=.venv/ggml-build  # what the installed ggml was built from and with: a change rebuilds it
 BUILD_ID="$GGML_PYTHON over $GGML_SOURCE's ggml, $GGML_FLAGS"
-build_ggml() {
-    local tmp
+build_ggml() (  # a subshell: its EXIT trap cleans up and ends with it
     tmp="$(mktemp -d)"
-    trap 'rm -rf "$tmp"' RETURN
-    pip download --quiet --no-deps --no-binary :all: "$GGML_PYTHON" "$GGML_SOURCE" -d "$tmp" &&
+    trap 'rm -rf "$tmp"' EXIT
+    # sdists of these two only: ":all:" would reach their build tools too (cmake from source)
+    pip download --quiet --no-deps --no-binary ggml-python,llama-cpp-python "$GGML_PYTHON" "$GGML_SOURCE" -d "$tmp" &&
     python - "$tmp" <<'PY' &&
 # ggml-python's sdist with its vendored ggml replaced by llama-cpp-python's, as $tmp/bindings
 # (Python's tarfile: tar's --wildcards is GNU's, and macOS has bsdtar)
@@ -57,7 +57,7 @@ shutil.move(str(llama / "vendor" / "llama.cpp" / "ggml"), str(bindings / "vendor
 bindings.rename(tmp / "bindings")
 PY
     CMAKE_ARGS="$GGML_FLAGS" pip install --quiet --no-cache-dir --no-deps --force-reinstall "$tmp/bindings"
-}
+)
 if python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$BUILD_ID" ]; then
     :
 elif build_ggml; then

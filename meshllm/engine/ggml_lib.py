@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 # vendors in this llama-cpp-python sdist. ggml-python's own vendored ggml (0.15.3) lacks the tiled
 # K-quant GEMM that llama.cpp's has: measured (AMD Zen 4, 2 threads, 5632x2048 times 512 rows)
 # Q5_K 80 -> 501 GFLOPS, Q6_K 124 -> 389, Q4_K 148 -> 287; one-row products unchanged or faster.
-# Between the two the API meshllm calls did not change (tests/engine/test_ggml_lib.py checks every
-# function's declared signature; the tensor struct is checked at load, below).
+# Between the two no function meshllm calls changed its C signature, and the structs it passes did
+# not change (headers compared; tests/engine/test_ggml_weights.py checks the return types the
+# ctypes layer declares for the pointer-returning ones; the tensor struct is checked at load).
 GGML_PYTHON_VERSION = "0.0.45"
 GGML_SOURCE = "llama-cpp-python==0.3.36"
 GGML_VERSION = "0.25.3"
@@ -154,6 +155,6 @@ def runtime(num_threads: int | None = None) -> Runtime | None:
     threads = num_threads or torch.get_num_threads()
     params = g.ggml_threadpool_params_default(threads)
     pool = g.ggml_threadpool_new(ctypes.byref(params))
-    # Not ggml_backend_cpu_buffer_type(): ggml-python 0.0.45 declares it returning a C int,
-    # which truncates the pointer (tests/engine/test_ggml_lib.py checks every function we call).
+    # Not ggml_backend_cpu_buffer_type(): ggml-python 0.0.45 declares it returning a C int, which
+    # truncates the pointer (tests/engine/test_ggml_weights.py checks those meshllm calls return pointers).
     return Runtime(g, g.ggml_backend_dev_buffer_type(device), repack, pool, threads)

@@ -32,7 +32,7 @@ POINTER_RETURNING = ["ggml_init", "ggml_new_tensor_4d", "ggml_new_tensor_2d", "g
                      "ggml_rope_ext", "ggml_flash_attn_ext", "ggml_view_4d", "ggml_cpy", "ggml_swiglu_split",
                      "ggml_reshape_3d", "ggml_permute", "ggml_cont", "ggml_set_rows", "ggml_view_1d",
                      "ggml_view_2d", "ggml_view_3d", "ggml_scale", "ggml_reshape_2d", "ggml_sum_rows",
-                     "ggml_out_prod", "ggml_transpose", "ggml_custom_4d"]
+                     "ggml_out_prod", "ggml_transpose", "ggml_custom_4d", "ggml_concat", "ggml_cast"]
 
 
 @pytest.fixture(scope="module")
