@@ -229,8 +229,8 @@ def main() -> None:
         return
     import llama_cpp
 
-    out: dict = {"meshllm_few_row_ops": not args.ggml_ops_only, "threads": args.threads, "prompt_tokens": PROMPT, "new_tokens": NEW, "prefill_tokens": PREFILL,
-                 "rows": {}}
+    out: dict = {"meshllm_few_row_ops": not args.ggml_ops_only, "threads": args.threads, "prompt_tokens": PROMPT,
+                 "new_tokens": NEW, "prefill_tokens": PREFILL, "rows": {}}
     for row in args.rows.split(","):
         path = model_path(row)
         result: dict = {"file": str(path), "file_mib": round(path.stat().st_size / 2**20, 1)}

@@ -6,7 +6,8 @@ weight, where the dense form takes 16). Q8_0/Q4_0/Q4_1 are held as the same byte
 planes (codes, scales, minimums: engine/block_planes.py), which GPU kernels load 16 bytes at a
 time. Products of up to 16 rows (decode, verify passes) of those types on CUDA run one fused
 Triton kernel (engine/triton_blocks.py); others dequantize by torch ops (engine/block_dequant.py)
-into the activations' dtype inside each product; only one layer's matrix is ever dense at a time, for the length of its product.
+into the activations' dtype inside each product; only one layer's matrix is ever dense at a time,
+for the length of its product.
 `--quantize int8|int4` on a device makes the same blocks from a 16/32-bit weight with ggml's
 quantizer (Q8_0 / Q4_0) before it leaves the CPU. GGUF types without a torch port here (Q2_K,
 Q3_K, the IQ types) load dense, as before.

@@ -76,6 +76,11 @@ _TILED_GEMM_MIN_ROWS = 8
 _TILED_GEMM_TYPES = frozenset(int(t) for t in (
     GGML.Q2_K, GGML.Q3_K, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_XS, GGML.IQ2_XXS, GGML.IQ2_XS,
     GGML.IQ2_S, GGML.IQ3_XXS, GGML.IQ3_S, GGML.IQ1_S, GGML.IQ1_M))
+
+
+def _in_row_pieces(n: int) -> bool:
+    """Whether a product of `n` activation rows over such a type runs in pieces (above)."""
+    return _TILED_GEMM_MIN_ROWS <= n <= QUANT_FEW_ROWS_MAX
 _TABLE_FIELDS = 7  # per sequence: row, rows, start, K address, V address, position stride, head stride
 
 
@@ -228,7 +233,7 @@ class GGMLStage:
                     outs.append((g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 2 if remainder is None else 3,
                                                   op, -1, None), first, rows))
                     continue
-                if _TILED_GEMM_MIN_ROWS <= n <= QUANT_FEW_ROWS_MAX and self._takes_tiled_gemm(tensor):
+                if _in_row_pieces(n) and self._takes_tiled_gemm(tensor):
                     out = self._per_row_products(s, tensor, x)
                 else:
                     out = g.ggml_mul_mat(s.ctx, tensor, x)
@@ -437,7 +442,7 @@ class GGMLStage:
 
     def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
         g, c, n = self.g, self.config, x.shape[0]
-        split = _NODES_PER_SPLIT_LAYER if _TILED_GEMM_MIN_ROWS <= n <= QUANT_FEW_ROWS_MAX else 0
+        split = _NODES_PER_SPLIT_LAYER if _in_row_pieces(n) else 0
         max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
         ctx = s.ctx
