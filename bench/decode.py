@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import statistics
 import subprocess
 import sys
@@ -47,6 +47,7 @@ def model_path(row: str) -> Path:
         return shipped if kind == "Q4_1" else llama_cpp.make_variant(shipped, kind)
     base = llama_cpp.CACHE / "bench" / "tinyllama-shape-random.BF16.gguf"
     if not base.exists():
+        base.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no bench cache yet
         write_random_llama(default_model_path(), base)
     return base if kind == "BF16" else llama_cpp.make_variant(base, kind)
 
@@ -101,6 +102,7 @@ def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
 def ours(path: Path, threads: int, dense: str | None = None, own_ops: bool = True) -> dict:
     """Our figures for one GGUF, in this (fresh) process; `dense`: dequantized to that dtype;
     `own_ops=False`: ggml's kernels only (meshllm's few-row products off; what they buy)."""
+    import llama_cpp
     import psutil
     import torch
 
@@ -129,7 +131,9 @@ def ours(path: Path, threads: int, dense: str | None = None, own_ops: bool = Tru
     figures = speeds(decoder)
     figures.update(load_s=round(load_s, 1),
                    steady_rss_mib=round(psutil.Process().memory_info().rss / 2**20, 1),
-                   peak_rss_mib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                   # VmHWM, not ru_maxrss: that starts from the parent's RSS at fork (this bench's,
+                   # just after writing a 2 GB model file: 3071 MiB reported for a 1.1 GB stage)
+                   peak_rss_mib=llama_cpp.peak_rss_mib(os.getpid()),
                    fast_path=decoder.fast_path is not None)
     return figures
 

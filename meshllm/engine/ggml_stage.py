@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
 from meshllm.engine.ggml_weights import GraphScope, custom_op
-from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_ops, q4_few_rows_op, q4_remainder_op,
-                                               q8_0x8_ops, q8_few_rows_op)
+from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_ops, k_quant_few_rows_op, q4_few_rows_op,
+                                               q4_kx8_few_rows_op, q4_remainder_op, q8_0x8_ops, q8_few_rows_op)
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
@@ -46,9 +46,10 @@ _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 30}
 # 11264x2048, 2048x5632), ms op / tinyBLAS: 1 row 2.7 / 2.6 (ggml's gemv), 4 rows 4.0 / 3.9,
 # 8 rows 4.3 / 4.5, 12 rows 5.5 / 4.9, 16 rows 6.0 / 5.8. Past 16 (prefill) ggml's GEMM.
 FEW_ROWS_MAX = 16
-# Products of a repacked Q4_0 matrix (a Q4_1 one's with its remainder) or a plain Q8_0 one with at
-# most this many rows run meshllm's kernels (kernels/quant_few_rows.c says why): bitwise ggml's
-# one-row products, an extra row at a fraction of ggml's cost; more rows (prefill) run ggml's GEMM.
+# Products of a repacked Q4_0 matrix (a Q4_1 one's with its remainder), a plain Q8_0 one or a K-quant
+# one (Q4_K repacked or plain, Q5_K, Q6_K; from 2 rows) with at most this many rows run meshllm's
+# kernels (kernels/quant_few_rows.c, k_quant_few_rows.c say why): bitwise ggml's one-row products,
+# an extra row at a fraction of ggml's cost; more rows (prefill) run ggml's GEMM.
 QUANT_FEW_ROWS_MAX = 16
 # Steps whose sequences have at most this many rows each reuse their graph (see forward); a few
 # shapes are kept (batch 1 with adaptive draft lengths cycles through several).
@@ -71,7 +72,9 @@ ATTENTION_FEW_ROWS_MAX = 16
 # on the types meshllm's few-row ops cover. Measured (2 threads, AMD Zen 4, Q6_K): 8 rows of a
 # 11264x2048 matrix 6.8 ms tiled against 2.9 per row, 49152x2048 22 against 13; 16 rows of small
 # matrices (2560x2048) 0.7 against 1.5. Prefill chunks (more rows) take the GEMM: 512 rows of
-# 5632x2048 Q5_K 24 ms against 147.
+# 5632x2048 Q5_K 24 ms against 147. Q5_K and Q6_K matrices (and Q4_K ones held plain) take
+# meshllm's op instead of pieces (kernels/k_quant_few_rows.c: the same per-row arithmetic, the
+# weights read once for all rows); the pieces serve the other types (Q3_K, IQ4_XS, ...).
 _TILED_GEMM_MIN_ROWS = 8
 _TILED_GEMM_TYPES = frozenset(int(t) for t in (
     GGML.Q2_K, GGML.Q3_K, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_XS, GGML.IQ2_XXS, GGML.IQ2_XS,
@@ -208,8 +211,12 @@ class GGMLStage:
         self._attention_op = None if op is None else self.g.ggml_custom_op_t(op)
         ops = batched_attention_ops() if attention_fits else None
         self._batched_ops = None if ops is None else tuple(self.g.ggml_custom_op_t(op) for op in ops)
-        self._quant_few_rows_ops = {t: self.g.ggml_custom_op_t(op) for t, op in (
-            (self.g.GGML_TYPE_Q4_0, q4_few_rows_op()), (self.g.GGML_TYPE_Q8_0, q8_few_rows_op())) if op is not None}
+        # (type, whether in ggml's repack buffer) -> meshllm's few-row op for that layout
+        self._k_quant_types = frozenset((self.g.GGML_TYPE_Q4_K, self.g.GGML_TYPE_Q5_K, self.g.GGML_TYPE_Q6_K))
+        ops = {(self.g.GGML_TYPE_Q4_0, True): q4_few_rows_op(), (self.g.GGML_TYPE_Q8_0, False): q8_few_rows_op(),
+               (self.g.GGML_TYPE_Q4_K, True): q4_kx8_few_rows_op(),
+               **dict.fromkeys(((t, False) for t in self._k_quant_types), k_quant_few_rows_op())}
+        self._quant_few_rows_ops = {key: self.g.ggml_custom_op_t(op) for key, op in ops.items() if op is not None}
 
     # --- graph pieces ---------------------------------------------------------------------------
     def _linear(self, s: GraphScope, w: _Weights, x):
@@ -227,7 +234,7 @@ class GGMLStage:
         else:
             sums = None
             for tensor, first, rows, remainder in w.parts:
-                op = self._quant_few_rows_op(tensor) if n <= QUANT_FEW_ROWS_MAX else None
+                op = self._quant_few_rows_op(tensor, n)
                 if op is not None:
                     args = (ctypes.POINTER(type(tensor.contents)) * 3)(tensor, x, remainder)
                     outs.append((g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 2 if remainder is None else 3,
@@ -249,14 +256,16 @@ class GGMLStage:
             outs = [(g.ggml_add(s.ctx, outs[0][0], w.bias), *outs[0][1:])]
         return outs
 
-    def _quant_few_rows_op(self, tensor):
-        """meshllm's few-row op for `tensor`'s layout, or None: Q4_0 in ggml's repack buffer, Q8_0
-        in the plain one (the layouts quant_few_rows.c reads)."""
+    def _quant_few_rows_op(self, tensor, n: int):
+        """meshllm's op for `tensor` times `n` rows, or None: Q4_0 in ggml's repack buffer, Q8_0 in
+        the plain one (the layouts quant_few_rows.c reads); Q4_K in either, Q5_K and Q6_K in the
+        plain one, from 2 rows (k_quant_few_rows.c; one row is ggml's own product, bitwise the
+        op's and as fast or faster: 11264x2048, 2 threads, Q5_K 0.58 ms against 0.8, Q6_K 0.49
+        against 0.48, repacked Q4_K 0.46 against 0.48)."""
         t = tensor.contents
-        op = self._quant_few_rows_ops.get(t.type)
-        if op is None or not t.buffer:
+        if n > QUANT_FEW_ROWS_MAX or not t.buffer or (n == 1 and t.type in self._k_quant_types):
             return None
-        return op if self._repacked(t) == (t.type == self.g.GGML_TYPE_Q4_0) else None
+        return self._quant_few_rows_ops.get((t.type, self._repacked(t)))
 
     def _takes_tiled_gemm(self, tensor) -> bool:
         """Whether ggml would multiply 8 rows and more of `tensor` with its tiled GEMM: a type it

@@ -23,12 +23,18 @@ LIBRARY = KERNEL_DIR / "libgemv.so"
 REMAINDER_LIBRARY = KERNEL_DIR / "libq4remainder.so"
 QUANT_FEW_ROWS_LIBRARY = KERNEL_DIR / "libquantfewrows.so"
 ATTENTION_LIBRARY = KERNEL_DIR / "libfewrowsattention.so"  # causal attention of a few rows (AVX-512)
+# few-row products of K-quants (Q4_K, Q5_K, Q6_K plain; Q4_K repacked; AVX-512 VNNI), which quantize
+# activations with ggml's own function: linked against ggml's CPU library
+K_QUANT_FEW_ROWS_LIBRARY = KERNEL_DIR / "libkquantfewrows.so"
 GGML_OPS = {KERNEL_DIR / "q4_remainder.c": REMAINDER_LIBRARY, KERNEL_DIR / "quant_few_rows.c": QUANT_FEW_ROWS_LIBRARY,
-            KERNEL_DIR / "few_rows_attention.c": ATTENTION_LIBRARY}
+            KERNEL_DIR / "few_rows_attention.c": ATTENTION_LIBRARY,
+            KERNEL_DIR / "k_quant_few_rows.c": K_QUANT_FEW_ROWS_LIBRARY}
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # The pinned ggml's header, installed beside the ggml package: with it the kernel is also built
 # as a ggml custom op (meshllm_ggml_bf16_few_rows), which needs ggml's tensor struct.
 GGML_INCLUDE = Path(sysconfig.get_paths()["purelib"]) / "include"
+GGML_LIBRARIES = Path(sysconfig.get_paths()["purelib"]) / "ggml" / "lib"  # libggml-cpu.so, as ggml-python loads it
+LINKS_GGML_CPU = {K_QUANT_FEW_ROWS_LIBRARY: ["-L" + str(GGML_LIBRARIES), "-lggml-cpu", f"-Wl,-rpath,{GGML_LIBRARIES}"]}
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +48,14 @@ def build(compiler: str = "gcc") -> Path | None:
     result = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(SOURCE), "-o", str(LIBRARY)],
                             capture_output=True, text=True)
     for source, library in GGML_OPS.items() if ggml_op else ():
-        op = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(source), "-o", str(library)],
-                            capture_output=True, text=True)
+        op = subprocess.run([compiler, *COMPILE_FLAGS, *ggml_op, str(source), "-o", str(library),
+                             *LINKS_GGML_CPU.get(library, [])], capture_output=True, text=True)
         if op.returncode != 0:
+            library.unlink(missing_ok=True)  # not an earlier build of another source
             log.warning("building the ggml op %s failed (ggml's own ops do its work, slower):\n%s",
                         source.name, op.stderr)
     if result.returncode != 0:
+        LIBRARY.unlink(missing_ok=True)
         log.warning("building the bf16 CPU kernel failed (torch's path is used):\n%s", result.stderr)
         return None
     return LIBRARY

@@ -11,7 +11,8 @@ import functools
 import logging
 from pathlib import Path
 
-from meshllm.engine.kernels.build import ATTENTION_LIBRARY, QUANT_FEW_ROWS_LIBRARY, REMAINDER_LIBRARY
+from meshllm.engine.kernels.build import (ATTENTION_LIBRARY, K_QUANT_FEW_ROWS_LIBRARY, QUANT_FEW_ROWS_LIBRARY,
+                                          REMAINDER_LIBRARY)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,22 @@ def q8_few_rows_op() -> int | None:
     """meshllm_ggml_q8_0_few_rows (quant_few_rows.c): plain Q8_0 times a few rows, or None."""
     return _op_where_it_runs(QUANT_FEW_ROWS_LIBRARY, "meshllm_ggml_q8_0_few_rows",
                              "meshllm_quant_few_rows_tensor_size", "meshllm_quant_few_rows_available")
+
+
+@functools.cache
+def k_quant_few_rows_op() -> int | None:
+    """meshllm_ggml_k_quant_few_rows (k_quant_few_rows.c): plain Q4_K, Q5_K or Q6_K times a few
+    rows, or None where it was not built or this CPU lacks AVX-512 VNNI."""
+    return _op_where_it_runs(K_QUANT_FEW_ROWS_LIBRARY, "meshllm_ggml_k_quant_few_rows",
+                             "meshllm_k_quant_few_rows_tensor_size", "meshllm_k_quant_few_rows_available")
+
+
+@functools.cache
+def q4_kx8_few_rows_op() -> int | None:
+    """meshllm_ggml_q4_kx8_few_rows (k_quant_few_rows.c): Q4_K in ggml's repack buffer times a few
+    rows, or None where it was not built or this CPU lacks AVX-512 VNNI."""
+    return _op_where_it_runs(K_QUANT_FEW_ROWS_LIBRARY, "meshllm_ggml_q4_kx8_few_rows",
+                             "meshllm_k_quant_few_rows_tensor_size", "meshllm_k_quant_few_rows_available")
 
 
 @functools.cache

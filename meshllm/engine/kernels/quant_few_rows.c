@@ -36,14 +36,8 @@ size_t meshllm_quant_few_rows_tensor_size(void) { return sizeof(struct ggml_tens
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 
-#define OP_MAX_ROWS 16
-/* A pass over a block of weights unpacks it once (Q4_0 nibbles, Q8_0's offset sums) and takes it
- * to every activation row of the pass. Passes of up to 8 rows made a 9th row cost a second unpack
- * and pass: whole SmolLM2 step, 8 sequences at 300 cached tokens, one thread, 8 / 9 / 11 rows
- * Q4_1 23.0 / 29.9 / 33.4 ms -> 22.8 / 27.1 / 30.8, Q8_0 32.4 / 41.9 / 48.3 -> 31.9 / 37.3 / 43.1.
- * Past 12 rows the accumulators outgrow the registers (one pass of 16 measured no better than
- * two of 8): even passes of at most 12 (13 and 16 rows as before). */
-#define ROWS_PER_PASS 12
+#include "few_rows.h"
+
 #define GROUP_BYTES (8 * 2 + 128)
 
 int meshllm_quant_few_rows_available(void) { return 1; }
@@ -167,58 +161,7 @@ static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int M
         _mm256_storeu_ps(out[m], _mm512_castps512_ps256(_mm512_permutexvar_ps(m % 2 ? odds : evens, acc[m / 2])));
 }
 
-/* A function `name` running rows_fn with the pass's row count (1..ROWS_PER_PASS) as a constant at each call
- * site, so each instance keeps its accumulators in registers */
-#define ROW_COUNT_DISPATCH(name, rows_fn, out_decl) \
-    static void name(const uint8_t *weights, const struct quantized *xq, int64_t K, int64_t m0, int mx, out_decl) { \
-        switch (mx) { \
-        case 1: rows_fn(weights, xq, K, m0, 1, out); break; \
-        case 2: rows_fn(weights, xq, K, m0, 2, out); break; \
-        case 3: rows_fn(weights, xq, K, m0, 3, out); break; \
-        case 4: rows_fn(weights, xq, K, m0, 4, out); break; \
-        case 5: rows_fn(weights, xq, K, m0, 5, out); break; \
-        case 6: rows_fn(weights, xq, K, m0, 6, out); break; \
-        case 7: rows_fn(weights, xq, K, m0, 7, out); break; \
-        case 8: rows_fn(weights, xq, K, m0, 8, out); break; \
-        case 9: rows_fn(weights, xq, K, m0, 9, out); break; \
-        case 10: rows_fn(weights, xq, K, m0, 10, out); break; \
-        case 11: rows_fn(weights, xq, K, m0, 11, out); break; \
-        default: rows_fn(weights, xq, K, m0, 12, out); break; \
-        } \
-    }
-
-typedef void (*group_dispatch_fn)(const uint8_t *, const struct quantized *, int64_t, int64_t, int, float[][8]);
-
-/* Activation rows per pass over a weight block: all of them up to ROWS_PER_PASS, else as few
- * even passes as keep each within it */
-static inline int64_t rows_per_pass(int64_t n) {
-    const int64_t passes = (n + ROWS_PER_PASS - 1) / ROWS_PER_PASS;
-    return (n + passes - 1) / passes;
-}
-
-/* Groups [g0, g1) of 8 weight rows (`group_bytes` each from `weights`) times the n activation rows
- * of xq, in passes of up to ROWS_PER_PASS rows, into dst's outputs g*8 .. g*8+7 */
-static void groups_times_rows(const uint8_t *weights, int64_t group_bytes, int64_t g0, int64_t g1,
-                              const struct quantized *xq, int64_t K, group_dispatch_fn dispatch,
-                              struct ggml_tensor *dst) {
-    const int64_t n = xq->rows, per = rows_per_pass(n);
-    for (int64_t g = g0; g < g1; g++) {
-        for (int64_t m0 = 0; m0 < n; m0 += per) {
-            const int mx = (int)(n - m0 < per ? n - m0 : per);
-            float out[ROWS_PER_PASS][8];
-            dispatch(weights + g * group_bytes, xq, K, m0, mx, out);
-            for (int m = 0; m < mx; m++)
-                memcpy((float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + g * 8, out[m], sizeof out[m]);
-        }
-    }
-}
-
-/* This worker's share [*lo, *hi) of `total` items split evenly over nth workers */
-static inline void share(int64_t total, int ith, int nth, int64_t *lo, int64_t *hi) {
-    const int64_t per = (total + nth - 1) / nth;
-    *lo = ith * per;
-    *hi = *lo + per < total ? *lo + per : total;
-}
+PASS_DRIVERS(quantized, struct quantized)
 
 /* One group of 8 weight rows against activation rows [m0, m0 + MX): out[m][0..8). */
 static inline __attribute__((always_inline)) void group_rows(const uint8_t *group, const struct quantized *xq,
@@ -242,7 +185,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t *grou
     store_rows(acc, MX, out);
 }
 
-ROW_COUNT_DISPATCH(group_dispatch, group_rows, float out[][8])
+ROW_COUNT_DISPATCH(group_dispatch, group_rows, struct quantized, float out[][8])
 
 /* dst[m][i0..i1) += sum_b R[b][i] * (x row m summed over block b), b in order: the arithmetic of
  * q4_remainder.c, with each R row read once for all activation rows */
@@ -274,7 +217,8 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     /* each ggml worker quantizes the activations itself (a few KiB) into a buffer it keeps */
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q4_0 | (r ? WITH_SUMS : 0));
-    groups_times_rows((const uint8_t *)w->data, (K / 32) * GROUP_BYTES, g0, g1, &xq, K, group_dispatch, dst);
+    quantized_groups_times_passes((const uint8_t *)w->data, (K / 32) * GROUP_BYTES, g0, g1, &xq, K, n, group_dispatch,
+                                  dst);
     if (r) add_remainder(r, &xq, dst, n, K / 32, g0 * 8, g1 * 8);
 }
 
@@ -285,20 +229,6 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
  * ggml's vec_dot_q8_0_q8_0, and scaling, accumulation and the final sum follow it op for op, so a
  * row's result is bitwise ggml's one-row product. */
 #define Q8_BLOCK 34
-
-static inline float f16_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, sizeof h);
-    return _cvtsh_ss(h);
-}
-
-static inline float hsum_float_8(const __m256 x) { /* ggml's, step for step */
-    __m128 res = _mm256_extractf128_ps(x, 1);
-    res = _mm_add_ps(res, _mm256_castps256_ps128(x));
-    res = _mm_add_ps(res, _mm_movehl_ps(res, res));
-    res = _mm_add_ss(res, _mm_movehdup_ps(res));
-    return _mm_cvtss_f32(res);
-}
 
 static inline __attribute__((always_inline)) void q8_row(const uint8_t *row, const struct quantized *xq, int64_t K,
                                                          int64_t m0, int MX, float *out) {
@@ -321,7 +251,7 @@ static inline __attribute__((always_inline)) void q8_row(const uint8_t *row, con
     for (int m = 0; m < MX; m++) out[m] = hsum_float_8(acc[m]);
 }
 
-ROW_COUNT_DISPATCH(q8_dispatch, q8_row, float *out)
+ROW_COUNT_DISPATCH(q8_dispatch, q8_row, struct quantized, float *out)
 
 void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
@@ -336,16 +266,7 @@ void meshllm_ggml_q8_0_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
     if (r0 >= r1) return;
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q8_0);
-    const int64_t per = rows_per_pass(n);
-    for (int64_t r = r0; r < r1; r++) {
-        const uint8_t *row = (const uint8_t *)w->data + r * w->nb[1];
-        for (int64_t m0 = 0; m0 < n; m0 += per) {
-            const int mx = (int)(n - m0 < per ? n - m0 : per);
-            float out[ROWS_PER_PASS];
-            q8_dispatch(row, &xq, K, m0, mx, out);
-            for (int m = 0; m < mx; m++) ((float *)((char *)dst->data + (m0 + m) * dst->nb[1]))[r] = out[m];
-        }
-    }
+    quantized_rows_times_passes((const uint8_t *)w->data, w->nb[1], r0, r1, &xq, K, n, q8_dispatch, dst);
 }
 
 /* Q8_0 in meshllm's 8-row layout (ggml_weights.repack_q8_0x8, for an LM head): per group of 8
@@ -391,7 +312,7 @@ static inline __attribute__((always_inline)) void q8x8_group_rows(const uint8_t 
     store_rows(acc, MX, out);
 }
 
-ROW_COUNT_DISPATCH(q8x8_dispatch, q8x8_group_rows, float out[][8])
+ROW_COUNT_DISPATCH(q8x8_dispatch, q8x8_group_rows, struct quantized, float out[][8])
 
 /* src0 Q8_0 [K, N] in the 8-row layout (N % 8 == 0), src1 f32 [K, n] (any n), dst f32 [N, n] */
 void meshllm_ggml_q8_0x8_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
@@ -407,7 +328,8 @@ void meshllm_ggml_q8_0x8_rows(struct ggml_tensor *dst, int ith, int nth, void *u
     if (g0 >= g1) return;
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q8_0);
-    groups_times_rows((const uint8_t *)w->data, (K / 32) * Q8X8_GROUP_BYTES, g0, g1, &xq, K, q8x8_dispatch, dst);
+    quantized_groups_times_passes((const uint8_t *)w->data, (K / 32) * Q8X8_GROUP_BYTES, g0, g1, &xq, K, n,
+                                  q8x8_dispatch, dst);
 }
 
 /* src0 the same table, src1 int32 [n] row ids -> dst f32 [K, n]: each row dequantized as ggml's
