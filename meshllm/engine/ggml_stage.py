@@ -336,6 +336,7 @@ class GGMLStage:
             row = ctypes.c_void_p(table[layer].data_ptr())
             args = (ctypes.POINTER(type(k.contents)) * 2)(k, v)
             write = g.ggml_custom_4d(ctx, 0, kv_heads, 1, 1, 1, args, 2, write_op, -1, row)  # a placeholder: order only
+            s.last_kv_write = write  # only attention reads it: a step without logits must still reach it
             args = (ctypes.POINTER(type(q.contents)) * 2)(q, write)
             attn = g.ggml_custom_4d(ctx, 0, hd, heads, n, 1, args, 2, attend_op, -1, row)
             (o, _, _), = self._linear(s, w["o"], g.ggml_reshape_2d(ctx, attn, self.q_size, n))
@@ -455,7 +456,7 @@ class GGMLStage:
         max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
         ctx = s.ctx
-        s.writes, s.reads = [], []
+        s.writes, s.reads, s.last_kv_write = [], [], None
         graph = s.new_graph()
         step = _Step(key, s, graph, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
                      else self._allocator)
@@ -489,6 +490,10 @@ class GGMLStage:
             head_rows = sum(rows for _, _, rows, _ in self.head.parts)  # the vocabulary
             step.out_shape = (n if logit_rows is None else logit_rows.numel(), head_rows)
         step.out = h
+        # Without logit rows nothing reads the last layer's attention, so nothing would run the
+        # batched form's KV writes (each feeds only its layer's attention): the last one anchors
+        # the graph then, and through it every earlier layer's.
+        step.kv_anchor = s.last_kv_write
         return step
 
     @staticmethod
@@ -532,7 +537,7 @@ class _Step:
 
     def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
-        self.ids = self.hidden = self.rows = self.pos = self.out = None
+        self.ids = self.hidden = self.rows = self.pos = self.out = self.kv_anchor = None
         self.table: Tensor | None = None  # the batched form's per-layer sequence table
         self.masks: list[tuple[object, Tensor] | None] = []  # per slice: (ggml mask, its memory)
         self.kvs: list[weakref.ref] = []  # a kept graph's sequences' SequenceKV
@@ -571,8 +576,8 @@ class _Step:
         if out.numel():
             self.out.contents.data = out.data_ptr()
             outputs = (self.out,)
-        else:  # no logit rows asked for: still write the KV
-            outputs = ()
+        else:  # no logit rows asked for: still write the KV (explicit writes are in the graph already)
+            outputs = (self.kv_anchor,)
         if self._allocated:
             self.scope.compute_graph(self.graph)
         else:

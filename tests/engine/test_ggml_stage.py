@@ -90,6 +90,29 @@ def test_rollback_then_decode_recomputes_the_same_logits(decoder):
     assert torch.equal(first[1], again[0]) and torch.equal(first[2], again[1])
 
 
+def test_a_prefill_chunk_without_logit_rows_still_writes_the_kv(smollm2_gguf_path, tmp_path):
+    """A few-row prefill chunk that asks for no logits (not the prompt's last) must still write its
+    KV. In the batched few-row form (bf16 KV) the writes feed only their layer's attention, which
+    nothing read without logits: the KV stayed unwritten and the next chunk's logits were NaN (or,
+    over zeroed memory, silently wrong). The prompt in chunks of 16 rows (no logits) and 5, against
+    the same tokens one row at a time: the same bits."""
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    files = open_model(write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "tiny.gguf", GGML.Q8_0))
+    decoder = load_stage_decoder(files.source, files.config, dtype=torch.bfloat16)
+    if decoder.fast_path._batched_ops is None:
+        pytest.skip("the batched few-row form (AVX-512 attention ops) does not run here")
+    kv = SequenceKV(decoder.kv_layout(), 32)
+    ids = torch.arange(100, 121)
+    decoder(ids[:16], torch.arange(16), [SeqSlice(kv, 0, 16)], torch.tensor([], dtype=torch.long))
+    chunked = decoder(ids[16:], torch.arange(16, 21), [SeqSlice(kv, 0, 5)], torch.tensor([4]))
+    kv = SequenceKV(decoder.kv_layout(), 32)
+    for i in range(21):
+        one_row = decoder(ids[i:i + 1], torch.tensor([i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+    assert torch.equal(chunked, one_row)
+
+
 def test_sixteen_sequences_fit_one_graph(decoder):
     # A graph too small for the batch aborts the process inside ggml (GGML_ASSERT), so this
     # guards the capacity estimate: 16 sequences of a prefill and decode steps.
