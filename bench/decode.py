@@ -225,8 +225,9 @@ def main() -> None:
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)  # internal: our figures for one file
     parser.add_argument("--dense", help=argparse.SUPPRESS)  # internal: with --one, dequantized to this dtype
     parser.add_argument("--ggml-ops-only", action="store_true",
-                        help="our rows with ggml's kernels only: meshllm's few-row products (bf16, Q4_0/Q4_1, Q8_0, the Q8_0 "
-                             "head's layout) off, and K-quant few-row steps on ggml's own choice of kernel")
+                        help="our rows with ggml's kernels only: meshllm's few-row products (bf16, Q4_0/Q4_1, Q8_0, "
+                             "Q4_K/Q5_K/Q6_K, the Q8_0 head's layout) off, and K-quant few-row steps on ggml's own "
+                             "choice of kernel")
     args = parser.parse_args()
     if args.one:
         print(json.dumps(ours(args.one, args.threads, args.dense, own_ops=not args.ggml_ops_only)))

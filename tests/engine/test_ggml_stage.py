@@ -16,6 +16,7 @@ from gguf.constants import GGMLQuantizationType as GGML
 
 from meshllm.engine.ggml_lib import runtime
 from meshllm.engine.ggml_stage import GGMLStage
+from meshllm.engine.kernels.custom_ops import q8_few_rows_op
 from meshllm.engine.kv_cache import SequenceKV
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.decoder import SeqSlice
@@ -101,8 +102,8 @@ def test_a_prefill_chunk_without_logit_rows_still_writes_the_kv(smollm2_gguf_pat
         pytest.skip("ggml is not built here (install.sh builds it)")
     files = open_model(write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "tiny.gguf", GGML.Q8_0))
     decoder = load_stage_decoder(files.source, files.config, dtype=torch.bfloat16)
-    if decoder.fast_path._batched_ops is None:
-        pytest.skip("the batched few-row form (AVX-512 attention ops) does not run here")
+    if decoder.fast_path._batched_ops is None or q8_few_rows_op() is None:
+        pytest.skip("the batched few-row form and the Q8_0 few-row op (AVX-512, VNNI) do not run here")
     kv = SequenceKV(decoder.kv_layout(), 32)
     ids = torch.arange(100, 121)
     decoder(ids[:16], torch.arange(16), [SeqSlice(kv, 0, 16)], torch.tensor([], dtype=torch.long))
