@@ -21,14 +21,13 @@ from dataclasses import replace
 import pytest
 from gguf.constants import GGMLQuantizationType as GGML
 
-from meshllm.engine.ggml_lib import runtime
-from meshllm.engine.kernels.custom_ops import k_quant_few_rows_op, q4_kx8_few_rows_op
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions, local_leader
 from meshllm.spec.drafter import SpecConfig
 from meshllm.spec.factory import DraftOptions, load_draft_model
+from tests.engine import test_k_quant_few_rows as k_quant_few_rows
 from tests.quantized_gguf import write_quantized_llama
 from tests.spec.conftest import PROMPTS
 from tests.spec.test_speculative_identity import Counting
@@ -40,14 +39,7 @@ DEFAULT_KERNELS = ServingOptions(context_length=128, max_batch=8, dtype="bfloat1
                                                            prefix_block_size=16))
 
 
-@pytest.fixture(scope="module")
-def rt():
-    rt = runtime()
-    if rt is None:
-        pytest.skip("ggml is not built here (install.sh builds it)")
-    if k_quant_few_rows_op() is None or q4_kx8_few_rows_op() is None:
-        pytest.skip("the K-quant few-row ops were not built, or this CPU lacks AVX-512 VNNI")
-    return rt
+rt = k_quant_few_rows.rt  # the fixture: ggml with both K-quant ops, or a skip saying which is missing
 
 
 def _scored(files, prompts, options, proposer=None, observer=None) -> list[list[tuple]]:

@@ -71,20 +71,23 @@ def q8_few_rows_op() -> int | None:
                              "meshllm_quant_few_rows_tensor_size", "meshllm_quant_few_rows_available")
 
 
+def _k_quant_op(name: str) -> int | None:
+    return _op_where_it_runs(K_QUANT_FEW_ROWS_LIBRARY, name, "meshllm_k_quant_few_rows_tensor_size",
+                             "meshllm_k_quant_few_rows_available")
+
+
 @functools.cache
 def k_quant_few_rows_op() -> int | None:
     """meshllm_ggml_k_quant_few_rows (k_quant_few_rows.c): plain Q4_K, Q5_K or Q6_K times a few
     rows, or None where it was not built or this CPU lacks AVX-512 VNNI."""
-    return _op_where_it_runs(K_QUANT_FEW_ROWS_LIBRARY, "meshllm_ggml_k_quant_few_rows",
-                             "meshllm_k_quant_few_rows_tensor_size", "meshllm_k_quant_few_rows_available")
+    return _k_quant_op("meshllm_ggml_k_quant_few_rows")
 
 
 @functools.cache
 def q4_kx8_few_rows_op() -> int | None:
     """meshllm_ggml_q4_kx8_few_rows (k_quant_few_rows.c): Q4_K in ggml's repack buffer times a few
     rows, or None where it was not built or this CPU lacks AVX-512 VNNI."""
-    return _op_where_it_runs(K_QUANT_FEW_ROWS_LIBRARY, "meshllm_ggml_q4_kx8_few_rows",
-                             "meshllm_k_quant_few_rows_tensor_size", "meshllm_k_quant_few_rows_available")
+    return _k_quant_op("meshllm_ggml_q4_kx8_few_rows")
 
 
 @functools.cache
