@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import time
 import weakref
 
@@ -201,6 +202,10 @@ class GGMLStage:
         # Reusable graphs of few-row steps (decodes, verify passes of a few lengths), each with
         # its own allocator so they keep their tensors' addresses; least recently used last.
         self._cached: dict[tuple, _Step] = {}
+        # Plans on one node share a stage's weights, each with its own compute lock
+        # (pipeline/loaded_stages.py), so their steps may arrive here at once: the allocator,
+        # which a larger graph frees and replaces, and the graph cache are this stage's alone.
+        self._lock = threading.Lock()
         self.freq_factors = None if bool((factors == 1).all()) else wrap_f32(factors)
         op = ggml_few_rows_op()
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
@@ -399,6 +404,10 @@ class GGMLStage:
         change, and those are patched in place instead of rebuilding ~40 nodes per layer from
         Python (~2 ms on SmolLM2).
         """
+        with self._lock:
+            return self._forward(x, positions, slices, logit_rows)
+
+    def _forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> Tensor:
         started = time.perf_counter()
         self._drop_stale()
         key = self._reuse_key(x, slices, logit_rows)
@@ -451,15 +460,23 @@ class GGMLStage:
         self._cached = {}
 
     def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
-        g, c, n = self.g, self.config, x.shape[0]
+        n = x.shape[0]
         split = _NODES_PER_SPLIT_LAYER if _in_row_pieces(n) else 0
         max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
+        step = _Step(key, s, None, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
+                     else self._allocator)
+        try:
+            return self._build_into(step, x, slices, logit_rows)
+        except BaseException:
+            step.close()  # its context and allocator; the KV and lengths are untouched until it runs
+            raise
+
+    def _build_into(self, step: _Step, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> _Step:
+        g, c, n, s = self.g, self.config, x.shape[0], step.scope
         ctx = s.ctx
         s.writes, s.reads, s.last_kv_write = [], [], None
-        graph = s.new_graph()
-        step = _Step(key, s, graph, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
-                     else self._allocator)
+        graph = step.graph = s.new_graph()
         step.pos = torch.zeros(n, dtype=torch.int32)
         pos = s.wrap(step.pos)
         if self._batched(slices):

@@ -10,6 +10,9 @@ built graph bitwise.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as GGML
@@ -27,12 +30,16 @@ ATOL = 2e-2
 
 
 @pytest.fixture(scope="module")
-def decoder(smollm2_gguf_path, tmp_path_factory):
+def tiny_q4_0(smollm2_gguf_path, tmp_path_factory):
     rt = runtime()
     if rt is None:
         pytest.skip("ggml is not built here (install.sh builds it)")
-    path = write_quantized_llama(rt, smollm2_gguf_path, tmp_path_factory.mktemp("q") / "tiny.gguf", GGML.Q4_0)
-    files = open_model(path)
+    return write_quantized_llama(rt, smollm2_gguf_path, tmp_path_factory.mktemp("q") / "tiny.gguf", GGML.Q4_0)
+
+
+@pytest.fixture(scope="module")
+def decoder(tiny_q4_0):
+    files = open_model(tiny_q4_0)
     d = load_stage_decoder(files.source, files.config)
     assert isinstance(d.fast_path, GGMLStage)
     return d
@@ -112,6 +119,77 @@ def test_a_prefill_chunk_without_logit_rows_still_writes_the_kv(smollm2_gguf_pat
     for i in range(21):
         one_row = decoder(ids[i:i + 1], torch.tensor([i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
     assert torch.equal(chunked, one_row)
+
+
+_TWO_THREADS = """
+import ctypes, sys, threading, time
+import torch
+from meshllm.engine import ggml_weights
+from meshllm.engine.kv_cache import SequenceKV
+from meshllm.engine.stage_weights import load_stage_decoder
+from meshllm.model.decoder import SeqSlice
+from meshllm.model.source import open_model
+
+# Every block over 16 KiB mapped on its own and unmapped when freed: a graph computing in an
+# allocator buffer another thread freed then faults instead of quietly reading stale memory.
+assert ctypes.CDLL(None).mallopt(-3, 16 << 10) == 1  # M_MMAP_THRESHOLD
+files = open_model(sys.argv[1])
+decoder = load_stage_decoder(files.source, files.config)
+
+class DelayedLock:  # a thread descheduled between its graph's allocation and its compute
+    def __init__(self, lock):
+        self.lock = lock
+    def __enter__(self):
+        time.sleep(0.002)
+        return self.lock.__enter__()
+    def __exit__(self, *exc):
+        return self.lock.__exit__(*exc)
+
+def prefill_and_decode(first):
+    out = []
+    for length in range(8 + first % 2 * 4, 240, 8):  # each prompt longer than any before: the allocator grows
+        kv = SequenceKV(decoder.kv_layout(), length + 4)
+        ids = torch.arange(first, first + length)
+        out.append(decoder(ids, torch.arange(length), [SeqSlice(kv, 0, length)], torch.tensor([length - 1])))
+        for _ in range(2):
+            token = out[-1].argmax(dim=-1)
+            out.append(decoder(token, torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)], torch.tensor([0])))
+    return out
+
+serial = [prefill_and_decode(100), prefill_and_decode(2001)]
+ggml_weights._COMPUTE_LOCK = DelayedLock(ggml_weights._COMPUTE_LOCK)
+for attempt in range(3):
+    decoder.fast_path._drop_cached()  # start over: new graphs, the allocator grown again
+    decoder.fast_path.g.ggml_gallocr_free(decoder.fast_path._allocator)
+    decoder.fast_path._allocator = decoder.fast_path.g.ggml_gallocr_new(decoder.fast_path.rt.cpu_buffer_type)
+    results = [None, None]
+    def run(i):
+        try:
+            results[i] = prefill_and_decode((100, 2001)[i])
+        except BaseException as e:
+            results[i] = e
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got, want in zip(results, serial):
+        assert not isinstance(got, BaseException), repr(got)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"attempt {attempt}: logits differ"
+print("same")
+"""
+
+
+def test_two_threads_stepping_one_stage_get_their_serial_logits(tiny_q4_0):
+    """Plans over the same layers share one GGMLStage, each plan with its own compute lock, so two
+    plans' steps can reach it at once. Its prefill allocator is freed and replaced when a larger
+    graph comes: unserialized, one thread computed in a buffer the other had just freed (in a
+    node, whose large blocks are unmapped when freed, a crash) and the graph cache was walked
+    while changed. In a child process (it may crash): two threads each prefill prompts of growing
+    length and decode; both must get the logits a serial run gets."""
+    done = subprocess.run([sys.executable, "-c", _TWO_THREADS, str(tiny_q4_0)], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 0 and done.stdout.strip() == "same", (done.returncode, done.stderr[-2000:])
 
 
 def test_sixteen_sequences_fit_one_graph(decoder):
