@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 
 from meshllm.engine.kv_cache import Owner, SeqId
 from meshllm.pipeline.loaded_stages import LoadedStage
@@ -73,7 +74,14 @@ def adopt(target: LoadedStage, source: LoadedStage, seqs: list[tuple[SeqId, int]
 
 
 def _sweep_later(stage: LoadedStage) -> None:
+    # A weak reference: the timer must not keep an unloaded plan's runner and weights resident
+    # for PARK_S (its Unload freed the parked KV already, and reported the weights freed).
+    ref = weakref.ref(stage)
+
     def sweep() -> None:
+        stage = ref()
+        if stage is None:
+            return
         with stage.lock:
             num = stage.runner.cache.drop_expired(time.monotonic())
         if num:

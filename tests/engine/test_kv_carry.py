@@ -5,7 +5,9 @@ row. Real aidreams weights split in two stages, batch-invariant fp32 as the iden
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from meshllm.engine.step import SeqWork, Step
 from meshllm.engine.step_limits import StepLimits
 from meshllm.model.loader import load_decoder
 from meshllm.model.weights import SafetensorsSource
-from meshllm.pipeline.kv_parking import PARK_S, adopt
+from meshllm.pipeline.kv_parking import PARK_S, adopt, park_stream
 from meshllm.pipeline.loaded_stages import LoadedStage, SharedWeights, WeightKey
 from meshllm.transport import stage_convert
 from meshllm.transport.protos import stage_pb2
@@ -106,3 +108,15 @@ def test_a_failed_stream_is_parked_adopted_truncated_and_freed_at_its_deadline(d
     new.runner.cache.put_parked(SeqId(9), SequenceKV(kv.layout), time.monotonic())
     assert new.runner.cache.drop_expired(time.monotonic() + 1) == 1
     assert new.runner.held_sequences() == [SeqId(1)]
+
+
+def test_parked_kv_waiting_for_its_sweep_does_not_keep_an_unloaded_plan_resident(decoders):
+    """The sweep of what nobody adopted runs PARK_S after the park; an Unload before then frees
+    the plan's runner (and, when no other plan shares them, its weights) at once."""
+    stage = loaded("gone", decoders[1], WeightKey("f", 2, 4, "float32", "", True))
+    stage.runner.run(step(0, 4, torch.zeros(4, decoders[1].config.hidden_size)), STREAM)
+    assert park_stream(stage, STREAM) == (1, 0)
+    runner = weakref.ref(stage.runner)
+    del stage  # what an Unload leaves: no registry entry, no stream
+    gc.collect()
+    assert runner() is None
