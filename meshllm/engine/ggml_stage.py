@@ -484,7 +484,11 @@ class GGMLStage:
             masks = [None] * len(slices)
         else:
             masks = [self._mask(s, step, seq) for seq in slices]
-            s.kv = [[(s.wrap(seq.kv.k[i]), s.wrap(seq.kv.v[i])) for seq in slices] for i in range(len(self.layers))]
+            # A kept graph does not hold its sequences' KV alive: a finished sequence's KV is freed
+            # at once, not when a later step drops the graph (_drop_stale, before any reuse).
+            keep = step.key is None
+            s.kv = [[(s.wrap(seq.kv.k[i], keep), s.wrap(seq.kv.v[i], keep)) for seq in slices]
+                    for i in range(len(self.layers))]
         if self.embedding is not None:
             step.ids = torch.zeros(n, dtype=torch.int32)
             if self.embedding_q8_0x8:
@@ -602,11 +606,13 @@ class _Step:
             self._allocated = True
 
     def current(self) -> bool:
-        """Whether every sequence this kept graph was built for still holds the KV tensors it points at."""
+        """Whether every sequence this kept graph was built for still holds the KV tensors it points
+        at. The graph does not keep them alive, so a KV grown twice may sit at its first address
+        again: the capacity, which sets the layers' strides, must match too."""
         if self.table is not None:
             return True  # it points at none: the table says where, step by step
         ptrs = self.key[3]
-        return all(kv is not None and (kv.k.data_ptr(), kv.v.data_ptr()) == ptr[:2]
+        return all(kv is not None and (kv.k.data_ptr(), kv.v.data_ptr(), kv.capacity) == ptr[:3]
                    for kv, ptr in zip((ref() for ref in self.kvs), ptrs))
 
     def close(self) -> None:

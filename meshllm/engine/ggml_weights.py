@@ -331,11 +331,13 @@ class GraphScope:
     def new_graph(self):
         return self.g.ggml_new_graph_custom(self.ctx, self._max_nodes, False)
 
-    def wrap(self, t: Tensor):
+    def wrap(self, t: Tensor, keep: bool = True):
         """A ggml tensor over a contiguous torch tensor's memory (ggml dims are torch's reversed);
-        `t` is kept alive until the scope ends."""
+        `t` is kept alive until the scope ends unless `keep` is False (then the caller makes sure
+        the graph never runs once `t` is gone)."""
         assert t.is_contiguous() and t.dtype in _GGML_DTYPES, (t.dtype, t.is_contiguous())
-        self._kept.append(t)
+        if keep:
+            self._kept.append(t)
         dims = list(reversed(t.shape)) + [1] * (4 - t.dim())
         gt = self.g.ggml_new_tensor_4d(self.ctx, _GGML_DTYPES[t.dtype], *dims)
         gt.contents.data = t.data_ptr()

@@ -10,8 +10,10 @@ built graph bitwise.
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -190,6 +192,23 @@ def test_two_threads_stepping_one_stage_get_their_serial_logits(tiny_q4_0):
     done = subprocess.run([sys.executable, "-c", _TWO_THREADS, str(tiny_q4_0)], capture_output=True, text=True,
                           timeout=240)
     assert done.returncode == 0 and done.stdout.strip() == "same", (done.returncode, done.stderr[-2000:])
+
+
+def test_a_kept_decode_graph_does_not_hold_a_finished_sequences_kv(tiny_q4_0):
+    """Decode graphs over float32 KV point at each sequence's KV and are kept for the next step;
+    when the sequence ends its KV must go at once, not when a later step drops the graph (an idle
+    stage would hold every finished batch's KV)."""
+    files = open_model(tiny_q4_0)
+    decoder = load_stage_decoder(files.source, files.config, dtype=torch.float32)
+    kv = SequenceKV(decoder.kv_layout(), 16)
+    decoder(torch.tensor(PROMPTS[0]), torch.arange(7), [SeqSlice(kv, 0, 7)], torch.tensor([6]))
+    for token in (3, 4, 5):
+        decoder(torch.tensor([token]), torch.tensor([kv.length]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+    assert decoder.fast_path._cached, "the decode graph is kept"
+    k = weakref.ref(kv.k)
+    del kv
+    gc.collect()
+    assert k() is None
 
 
 def test_sixteen_sequences_fit_one_graph(decoder):
