@@ -80,7 +80,7 @@ def plan_id_of(plan: Plan, dtype: str, batch_invariant: bool, quantization: str 
 
 
 def load_requests(plan: Plan, dtype: str, batch_invariant: bool, quantization: str | None = None,
-                  limits: StepLimits | None = None) -> list[NodeLoad]:
+                  limits: StepLimits | None = None, leader_id: str = "") -> list[NodeLoad]:
     limits = limits or default_limits(plan)
     plan_id = plan_id_of(plan, dtype, batch_invariant, quantization, limits)
     loads = []
@@ -90,7 +90,7 @@ def load_requests(plan: Plan, dtype: str, batch_invariant: bool, quantization: s
             first_layer=s.first_layer, last_layer=s.last_layer, dtype=dtype,
             next_address=plan.stages[i + 1].address if i + 1 < len(plan.stages) else "",
             next_node_id=plan.stages[i + 1].node_id if i + 1 < len(plan.stages) else "",
-            stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "")
+            stage_index=i, batch_invariant=batch_invariant, quantization=quantization or "", leader_id=leader_id)
         stage_convert.limits_to_pb(limits, request)
         loads.append(NodeLoad(s.node_id, s.address, request))
         if s.workers:
@@ -105,14 +105,15 @@ def load_requests(plan: Plan, dtype: str, batch_invariant: bool, quantization: s
 
 
 def deploy(plan: Plan, channels: ChannelPool, dtype: str = "float32", batch_invariant: bool = False,
-           quantization: str | None = None, limits: StepLimits | None = None) -> str:
+           quantization: str | None = None, limits: StepLimits | None = None, leader_id: str = "") -> str:
     """Load every stage of `plan` (every rank of a group at once: they meet while loading);
     returns the plan id. Raises a failed node's error once every Load has ended (a rank's
     failure ends its group's other Loads in seconds).
 
     `limits` are what the stages accept per step (the leader's scheduler within the plan); the
-    default suits a leader with the default scheduler settings."""
-    loads = load_requests(plan, dtype, batch_invariant, quantization, limits)
+    default suits a leader with the default scheduler settings. `leader_id` names the leader to
+    the stages, so its Unload leaves the plan to other leaders that loaded it too."""
+    loads = load_requests(plan, dtype, batch_invariant, quantization, limits, leader_id)
 
     def load(item: NodeLoad) -> None:
         stub = stage_pb2_grpc.StageStub(channels.get(item.address, item.node_id))

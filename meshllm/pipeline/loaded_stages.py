@@ -70,9 +70,13 @@ class LoadedStage:
     # a failed plan (Stage.Info shows both: how much a failover's re-prefill cost this stage).
     rows_computed: int = 0
     rows_skipped: int = 0
+    # The leaders that loaded the plan ("" for one that gave no id): an Unload by one of them
+    # leaves the plan to the others (stage_control.unload).
+    leaders: set[str] = field(init=False)
 
     def __post_init__(self):
         self.limits = stage_convert.limits_from_pb(self.request)
+        self.leaders = {self.request.leader_id}
         self.runner.prefix.set_capacity(self.limits.max_prefix_blocks)
 
     @property
@@ -125,6 +129,7 @@ class LoadedStages:
             previous = self._stages.get(plan_id)
             self._stages[plan_id] = stage
             if previous is not None:
+                stage.leaders |= previous.leaders  # a reload (a failed group formed again) serves them all
                 self._drop_unused(previous.weights.key)
         return previous
 

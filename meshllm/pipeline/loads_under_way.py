@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 class _Plan:
     turn: threading.Lock = field(default_factory=threading.Lock)
     unloaded: threading.Event | None = None  # the running Load's flag
+    leader_id: str = ""  # the running Load's leader
     num_waiting: int = 0  # Loads holding or waiting for the turn: the entry goes with the last
 
 
@@ -28,8 +29,9 @@ class LoadsUnderWay:
         self._plans: dict[str, _Plan] = {}
 
     @contextlib.contextmanager
-    def turn(self, plan_id: str) -> Iterator[threading.Event]:
-        """This plan's turn to load; yields the flag an Unload of the plan sets meanwhile."""
+    def turn(self, plan_id: str, leader_id: str = "") -> Iterator[threading.Event]:
+        """This plan's turn to load; yields the flag an Unload of the plan sets meanwhile (an
+        Unload by this Load's leader, or naming none: another leader's is not about this Load)."""
         with self.lock:
             plan = self._plans.setdefault(plan_id, _Plan())
             plan.num_waiting += 1
@@ -37,7 +39,7 @@ class LoadsUnderWay:
             with plan.turn:
                 unloaded = threading.Event()  # fresh: an Unload before this Load's turn is not about it
                 with self.lock:
-                    plan.unloaded = unloaded
+                    plan.unloaded, plan.leader_id = unloaded, leader_id
                 yield unloaded
         finally:
             with self.lock:
@@ -46,10 +48,11 @@ class LoadsUnderWay:
                 if not plan.num_waiting:
                     del self._plans[plan_id]
 
-    def unload(self, plan_id: str) -> None:
-        """Tell the plan's running Load (if any) to drop what it loads. The caller holds `lock`."""
+    def unload(self, plan_id: str, leader_id: str = "") -> None:
+        """Tell the plan's running Load (if any) to drop what it loads, when the Unload is its
+        leader's or names none. The caller holds `lock`."""
         plan = self._plans.get(plan_id)
-        if plan is not None and plan.unloaded is not None:
+        if plan is not None and plan.unloaded is not None and leader_id in ("", plan.leader_id):
             plan.unloaded.set()
 
     def unload_all(self) -> None:

@@ -94,6 +94,11 @@ class PlanOwner:
         self._current: _Current | None = None
         self._excluded: dict[NodeId, _Exclusion] = {}
         self._stale: set[tuple[str, str, str]] = set()  # (address, node id, plan id) to unload once reachable
+        # Other leaders (other nodes' APIs) deploy the same plan onto the same stages: this id in
+        # each Load and Unload keeps this leader's Unload from dropping a plan they still use.
+        # Who it calls as (its node): a leader started again there is the same leader to the
+        # stages, so its earlier claims on a plan do not outlive it.
+        self.leader_id = channels.config.node_id
         self._num_failovers = 0
         self._leases = LeaseRenewer(channels)
         # Never held across a call: what probe threads share with a re-plan (which holds _lock for
@@ -273,8 +278,8 @@ class PlanOwner:
             plan_s = time.perf_counter() - started
             try:
                 plan_id = deploy(plan, self.channels, self.options.dtype, self.options.batch_invariant,
-                                 self.options.quantization, self.options.step_limits(context_of(self.files,
-                                                                                                self.options)))
+                                 self.options.quantization,
+                                 self.options.step_limits(context_of(self.files, self.options)), self.leader_id)
                 break
             except StageUnreachable as e:
                 log.warning("%s; planning without it", e)
@@ -370,7 +375,7 @@ class PlanOwner:
         for address, node_id, plan_id in stale:
             try:
                 stage_pb2_grpc.StageStub(self.channels.get(address, node_id)).Unload(
-                    stage_pb2.UnloadRequest(plan_id=plan_id), timeout=UNLOAD_TIMEOUT_S)
+                    stage_pb2.UnloadRequest(plan_id=plan_id, leader_id=self.leader_id), timeout=UNLOAD_TIMEOUT_S)
             except grpc.RpcError as e:
                 log.info("unload of plan %s on %s deferred: %s", plan_id, address, e.code().name)
                 continue

@@ -66,10 +66,12 @@ class StageControl:
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
-        with self._loading.turn(request.plan_id) as unloaded:  # a second Load of the plan waits, then reuses
-            existing = self._stages.use(request.plan_id)
-            if existing is not None and same_load(existing, request):
-                return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
+        with self._loading.turn(request.plan_id, request.leader_id) as unloaded:  # a second Load waits, then reuses
+            with self._loading.lock:  # ordered against an Unload of the plan by its last other leader
+                existing = self._stages.use(request.plan_id)
+                if existing is not None and same_load(existing, request):
+                    existing.leaders.add(request.leader_id)
+                    return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
             key = WeightKey.of(request)
             if request.HasField("tp"):
@@ -167,9 +169,20 @@ class StageControl:
 
     def unload(self, request: stage_pb2.UnloadRequest) -> stage_pb2.UnloadReply:
         """Forget a plan: its KV goes now, its weights once no other plan uses them. A Load of the
-        plan under way is told to drop what it loads (a group forming stops waiting for its ranks)."""
+        plan under way is told to drop what it loads (a group forming stops waiting for its ranks).
+
+        Leaders with the same plan share its stages: a leader's Unload (after its own re-plan)
+        only lets go of its claim while another leader that loaded the plan still holds one, so
+        that leader's streams go on (the plan still goes when no leader uses it for its lease).
+        An Unload naming no leader is for every leader."""
         with self._loading.lock:  # never waits for a Load: see _put for the order of the two
-            self._loading.unload(request.plan_id)
+            stage = self._stages.get(request.plan_id)
+            if stage is not None and request.leader_id and stage.leaders - {request.leader_id}:
+                stage.leaders.discard(request.leader_id)
+                log.info("plan %s: one of its leaders let it go; %d still hold it", request.plan_id,
+                         len(stage.leaders))
+                return stage_pb2.UnloadReply(was_loaded=True, held_by_other_leaders=True)
+            self._loading.unload(request.plan_id, request.leader_id)
             stage, freed = self._stages.pop(request.plan_id)
         if stage is None:
             return stage_pb2.UnloadReply(was_loaded=False)
@@ -240,17 +253,17 @@ class StageControl:
 
 
 def same_load(existing: LoadedStage, request: stage_pb2.LoadRequest) -> bool:
-    """A Load of what this node already serves. A tensor-parallel rank compares all but its
-    group id (fresh per deploy), and only while its group is alive: a second leader deploying
-    the same plan reuses the group, a redeploy after a failure forms a new one."""
-    if not request.HasField("tp"):
-        return existing.request == request
-    if getattr(existing.runner, "failed", False):
+    """A Load of what this node already serves, by any leader. A tensor-parallel rank compares all
+    but its group id (fresh per deploy), and only while its group is alive: a second leader
+    deploying the same plan reuses the group, a redeploy after a failure forms a new one."""
+    if request.HasField("tp") and getattr(existing.runner, "failed", False):
         return False
     mine, theirs = stage_pb2.LoadRequest(), stage_pb2.LoadRequest()
     mine.CopyFrom(existing.request)
     theirs.CopyFrom(request)
-    mine.tp.group_id = theirs.tp.group_id = ""
+    mine.leader_id = theirs.leader_id = ""  # who deploys it does not change what is loaded
+    if request.HasField("tp"):
+        mine.tp.group_id = theirs.tp.group_id = ""
     return mine == theirs
 
 

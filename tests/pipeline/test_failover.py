@@ -29,9 +29,10 @@ from meshllm.api.backend import build_local_backend
 from meshllm.api.cluster_backend import build_cluster_backend
 from meshllm.cluster.gossip import fetch_view
 from meshllm.errors import PeerUnreachable
-from meshllm.pipeline.failover import FailoverConfig
+from meshllm.pipeline.failover import FailoverConfig, StageFailure
 from meshllm.pipeline.health import HealthReport
 from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.pipeline.plan_owner import PlanOwner
 from meshllm.transport.auth import load_key
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -148,7 +149,8 @@ def leader_over(pool: Pool, files, visible: set[str], **options) -> Iterator[Liv
     # gossip lagged under the suite's load.
     wait_until(lambda: {c.node_id for c in view() if any(m.fingerprint == pool.fingerprint for m in c.models)}
                >= visible, timeout=60, message=f"{sorted(visible)} in the fleet view")
-    backend, owner = build_cluster_backend(files, view, pool.channels, replace(OPTIONS, **options))
+    channels = options.pop("channels", pool.channels)  # another pool: the nodes see another leader
+    backend, owner = build_cluster_backend(files, view, channels, replace(OPTIONS, **options))
     try:
         with serve(backend) as live:
             live.owner = owner
@@ -191,6 +193,13 @@ def at_token(n: int, action: Callable[[], None]) -> Callable[[int], None]:
         if i == n:
             action()
     return on_token
+
+
+def all_failovers(live: LiveServer) -> float:
+    """Every re-plan the leader made, whatever its cause (failovers() counts node faults only)."""
+    text = httpx.get(f"{live.url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "meshllm_failovers_total")
 
 
 def stage_nodes(live: LiveServer) -> list[str]:
@@ -265,11 +274,48 @@ def test_kill_9_without_a_spare_redistributes_onto_the_survivors(pool, files, re
     nodes = pool.take(3)
     with leader_over(pool, files, set(nodes), num_stages=3) as live:
         victim = stage_nodes(live)[0]  # the first stage: embedding and layers move too
+        replaced = live.owner.plan_id
         text, n = stream_chat(live, on_token=at_token(KILL_AFTER, lambda: kill(pool, victim)))
         assert text == reference() and failovers(live) == 1
         after = stage_nodes(live)
         assert victim not in after and set(after) <= set(nodes)
         assert live.owner.plan.stages[0].first_layer == 0 and live.owner.plan.stages[-1].last_layer == 4
+        # The leader unloads the replaced plan from the survivors (its lease is minutes): its Unload
+        # names the leader its Load named, so the plan, held by no other leader, goes at once.
+        wait_until(lambda: all(plan != replaced for _, plan in shard_rows(pool)), timeout=15,
+                   message="the replaced plan unloaded from the survivors")
+
+
+def test_a_leader_replanning_leaves_the_plan_another_leader_shares(pool, files, reference, monkeypatch):
+    """Leaders behind two APIs that choose the same plan share its stages. Leader A alone sees a
+    stage fail (only its own link broke, say) and re-plans onto a spare; its Unload of the old
+    plan must leave that plan to leader B: B's next answer needs no failover and no reload.
+    (Leader B is handed A's plan: two leaders choose the same one when their views agree, and
+    here the nodes' measured speeds drift between the two starts. A's re-plan is started by the
+    test, as its leader does on a failed step.)"""
+    nodes = pool.take(4)
+    shared, spare = set(nodes[:3]), nodes[3]
+    seen_by_a = set(shared)
+    with leader_over(pool, files, seen_by_a, num_stages=2) as a, contextlib.ExitStack() as later:
+        b_channels = ChannelPool(ChannelConfig("leader-b", pool.key))  # another caller: another leader
+        later.callback(b_channels.close)
+        with monkeypatch.context() as pinned:
+            pinned.setattr(PlanOwner, "_choose_plan", lambda owner, previous, failed: a.owner.plan)
+            b = later.enter_context(leader_over(pool, files, set(shared), num_stages=2, channels=b_channels))
+        plan_id = b.owner.plan_id
+        assert a.owner.plan_id == plan_id
+        assert stream_chat(b)[0] == reference()
+        replans_before, rows_before = all_failovers(b), shard_rows(pool)
+        seen_by_a.add(spare)
+        a.owner.recover(StageFailure(1, "stage_unreachable", "test: only leader A lost its link to stage 1"))
+        assert a.owner.plan_id != plan_id
+        wait_until(lambda: not a.owner._stale, timeout=15, message="leader A's Unloads of its old plan")
+        assert {node for node, plan in shard_rows(pool) if plan == plan_id} >= set(stage_nodes(b))
+        assert stream_chat(b)[0] == reference()
+        assert all_failovers(b) == replans_before and b.owner.plan_id == plan_id
+        rows_after = shard_rows(pool)  # the same stages served it: a reloaded one counts from 0
+        for node in stage_nodes(b):
+            assert rows_after[node, plan_id][0] > rows_before[node, plan_id][0]
 
 
 def test_sigstop_is_detected_fails_over_and_the_node_serves_later_plans(pool, files, reference):

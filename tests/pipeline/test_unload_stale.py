@@ -19,7 +19,7 @@ def test_unloading_stale_plans_stops_quietly_once_the_pool_is_closed():
     pool.close()
     stale = {(address, "node-1", "plan-a"), (address, "node-2", "plan-a")}
     # The method's state only: a whole PlanOwner needs a cluster, and the race needs none.
-    owner = SimpleNamespace(_lock=threading.Lock(), _stale=set(stale),
+    owner = SimpleNamespace(_lock=threading.Lock(), _stale=set(stale), leader_id="leader-a",
                             channels=SimpleNamespace(get=lambda a, n=None: channel))
     PlanOwner._unload_stale(owner)  # raised ValueError before
     assert owner._stale == stale  # still stale: nothing was unloaded

@@ -127,6 +127,44 @@ def test_an_unload_during_its_plans_rendezvous_ends_the_load_and_leaves_nothing(
     assert "unloaded" in reason
 
 
+def test_a_leaders_unload_leaves_a_plan_another_leader_loaded(control, files):
+    """Leaders with the same plan share its stages. One leader re-planning (say it alone lost a
+    link) unloads its old plan everywhere: the plan must stay for the other leader's streams,
+    and go once every leader that loaded it has let it go."""
+    def load(leader: str):
+        request = _request(files, "shared", 0, 2)
+        request.leader_id = leader
+        return control.load(request)
+
+    assert not load("a").reused_weights
+    assert load("b").reused_weights  # the second leader's Load: the same stage
+    kept = control.unload(stage_pb2.UnloadRequest(plan_id="shared", leader_id="a"))
+    assert kept.was_loaded and kept.held_by_other_leaders and kept.weight_bytes_freed == 0
+    assert [r.plan_id for r in control.loaded()] == ["shared"]
+    assert control.unload(stage_pb2.UnloadRequest(plan_id="shared", leader_id="a")).held_by_other_leaders
+    last = control.unload(stage_pb2.UnloadRequest(plan_id="shared", leader_id="b"))
+    assert last.was_loaded and not last.held_by_other_leaders and last.weight_bytes_freed > 0
+    assert control.loaded() == []
+    # An Unload naming no leader is for every leader (and what a leader without an id sends).
+    load("a"), load("b")
+    assert control.unload(stage_pb2.UnloadRequest(plan_id="shared")).weight_bytes_freed > 0
+    assert control.loaded() == []
+
+
+def test_another_leaders_unload_does_not_end_a_load_of_the_plan(control, files, store):
+    """A Load under way is dropped by its own leader's Unload, not by another leader's."""
+    request = _request(files, "forming", role=RankRole(0, 2, store.endpoint, "two-leaders"))
+    request.leader_id = "b"
+    forming = _load_outcome(control, request)
+    _wait_in_rendezvous(store, "two-leaders")
+    assert not control.unload(stage_pb2.UnloadRequest(plan_id="forming", leader_id="a")).was_loaded
+    forming["thread"].join(PROMPT_S)
+    assert forming["thread"].is_alive(), forming  # still waiting for its rank 1
+    control.unload(stage_pb2.UnloadRequest(plan_id="forming", leader_id="b"))
+    forming["thread"].join(PROMPT_S + 1)
+    assert not forming["thread"].is_alive() and "unloaded" in str(forming.get("error"))
+
+
 def test_concurrent_loads_never_pass_the_memory_check_for_the_same_bytes(control, files, store, monkeypatch):
     # The node's free memory, as psutil would report it, and loads that take it as they read.
     needs = {}
