@@ -130,6 +130,15 @@ class KVCache:
         self._parked_until.pop(seq_id, None)
         return True
 
+    def claim(self, seq_id: SeqId, owner: Owner) -> bool:
+        """`owner`'s stream takes a parked sequence it names (one its plan adopted): it then holds
+        it, may publish its blocks and frees it. False when the sequence is not parked."""
+        if self._owners.get(seq_id) != PARKED:
+            return False
+        self._owners[seq_id] = owner
+        self._parked_until.pop(seq_id, None)
+        return True
+
     def park(self, owner: Owner, until: float) -> int:
         """`owner`'s stream ended after a failure: keep its sequences, owned by nobody, until the
         monotonic time `until` (drop_expired frees them then). Returns how many."""

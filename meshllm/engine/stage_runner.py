@@ -58,6 +58,11 @@ class StageRunner:
         holds every sequence of the step afterwards; with `max_held` (the plan's batch), a step
         that would leave it holding more sequences is refused before anything is computed.
         """
+        # A sequence this plan adopted after a failover is claimed by the first work naming it
+        # (kv_carry.skip_carried); a stage before this one that had every row of that work carried
+        # drops the work, so here the step may name it only to publish or release it.
+        for seq_id in {p.seq_id for p in step.publish}.union(step.release):
+            self.cache.claim(seq_id, owner)
         # Evictions before publications: the leader's index evicted to make room for them, and
         # the chores it sends never evict and publish the same block (pipeline/chores.py).
         self.prefix.evict(step.evict, owner)

@@ -17,7 +17,7 @@ from meshllm.engine.kv_cache import PARKED, Owner, SeqId, SequenceKV
 from meshllm.engine.kv_carry import Kept, skip_carried
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.stage_runner import StageRunner
-from meshllm.engine.step import SeqWork, Step
+from meshllm.engine.step import Publish, SeqWork, Step
 from meshllm.engine.step_limits import StepLimits
 from meshllm.model.loader import load_decoder
 from meshllm.model.weights import SafetensorsSource
@@ -120,3 +120,26 @@ def test_parked_kv_waiting_for_its_sweep_does_not_keep_an_unloaded_plan_resident
     del stage  # what an Unload leaves: no registry entry, no stream
     gc.collect()
     assert runner() is None
+
+
+def test_an_adopted_sequence_named_only_to_publish_or_release_is_the_streams(decoders):
+    """A stage before this one that had every row of a re-prefill chunk carried drops that work,
+    so this stage (which adopted the same positions) sees the sequence named only by the step's
+    publish or release. The stream must take it then: its blocks published (or a later request
+    attaching them gets kv_missing and a full redeploy) and the sequence freed on release (not
+    left parked until the sweep)."""
+    runner = StageRunner(decoders[1])
+    runner.prefix.set_capacity(8)
+    hidden = torch.zeros(N, decoders[1].config.hidden_size)
+    runner.run(step(0, N, hidden), Owner(3))  # the failed plan's stream
+    runner.cache.sequences[SEQ].carried = N
+    runner.cache.park(Owner(3), time.monotonic() + PARK_S)  # as an Adopt leaves it
+    published = Step(1, (), hidden[:0], publish=(Publish(SEQ, 0, (11, 12)),), block_size=8)
+    runner.run(published, STREAM)
+    assert len(runner.prefix) == 2 and runner.cache.owner_of(SEQ) == STREAM
+    runner.run(Step(2, (), hidden[:0], release=(SEQ,)), STREAM)
+    assert SEQ not in runner.cache
+    # A sequence another stream holds is not taken by naming it.
+    runner.run(step(0, 4, hidden[:4]), Owner(9))
+    runner.run(Step(3, (), hidden[:0], release=(SEQ,)), STREAM)
+    assert runner.cache.owner_of(SEQ) == Owner(9)
