@@ -71,14 +71,21 @@ class GrammarCompiler:
     def json_schema(self, schema: dict, description: str = "json_schema") -> Grammar:
         if not isinstance(schema, dict):
             raise BadRequest(f"{description}: the schema must be a JSON object, got {type(schema).__name__}")
-        styled = {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
-        return self._checked(llguidance.LLMatcher.grammar_from_json_schema(styled), description)
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(_styled(schema, description))
+        except ValueError as e:  # e.g. a lone surrogate in a string: not JSON llguidance can read
+            raise BadRequest(f"{description}: {e}") from None
+        return self._checked(text, description)
 
     def json_object(self) -> Grammar:
         return self.json_schema({"type": "object"}, "json_object")
 
     def lark(self, text: str, description: str) -> Grammar:
-        return self._checked(llguidance.LLMatcher.grammar_from_lark(text), description)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except ValueError as e:
+            raise BadRequest(f"{description}: {e}") from None
+        return self._checked(grammar, description)
 
     def _checked(self, text: str, description: str) -> Grammar:
         error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.lltokenizer)
@@ -90,17 +97,19 @@ class GrammarCompiler:
 
     def matcher(self, grammar: Grammar) -> "Matcher":
         return Matcher(llguidance.LLMatcher(self.lltokenizer, grammar.text, log_level=0), self.vocab_size,
-                       grammar.description)
+                       grammar.description, frozenset(self._tokenizer.eos_token_ids))
 
 
 class Matcher:
     """The grammar state of one sequence. Not thread-safe: the leader's loop thread owns it."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, description: str):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, description: str,
+                 stop_ids: frozenset[int] = frozenset()):
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.description = description
         self.num_words = (vocab_size + 31) // 32
+        self.stop_ids = stop_ids  # the tokenizer's EOS ids, which llguidance allows once a document is complete
 
     @property
     def error(self) -> str | None:
@@ -123,6 +132,14 @@ class Matcher:
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         return words
 
+    def stopped_mask(self) -> np.ndarray:
+        """allowed() after a stop token: only the stop tokens (what llguidance allows then)."""
+        words = np.zeros(self.num_words, dtype=np.uint32)
+        for token_id in self.stop_ids:
+            if token_id < self.vocab_size:
+                words[token_id // 32] |= np.uint32(1 << (token_id % 32))
+        return words.view(np.int32)
+
     def accept(self, token_id: int) -> bool:
         """Advance by a committed token; False (and the matcher in error) if the grammar forbids it."""
         return self._matcher.consume_token(token_id)
@@ -138,9 +155,20 @@ class Matcher:
 
 
 def allows(words: np.ndarray, token_id: int) -> bool:
-    return bool((int(words[token_id // 32]) >> (token_id % 32)) & 1)
+    """Whether the mask allows the token; ids past the mask (a model vocabulary wider than the
+    tokenizer's, or a proposer's bad id) never are."""
+    return 0 <= token_id < 32 * len(words) and bool((int(words[token_id // 32]) >> (token_id % 32)) & 1)
 
 
-def schema_text(schema: dict) -> str:
+def schema_text(schema: dict, description: str = "json_schema") -> str:
     """A schema as one line of JSON, for embedding in a Lark grammar (`%json {...}`)."""
-    return json.dumps({**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}})
+    return json.dumps(_styled(schema, description))
+
+
+def _styled(schema: dict, description: str) -> dict:
+    """The schema with our JSON layout (JSON_STYLE) under any llguidance options it sets itself."""
+    own = schema.get("x-guidance", {})
+    if not isinstance(own, dict):
+        raise BadRequest(f"{description}: x-guidance must be an object of llguidance options, "
+                         f"got {type(own).__name__}")
+    return {**schema, "x-guidance": {**JSON_STYLE, **own}}

@@ -312,8 +312,8 @@ class Leader(LeaderFailover, LeaderLifecycle):
             penalties, masks = PenaltyCounts(), ()
             request = self._requests.get(w.seq.seq_id)
             if w.num_scored and request is not None and request.constraints.active:
-                draft, penalties, masks = request.constraints.inputs(w.draft)
-                if len(draft) < len(w.draft):  # the grammar rejects the rest of the draft
+                draft, penalties, masks = request.constraints.inputs(w.draft, w.draft_dists is not None)
+                if len(draft) < len(w.draft):  # the grammar ends the draft there
                     cut = len(w.draft) - len(draft)
                     dists = None if w.draft_dists is None else w.draft_dists[:len(draft)]
                     w = replace(w, num_tokens=w.num_tokens - cut, num_scored=w.num_scored - cut, draft=draft,

@@ -56,8 +56,13 @@ class LeaderPrefixCache:
         new, evicted = self.index.insert(seq.block_hashes)
         self._chores.drop(evicted)
         position = {h: i for i, h in enumerate(seq.block_hashes)}
+        gone = set(evicted)
         for h in new:
-            self._chores.keep(Publish(seq.seq_id, position[h], (h,)))
+            # A prompt of more new blocks than there is room for evicts its own first ones: the
+            # stages must not keep those either, or their LRU (as large as the index) drops
+            # blocks the index still holds, pinned ones included (an attach then gets kv_missing).
+            if h not in gone:
+                self._chores.keep(Publish(seq.seq_id, position[h], (h,)))
 
     def drop_attached(self, works) -> None:
         """A stage answered kv_missing: it lost blocks these works attached (dropped by its LRU when

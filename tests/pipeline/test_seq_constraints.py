@@ -43,6 +43,47 @@ def test_draft_is_cut_at_the_first_rejected_token_and_matcher_keeps_committed_st
         assert allows(mask.numpy(), token)
 
 
+def test_a_draft_with_probabilities_keeps_its_rejected_token_for_its_row_to_reject(aidreams_path):
+    # Speculative sampling must reject it there (the mask makes p zero) and draw from the
+    # residual; cutting the draft and drawing from p because of what was drafted biases the output.
+    tokenizer = open_model(aidreams_path).tokenizer
+    compiler = GrammarCompiler(tokenizer)
+    constraints = SeqConstraints(GREEDY, [1, 2, 3], compiler.matcher(compiler.json_schema(SCHEMA)))
+    good = _doc_ids(tokenizer, '{"name": "Al')
+    wrong = tokenizer.backend.token_to_id("<0x0A>")
+    before = constraints.matcher.allowed()
+    draft, _, masks = constraints.inputs(tuple(good + [wrong] + good[:2]), keep_rejected=True)
+    assert draft == tuple(good + [wrong]) and len(masks) == len(draft) + 1
+    assert not allows(masks[len(good)].numpy(), wrong)  # its row rejects it
+    assert np.array_equal(constraints.matcher.allowed(), before)
+    # An id past the mask (a proposer's bad id) is rejected too, not an IndexError.
+    assert constraints.inputs((32 * len(before) + 5,))[0] == ()
+
+
+def test_a_draft_ending_a_document_with_eos_leaves_the_matcher_at_the_committed_tokens(aidreams_path):
+    # llguidance's rollback over a stop token takes back the token before it: walking EOS then
+    # rolling back left the matcher after '5', so the committed '}' was refused (the request
+    # ended in an error) or later masks came from the wrong state.
+    tokenizer = open_model(aidreams_path).tokenizer
+    compiler = GrammarCompiler(tokenizer)
+    constraints = SeqConstraints(GREEDY, [1], compiler.matcher(compiler.json_schema(SCHEMA)))
+    body = _doc_ids(tokenizer, '{"name": "Al", "n": 5}')
+    for token in body[:-1]:
+        assert constraints.commit(token) is None
+    [eos] = tokenizer.eos_token_ids[:1]
+    for drafted in ((eos,), (body[-1], eos, body[0])):
+        before = constraints.matcher.allowed()
+        draft, _, masks = constraints.inputs(drafted)
+        assert np.array_equal(constraints.matcher.allowed(), before)
+        if drafted[0] == eos:  # the document is not complete before '}': EOS is not allowed there
+            assert draft == () and len(masks) == 1
+            continue
+        assert draft == (body[-1], eos) and len(masks) == 3
+        assert allows(masks[1].numpy(), eos) and not allows(masks[0].numpy(), eos)
+        assert [t for t in range(32 * len(masks[2])) if allows(masks[2].numpy(), t)] == [eos]  # what follows EOS
+    assert constraints.commit(body[-1]) is None and constraints.commit(eos) is None
+
+
 def test_verification_with_masks_picks_what_plain_constrained_decoding_picks(aidreams_path):
     tokenizer = open_model(aidreams_path).tokenizer
     compiler = GrammarCompiler(tokenizer)
