@@ -95,7 +95,16 @@ def install_error_handlers(app: FastAPI, metrics: MetricsObserver) -> None:
         return JSONResponse(error_body(message, "invalid_request_error", code), status_code=error.status_code,
                             headers=error.headers)
 
+    async def on_unexpected(request: Request, error: Exception) -> JSONResponse:
+        # A bug, not the client's doing: an OpenAI-shaped 500 (clients parse it, and say what
+        # failed) instead of Starlette's plain text; the traceback goes to the log.
+        log.error("%s %s failed: %s", request.method, request.url.path, type(error).__name__,
+                  exc_info=(type(error), error, error.__traceback__))
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error", "internal_error"),
+                            status_code=500)
+
     app.add_exception_handler(MeshError, on_mesh_error)
+    app.add_exception_handler(Exception, on_unexpected)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_error)
 

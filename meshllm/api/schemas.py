@@ -62,7 +62,10 @@ class ChatMessage(_Body):
         """The message as OpenAI-shaped plain data: role, plain-text content, tool calls."""
         content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(part.text for part in self.content)
-        message = {"role": self.role, "content": content or ""}
+        # OpenAI's newer name for the system role; chat templates know only "system" (Qwen's and
+        # Hermes' skip any other role they do not know, so the instructions were silently lost).
+        role = "system" if self.role == "developer" else self.role
+        message = {"role": role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

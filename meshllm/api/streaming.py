@@ -24,6 +24,7 @@ from meshllm.api.errors import mesh_error_body
 from meshllm.api.generation import ClientDisconnected, Generation
 from meshllm.api.metrics import MetricsObserver
 from meshllm.api.replies import ReplyContext
+from meshllm.api.tool_parser import CallDelta
 from meshllm.api.responses import (ChatChunkChoice, ChatCompletionChunk, ChatDelta, Completion, CompletionChoice,
                                    DeltaFunction, DeltaToolCall, Usage)
 from meshllm.errors import MeshError
@@ -110,7 +111,8 @@ class _ChatChunks:
             logprobs = self.ctx.formatter.chat([event.logprobs], cursor)
         content, calls = state.delta
         tool_calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
-                                    function=DeltaFunction(name=d.name, arguments=d.arguments)) for d in calls]
+                                    function=DeltaFunction(name=d.name, arguments=d.arguments))
+                      for d in _one_per_call(calls)]
         return self._chunk([ChatChunkChoice(index=state.request.index,
                                             delta=ChatDelta(content=content or None if calls else content,
                                                             tool_calls=tool_calls or None),
@@ -147,3 +149,15 @@ class _CompletionChunks:
 
     def usage(self, total: Usage) -> Completion:
         return self._chunk([], usage=total)
+
+
+def _one_per_call(calls: list[CallDelta]) -> list[CallDelta]:
+    """One delta per call in a chunk, as OpenAI sends them: a call's opening (id and name) and its
+    first arguments often come in one token's text, and clients that store a call's first delta
+    as is (some openai-python stream helpers) lose what a second entry of the same index adds."""
+    merged: dict[int, CallDelta] = {}
+    for d in calls:
+        first = merged.get(d.index)
+        merged[d.index] = d if first is None else CallDelta(d.index, first.id or d.id, first.name or d.name,
+                                                            first.arguments + d.arguments)
+    return list(merged.values())

@@ -142,7 +142,7 @@ def _hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dic
     out: list[dict] = []
     if tools:
         listing = HERMES_SYSTEM.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
-        if messages and messages[0]["role"] in ("system", "developer"):
+        if messages and messages[0]["role"] == "system":  # a developer message arrives as one too
             out.append({"role": "system", "content": f"{messages[0]['content']}\n\n{listing}"})
             messages = messages[1:]
         else:

@@ -166,7 +166,7 @@ class ToolCallParser:
                     self._emit(self._held)
                     self._held = ""
                 return False
-            self._start_call(scan, json.loads(f'"{match.group(1)}"'), match.end(), deltas)
+            self._start_call(scan, _json_string(match.group(1)), match.end(), deltas)
         if scan.call.id:
             end = scan.args_end if scan.args_end is not None else len(scan.text)
             new = scan.text[scan.args_start + scan.sent:end]
@@ -194,6 +194,15 @@ class ToolCallParser:
         scan.depth, scan.in_string, scan.escaped = 1, False, False
         scan.args_end = scan.closed_at = None
         _advance(scan)
+
+
+def _json_string(body: str) -> str:
+    """A JSON string's value from its text between the quotes; a model may write an invalid
+    escape or a raw control character there: then the text as written."""
+    try:
+        return json.loads(f'"{body}"')
+    except json.JSONDecodeError:
+        return body
 
 
 def _advance(scan: _CallScan) -> None:

@@ -38,3 +38,27 @@ def test_chat_uses_the_models_template_and_matches_single_process(smollm2_server
                                               max_tokens=12, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected.text
 
+
+
+def test_a_developer_message_is_the_system_prompt(smollm2_server):
+    """OpenAI's newer clients send the system prompt as role "developer"; templates know only
+    "system" (Qwen's and Hermes' drop roles they do not know): it must render as the system prompt."""
+    from meshllm.api.prompts import ModelText, chat_choices
+    from meshllm.api.schemas import ChatCompletionRequest
+    from meshllm.model.tokenizer import Tokenizer
+    from tests.api.tool_families import HERMES_TEMPLATE
+
+    model = ModelText.of(smollm2_server.backend.tokenizer, 4096)
+    as_developer = [{**MESSAGES[0], "role": "developer"}, MESSAGES[1]]
+
+    def prompt(messages) -> list[int]:
+        body = ChatCompletionRequest(model="m", messages=messages, max_tokens=4)
+        return chat_choices(model, body)[0].prompt_ids
+
+    assert prompt(as_developer) == prompt(MESSAGES)
+    tokenizer = smollm2_server.backend.tokenizer  # the same, under a Hermes-style template
+    hermes = Tokenizer(tokenizer.backend, special_tokens=tokenizer.special_tokens,
+                       eos_token_ids=tokenizer._eos_token_ids, chat_template=HERMES_TEMPLATE)
+    rendered = hermes.apply_chat_template([m.as_template_input() for m in ChatCompletionRequest(
+        model="m", messages=as_developer).messages])
+    assert rendered.startswith("<|im_start|>system\nYou are a concise assistant.<|im_end|>")

@@ -79,6 +79,11 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "wizard"}}}}}}, 400, "bad_request",
      None),
+    # Schemas that compiled into a TypeError or llguidance's ValueError: 500s before.
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "x-guidance": None}}}}, 400, "bad_request", None),
+    (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "const": "\ud800"}}}}, 400, "bad_request", None),
     (COMPLETIONS, {"model": MODEL, "prompt": 42}, 400, "invalid_value", None),
     (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "top_p": 0}, 400, "invalid_value", "top_p"),
     (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
@@ -95,6 +100,21 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 def test_bad_request_status_and_body(server, path, body, status, code, param):
     assert_error(post(server.url, path, body), status, code, param)
     assert_still_serving(server.url)
+
+
+def test_a_bug_is_an_openai_shaped_500_and_the_server_keeps_serving(backend, monkeypatch):
+    """An exception no handler expects (a bug) gets an OpenAI-shaped 500 that clients parse, not
+    Starlette's plain text. (A chat's prompt building is made to fail: nothing real does on purpose.)"""
+    import meshllm.api.app as app_module
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app_module, "chat_choices", broken)
+    with serve(backend) as live:
+        error = assert_error(post(live.url, CHAT, {"model": MODEL, "messages": MESSAGES}), 500, "internal_error")
+        assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+        assert_still_serving(live.url)
 
 
 def test_unknown_route_is_an_openai_error(server):

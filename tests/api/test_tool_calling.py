@@ -50,6 +50,8 @@ def _streamed_calls(chunks) -> tuple[list[dict], str | None, str]:
             continue
         choice = chunk.choices[0]
         content += choice.delta.content or ""
+        indices = [d.index for d in choice.delta.tool_calls or ()]
+        assert len(indices) == len(set(indices)), "one delta per call in a chunk, as OpenAI sends them"
         for d in choice.delta.tool_calls or ():
             if d.index not in calls:
                 assert d.id and d.type == "function" and d.function.name, "a call's first delta names it"

@@ -84,3 +84,10 @@ def test_call_ids_are_unique_and_mistral_ids_are_nine_alphanumerics():
     ids = {HERMES.new_call_id() for _ in range(50)}
     assert len(ids) == 50 and all(i.startswith("call_") for i in ids)
     assert all(len(i) == 9 and i.isalnum() for i in (MISTRAL.new_call_id() for _ in range(20)))
+
+
+def test_a_call_name_with_an_invalid_escape_is_taken_as_written():
+    # A weak model may write a bad escape or a raw control character in the name: no exception
+    # (a 500, or a stream cut off mid-body), the call's name as the model wrote it.
+    parser, _, deltas = _run(LLAMA3, [('{"name": "get\\q\tweather", "parameters": {"a": 1}}', None)])
+    assert [(c.name, c.arguments) for c in parser.calls] == [("get\\q\tweather", '{"a": 1}')]
