@@ -336,14 +336,15 @@ class Leader(LeaderFailover, LeaderLifecycle):
         future.add_done_callback(lambda f, sid=step_id: self._inbox.put(StepDone(sid, f.result())))
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
+        if not result.ok and result.error_code == "kv_missing" and any(w.attach for w in batch.works):
+            self._attach_again(batch)
+            return
         if not result.ok:
             failure = blame(result, self.transport.num_stages) if self._recovery is not None else None
             if failure is not None:
                 self._fail_over(failure, batch)
                 return
             error = self._replies.failure(result)  # names the stage's node
-            if result.error_code == "kv_missing":
-                self.prefix.drop_attached(batch.works)  # a stage no longer holds them: stop attaching them
             self._fail(batch.works, error)
             log.warning("step %d failed: %s", result.step_id, error)
             return
@@ -384,6 +385,21 @@ class Leader(LeaderFailover, LeaderLifecycle):
                     break  # a stop inside accepted draft tokens: the rest are not part of the output
             if self.drafter is not None and w.seq.status is not SeqStatus.FINISHED:
                 self.drafter.committed(w.seq)
+
+    def _attach_again(self, batch: MicroBatch) -> None:
+        """A stage no longer holds prefix blocks this batch attached: its LRU dropped them (the
+        leaders sharing a plan share its stages' prefix room), or the stream that published them
+        ended. The attaching sequences prefill their whole prompt instead and the batch goes
+        again: the stages before the failed one roll back to each work's start. Not a failover
+        (a re-plan would re-prefill every running sequence); KV lost otherwise fails the batch
+        again, now without attachments, and takes the usual path."""
+        log.info("a stage lacks prefix blocks %d sequences attached; they prefill their prompts",
+                 sum(1 for w in batch.works if w.attach))
+        self.prefix.drop_attached(batch.works)
+        for w in batch.works:
+            w.seq.in_flight = False
+            if w.attach:
+                w.seq.num_computed = w.seq.num_cached = 0
 
     def _fail(self, works: tuple[Work, ...], error: MeshError) -> None:
         for w in works:
