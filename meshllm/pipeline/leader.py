@@ -50,7 +50,8 @@ from meshllm.pipeline.failover import (Deployment, FailoverConfig, Probed, Recov
                                        RecoveryTiming, Replanner, StageFailure, blame, invalid_reply_failure)
 from meshllm.pipeline.leader_failover import LeaderFailover
 from meshllm.pipeline.leader_lifecycle import LeaderLifecycle
-from meshllm.pipeline.leader_messages import Cancel, InFlight, Request, StepDone, StreamEnded, Submit, Wake
+from meshllm.pipeline.leader_messages import (Cancel, InFlight, Request, StepDone, StreamEnded, Submit, Wake,
+                                             notify_failed)
 from meshllm.pipeline.leader_prefix import LeaderPrefixCache
 from meshllm.pipeline.replies import ReplyCheck
 from meshllm.pipeline.seq_constraints import SeqConstraints
@@ -332,7 +333,11 @@ class Leader(LeaderFailover, LeaderLifecycle):
                     self.prefix.block_size)
         self._in_flight[step_id] = InFlight(batch, time.perf_counter(), self._epoch, overlapped=bool(self._in_flight))
         self._watch.sent(batch.num_tokens)
-        future = self.transport.submit(step)
+        try:
+            future = self.transport.submit(step)
+        except BaseException:
+            self._chores.release.extend(release)  # not sent: the recovery sends them (leader_lifecycle)
+            raise
         future.add_done_callback(lambda f, sid=step_id: self._inbox.put(StepDone(sid, f.result())))
 
     def _apply(self, batch: MicroBatch, result: StepResult) -> None:
@@ -380,7 +385,9 @@ class Leader(LeaderFailover, LeaderLifecycle):
                     self._deliver(request, token, now)
                 except Exception as e:  # noqa: BLE001 - one request's detokenizer or callback must not stop the loop
                     log.exception("request %d failed while delivering a token", w.seq.seq_id)
-                    self._finish(request, "error", MeshError(f"internal error while streaming: {e}"))
+                    if w.seq.status is not SeqStatus.FINISHED:  # its last token: _deliver finished it already
+                        self._finish(request, "error", notify=False)
+                    notify_failed(request, MeshError(f"internal error while streaming: {e}"))  # if it raises again too
                 if w.seq.status is SeqStatus.FINISHED:
                     break  # a stop inside accepted draft tokens: the rest are not part of the output
             if self.drafter is not None and w.seq.status is not SeqStatus.FINISHED:

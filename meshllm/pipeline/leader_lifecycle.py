@@ -34,13 +34,14 @@ class LeaderLifecycle:
         started = {s.seq_id for s in self.scheduler.running} | {
             r.seq.seq_id for r in self._requests.values() if r.seq.status is SeqStatus.RUNNING}
         cached = self.prefix.index.hashes()
+        pending = set(self._chores.release)  # sequences that ended before: their releases go too
         requests = list(self._requests.values())
         self._requests.clear()
         self._in_flight.clear()  # their replies are dropped when they come
         self._watch.reset()
         self._new_state()
         if self.transport is not None:  # else no stage holds anything of theirs
-            self._chores.release.extend(sorted(started))
+            self._chores.release.extend(sorted(started | pending))
             self._chores.drop(cached)
         for request in requests:
             if self.drafter is not None:

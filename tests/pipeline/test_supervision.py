@@ -128,6 +128,47 @@ def test_a_fault_while_scheduling_fails_every_request_frees_their_kv_and_serving
         leader.close()
 
 
+def test_a_fault_while_sending_a_finished_sequences_release_still_frees_its_kv(files, decoder):
+    # A request that ended has its release ride the next step; the submit of that step raises.
+    # The recovery starts from fresh chores: the release was lost and the KV held for the
+    # stream's life (counted against the plan's batch: later full batches were refused).
+    runner = StageRunner(decoder)
+    leader = leader_with(files, decoder, pipeline=FlakyPipeline([runner], fail_on=2))
+    try:
+        tokens, last = run(leader, files.tokenizer.encode("Once upon a time"),
+                           SamplingParams(temperature=0.0, max_tokens=1))
+        assert last.finish_reason == "length" and len(tokens) == 1
+        deadline = time.monotonic() + 10
+        while runner.held_sequences() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert runner.held_sequences() == []
+        assert run(leader, files.tokenizer.encode("Hello"))[1].finish_reason == "length"  # serving goes on
+    finally:
+        leader.close()
+
+
+def test_a_callback_raising_on_its_last_token_fails_no_other_request(files, decoder):
+    # _deliver finishes the request before its last event; the handler finished it again
+    # (KeyError), and the supervisor then failed every request of the batch.
+    leader = leader_with(files, decoder)
+    prompt = files.tokenizer.encode("Once upon a time")
+    try:
+        other = queue.Queue()
+
+        def breaks_at_the_end(event):
+            if event.finish_reason is not None:
+                raise RuntimeError("a caller's bug")
+
+        leader.submit(prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), breaks_at_the_end)
+        leader.submit(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), other.put)
+        while (event := other.get(timeout=30)).finish_reason is None:
+            pass
+        assert event.finish_reason == "length" and event.error is None
+        assert leader.failure is None
+    finally:
+        leader.close()
+
+
 def test_a_loop_that_keeps_failing_gives_up_and_says_so_on_health_and_submit(files, decoder):
     metrics = FaultyObserver(always_on_queue=True)
     leader = leader_with(files, decoder, metrics)
