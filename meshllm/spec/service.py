@@ -23,7 +23,7 @@ import grpc
 from meshllm.cluster.card import Role, RoleOffer
 from meshllm.engine.kv_cache import SeqId
 from meshllm.errors import MalformedMessage
-from meshllm.spec.proposer import Proposer
+from meshllm.spec.proposer import Draft, Proposer
 from meshllm.transport import spec_convert
 from meshllm.transport.protos import proposer_pb2, proposer_pb2_grpc
 
@@ -74,10 +74,13 @@ class ProposerService(proposer_pb2_grpc.ProposerServicer):
         if served.vocab_size and any(t >= served.vocab_size for r in requests for t in r.tokens):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"a token id is outside {request.model_id}'s vocabulary of {served.vocab_size}")
-        if served.max_context and any(r.end + r.k > served.max_context for r in requests):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"a sequence reaches past {request.model_id}'s context of {served.max_context} tokens "
-                          f"(drafts included); draft it with ngram or a draft model with a longer context")
+        # A sequence reaching past the draft model's context (drafts included) gets no draft, now or
+        # later (its context only grows): the call answers for the others. Aborting it made the
+        # leader leave this proposer out, and so stop drafting for every sequence.
+        beyond = [r.seq_id for r in requests if served.max_context and r.end + r.k > served.max_context]
+        if beyond:
+            requests = [r for r in requests if r.seq_id not in set(beyond)]
+            release = tuple(release) + tuple(beyond)
         with self._locks[request.model_id]:
             last_used = self._last_used[request.model_id]
             if release:
@@ -88,12 +91,12 @@ class ProposerService(proposer_pb2_grpc.ProposerServicer):
                 # Cancelled while queued behind another call (a leader's chained call whose draft went
                 # stale): the next call is drafted sooner for not drafting this one.
                 return spec_convert.drafts_to_pb([])
-            drafts = served.proposer.propose(requests, cancelled=lambda: not context.is_active())
+            drafts = served.proposer.propose(requests, cancelled=lambda: not context.is_active()) if requests else []
             now = time.monotonic()
             for r in requests:
                 last_used.pop(r.seq_id, None)  # re-inserted last: the dict stays oldest first
                 last_used[r.seq_id] = now
-        return spec_convert.drafts_to_pb(drafts)
+        return spec_convert.drafts_to_pb(list(drafts) + [Draft(seq_id) for seq_id in beyond])
 
     def expire(self) -> int:
         """Release the sequences no Propose named for the lease; returns how many."""

@@ -97,6 +97,26 @@ def test_remote_ngram_answers_incrementally_and_resyncs(proposer_server):
     assert draft.resync_from == 0
 
 
+def test_a_sequence_past_the_draft_models_context_gets_no_draft_and_the_others_do():
+    # One long sequence made the whole batched call fail (INVALID_ARGUMENT), and the leader then
+    # left the proposer out: no drafts for any sequence.
+    key = generate_key()
+    server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id="proposer-node"))
+    server.add(proposer_pb2_grpc.add_ProposerServicer_to_server, ProposerService([
+        Served(NgramProposer(), max_context=12)]))
+    server.start()
+    channels = ChannelPool(ChannelConfig("test-leader", key))
+    try:
+        remote = RemoteProposer(channels.get(server.address, "proposer-node"), "ngram", "test-node", deadline_s=5.0)
+        short, long = SeqId(1), SeqId(2)
+        drafts = remote.propose([ProposeRequest(short, 0, (1, 2, 3, 1, 2), 3),
+                                 ProposeRequest(long, 0, (1, 2, 3, 1, 2, 3, 1, 2, 3, 1), 3)])
+        assert {d.seq_id: d.tokens for d in drafts} == {short: (3, 1), long: ()}
+    finally:
+        channels.close()
+        server.stop()
+
+
 def test_a_late_remote_draft_is_dropped_at_its_deadline(proposer_server):
     remote = RemoteProposer(proposer_server, "sleepy", "test-node", deadline_s=0.05)
     started = time.perf_counter()
