@@ -101,7 +101,9 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
 
     @app.get("/v1/cluster", responses=error_responses(*keyed))
     async def cluster() -> ClusterView:
-        return cluster_view(backend, metrics)
+        # Off the event loop: the fleet view may ask a node over gRPC (the demo's), which takes
+        # seconds when that node is down, and every open stream would wait with it.
+        return await run_in_threadpool(cluster_view, backend, metrics)
 
     @app.get("/v1/models", responses=error_responses(*keyed))
     async def list_models() -> ModelList:

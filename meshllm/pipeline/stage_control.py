@@ -298,10 +298,10 @@ def retire(stage: LoadedStage | None, then: Callable[[], None] = lambda: None) -
 def _free(stage: LoadedStage) -> None:
     """Under the stage's lock."""
     stage.runner.release(stage.runner.held_sequences())
-    stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
     close = getattr(stage.runner, "close", None)
     if close is not None:
-        close()
+        close()  # first: a worker rank's thread changes its prefix store under the worker's own lock
+    stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
 
 
 def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:

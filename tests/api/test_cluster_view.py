@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -62,3 +63,23 @@ def test_dashboard_page_is_plain_html_polling_the_cluster_view(server):
         assert sorted(n["node_id"] for n in view["nodes"]) == ["node-0", "node-1"]
     else:
         assert view["nodes"] == []  # a single process has no fleet
+
+
+def test_a_slow_fleet_view_holds_up_no_other_request(backend):
+    # The demo's fleet view asks a node over gRPC (up to 5 s when it is down); run on the event
+    # loop, it stalled every open stream and request for that long.
+    def slow_fleet():
+        time.sleep(2.0)
+        return []
+
+    slow = Backend(backend.model_id, backend.tokenizer, backend.max_context, backend.leader, backend.metrics,
+                   fleet_view=slow_fleet)
+    with serve(slow) as live:
+        viewing = threading.Thread(target=lambda: httpx.get(f"{live.url}/v1/cluster", timeout=10))
+        viewing.start()
+        time.sleep(0.3)  # the view is waiting on the fleet
+        started = time.monotonic()
+        assert httpx.get(f"{live.url}/v1/models", timeout=10).status_code == 200
+        waited = time.monotonic() - started
+        viewing.join()
+    assert waited < 1.0, waited
