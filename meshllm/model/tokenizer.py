@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,13 +19,16 @@ from typing import TYPE_CHECKING
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, Tokenizer as Backend, decoders, models, pre_tokenizers, processors
+from tokenizers import (AddedToken, Regex, Tokenizer as Backend, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 from meshllm.errors import BadRequest, ModelLoadError
 from meshllm.model.token_bytes import gpt2_byte_alphabet, strips_leading_space, vocabulary_bytes
 
 if TYPE_CHECKING:
     from meshllm.model.gguf import GGUFFile
+
+log = logging.getLogger(__name__)
 
 # For models without a chat template: readable, and the model continues after "assistant:".
 PLAIN_CHAT_TEMPLATE = (
@@ -90,11 +94,13 @@ class Tokenizer:
                    "unk_token": token_at("unknown_token_id"), "pad_token": token_at("padding_token_id")}
         _keep_whole(backend, special)
         # llama.cpp's default: sentencepiece vocabularies add BOS unless the file says otherwise.
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"
+                                or meta.get("tokenizer.ggml.pre") in _LLAMA3_PRE))
         _set_bos_eos(backend, special, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)))
         # Generation ends at EOS and at the end-of-turn tokens llama.cpp knows about.
         eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if k in meta]
+        eos_ids += [i for i, t in enumerate(tokens) if t in _END_OF_GENERATION]
         return cls(backend, special_tokens=special, chat_template=meta.get("tokenizer.chat_template"),
                    eos_token_ids=tuple(dict.fromkeys(eos_ids)))
 
@@ -278,7 +284,15 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+                         "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
                          "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# llama.cpp's Llama 3 family of pre-tokenizers: a word that is a whole token is that token (the BPE
+# "ignore_merges"), and BOS is added unless the file says otherwise.
+_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"})
+# Tokens llama.cpp ends generation at whatever the metadata names (a Llama 3 Instruct file
+# converted with only eos = <|end_of_text|> still stops at <|eot_id|>).
+_END_OF_GENERATION = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                                "<|end_of_text|>", "<EOT>", "<|return|>", "<\uff5cend\u2581of\u2581sentence\uff5c>"})
 
 
 def _gguf_backend(file: "GGUFFile") -> Backend:
@@ -316,8 +330,12 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Ba
     vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
              for i, t in enumerate(tokens)}
     backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                                 continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+                                 continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                                 ignore_merges=pre in _LLAMA3_PRE))
     split = _PRE_TOKENIZER_SPLITS.get(pre)
+    if split is None and pre not in (None, "default", "gpt2", "gpt-2", "smollm"):
+        log.warning("tokenizer pre-type %r is not one meshllm knows: splitting text as GPT-2 does, which may "
+                    "give other token ids than llama.cpp for some texts", pre)
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
@@ -335,9 +353,14 @@ def _sentencepiece_bpe(tokens: list[str], scores, merges: list[str] | None, add_
     else:  # sentencepiece files store scores, not merges: rank every split of a token by its score
         pairs = _merges_from_scores(vocab, dict(zip(tokens, (float(s) for s in scores))))
     backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
-    # add_space_prefix as llama.cpp reads it (transformers ignores it and always prepends).
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False)
+    # Spaces as "\u2581" and, with add_space_prefix (as llama.cpp reads it), one more before each
+    # piece of text between special tokens: what sentencepiece, llama.cpp and the models' own
+    # tokenizer.json do. Metaspace's "first" scheme prepended only at the very start, and not
+    # before text that already began with a space: "<s>[INST]" encoded "[" where Llama 2 and
+    # Mistral were trained on "\u2581[".
+    replace = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace]) if add_space_prefix \
+        else replace
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if add_space_prefix else []))
     return backend

@@ -23,7 +23,7 @@ def test_default_is_the_smollm2_demo(smollm2_gguf_path):
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
     assert files.source.config() == cfg
     assert "<|im_start|>assistant" in files.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert files.tokenizer.eos_token_ids == (2,)
+    assert files.tokenizer.eos_token_ids == (2, 0)  # <|im_end|>, and <|endoftext|> as llama.cpp stops at it
     # layer-range reads: the first layer's tensors only, not the 96 MB file
     one_layer = [n for n in files.source.tensor_names() if n.startswith("model.layers.0.")]
     files.source.read(one_layer, torch.float32)
