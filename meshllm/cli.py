@@ -23,7 +23,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The CLI parser. Only `command`'s module is imported (they pull in torch, grpc, ...),
     so `meshllm status` starts in a fraction of the time `meshllm generate` needs."""
     parser = argparse.ArgumentParser(prog="meshllm", description="Pool the machines on a desk or LAN into one LLM service.")
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level (default WARNING)")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="Python logging level (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if a in SUBCOMMANDS), None)
     args = build_parser(command).parse_args(argv)
     return_large_frees()  # before the first large allocation (host_memory says why)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args._run(args)
     except MeshError as e:
