@@ -83,10 +83,12 @@ class NodeConfig:
                 raise ValueError(f"--peer {peer!r} is not host:port")
 
 
-def capped_memory(memory: tuple[int, int], cap: int | None) -> tuple[int, int]:
-    """(total, free) as the card advertises them: never more than --max-memory."""
+def capped_memory(memory: tuple[int, int], cap: int | None, held: int = 0) -> tuple[int, int]:
+    """(total, free) as the card advertises them: with --max-memory, never more than the cap less
+    the weights this node already holds for plans (`held`), so the cap bounds what its plans take
+    together, not each reading of free memory (which already counts what they took)."""
     total, free = memory
-    return (total, free) if cap is None else (min(total, cap), min(free, cap))
+    return (total, free) if cap is None else (min(total, cap), max(0, min(free, cap - held)))
 
 
 class Service(Protocol):
@@ -110,8 +112,10 @@ class Node:
 
         self.models = ModelScan(config.model_paths)
         profile = load_or_probe(config.device, config.state_dir)
+        self.held_bytes: Callable[[], int] = lambda: 0  # the stage service's weights (node_stage.py)
         self.card = OwnCard(CardIdentity(self.node_id, self.address, platform_name(), config.ttl_s), profile,
-                            memory=lambda: capped_memory(memory_of(config.device), config.max_memory_bytes),
+                            memory=lambda: capped_memory(memory_of(config.device), config.max_memory_bytes,
+                                                         self.held_bytes()),
                             models=lambda: self.models.models)
         self.collective: NodeCollective | None = None
         if config.collective_port is not None:

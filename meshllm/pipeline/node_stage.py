@@ -38,6 +38,7 @@ def attach_stage_service(node, key: bytes) -> StageService:
                                    for r in service.loaded()))
 
     node.card.set_shards_source(shards)
+    node.held_bytes = service.stages.weight_bytes  # what --max-memory's cap already holds
     node.server.add(stage_pb2_grpc.add_StageServicer_to_server, service)
     node.add_service(service)  # stopped first: its tensor-parallel groups are told to stop
     return service

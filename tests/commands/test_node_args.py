@@ -28,3 +28,16 @@ def test_a_bad_log_level_is_a_usage_error_not_a_traceback(capsys):
         build_parser("status").parse_args(["--log-level", "bogus", "status"])
     assert exited.value.code == 2 and "invalid choice: 'BOGUS'" in capsys.readouterr().err
     assert build_parser("status").parse_args(["--log-level", "info", "status"]).log_level == "INFO"
+
+
+def test_max_memory_caps_what_all_plans_hold_together():
+    # The cap was applied to each reading of free memory, which already counts what the node's
+    # plans hold: with 8 GiB offered and 6 GiB loaded, the card still said 8 GiB free.
+    from meshllm.node import capped_memory
+
+    gib = 1 << 30
+    assert capped_memory((64 * gib, 40 * gib), None, 6 * gib) == (64 * gib, 40 * gib)  # no cap: what is free
+    assert capped_memory((64 * gib, 40 * gib), 8 * gib) == (8 * gib, 8 * gib)
+    assert capped_memory((64 * gib, 40 * gib), 8 * gib, 6 * gib) == (8 * gib, 2 * gib)
+    assert capped_memory((64 * gib, 40 * gib), 8 * gib, 9 * gib) == (8 * gib, 0)
+    assert capped_memory((64 * gib, 1 * gib), 8 * gib, 2 * gib) == (8 * gib, 1 * gib)  # less free than the room left
