@@ -80,8 +80,13 @@ def read_gguf_metadata(path: Path, stop_when: Callable[[dict], bool] = lambda m:
                 raise ModelLoadError(f"{path} ends inside its GGUF header; the file is truncated")
             return struct.unpack(fmt, data)[0]
 
+        file_size = path.stat().st_size
+
         def read_string() -> str:
-            return f.read(read("<Q")).decode("utf-8", errors="replace")
+            length = read("<Q")
+            if length > file_size - f.tell():  # a corrupt length: not terabytes read into memory
+                raise ModelLoadError(f"{path} ends inside its GGUF header; the file is truncated or corrupt")
+            return f.read(length).decode("utf-8", errors="replace")
 
         def read_value(kind: int):
             if kind in _GGUF_SCALARS:
@@ -166,8 +171,9 @@ class ModelScan:
             for path in self._paths:
                 try:
                     models.append(describe(path, fingerprint))
-                except (ModelLoadError, OSError) as e:
-                    log.warning("leaving %s out of this node's card: %s", path, e)
+                except Exception as e:  # noqa: BLE001 - one bad file (a header claiming terabytes: MemoryError,
+                    # ValueError) must not end the scan and take every good model off the card
+                    log.warning("leaving %s out of this node's card: %s: %s", path, type(e).__name__, e)
             self._models = tuple(models)
             log.info("found %d model(s) on disk", len(models))
         finally:

@@ -99,7 +99,9 @@ def _bounded(value: float, what: str, low: float, high: float) -> float:
 def _address(value: str, what: str) -> str:
     _text(value, what)
     host, sep, port = value.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) < 65536) or any(c.isspace() for c in value):
+    # isascii: "²" is a digit to isdigit() and not a number to int()
+    if not (sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536) \
+            or any(c.isspace() for c in value):
         raise InvalidCard(f"{what} {value!r} is not host:port")
     return value
 

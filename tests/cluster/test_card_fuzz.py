@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -92,3 +93,11 @@ def test_an_exchange_with_too_many_cards_is_refused_whole():
         assert str(convert.MAX_CARDS_PER_EXCHANGE) in str(e)
     else:
         raise AssertionError("an overfull exchange was accepted")
+
+
+def test_a_port_of_non_ascii_digits_is_an_invalid_card_not_a_crash():
+    # "²" passes str.isdigit() and fails int(): a ValueError failed the whole exchange.
+    msg = convert.card_to_pb(make_card("n1", announced_at=NOW))
+    msg.grpc_address = "10.0.0.1:²"
+    with pytest.raises(InvalidCard, match="host:port"):
+        convert.card_from_pb(msg, NOW)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,12 @@ def test_scan_lists_good_models_and_skips_broken_ones(models_dir, tmp_path):
     broken = models_dir / "broken-hf"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # no layer count
+    # A header whose first key claims 2**60 bytes, and one whose array claims 2**62 items: before,
+    # the first raised MemoryError and the second ValueError, which ended the scan with no model
+    # listed at all.
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1)
+    (models_dir / "huge-key.gguf").write_bytes(header + struct.pack("<Q", 1 << 60) + b"x" * 16)
+    (models_dir / "huge-array.gguf").write_bytes(header + struct.pack("<Q", 1) + b"k" + struct.pack("<IIQ", 9, 4, 1 << 62))
     scan = ModelScan([models_dir], fingerprint=lambda p: f"fp-{p.name}")
     scan.start()
     assert scan.done.wait(10)
