@@ -496,7 +496,8 @@ def _rope_scaling(file: GGUFFile, arch: str, head_dim: int, rope_theta: float) -
     stored = dequantize(file, freqs, torch.float64)
     candidate = RopeScaling(factor=float(stored.max()), low_freq_factor=1.0, high_freq_factor=4.0,
                             original_max_position_embeddings=8192)
-    if not torch.allclose(stored, _llama3_divisors(candidate, head_dim, rope_theta), rtol=1e-3, atol=1e-4):
+    expected = _llama3_divisors(candidate, head_dim, rope_theta)
+    if stored.shape != expected.shape or not torch.allclose(stored, expected, rtol=1e-3, atol=1e-4):
         raise UnsupportedArchitecture(f"{file.path}: its rope_freqs tensor is not Llama 3 rope scaling with "
                                       f"the standard parameters; meshllm cannot reproduce it")
     return {"rope_type": "llama3", "factor": candidate.factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -424,3 +424,12 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2_source, smo
     assert len(expected) == 32  # the poem runs past 32 tokens, so all 32 are compared
     ours_next = logits[len(prompt) - 1:-1].argmax(dim=-1).tolist()
     assert ours_next == expected
+
+
+def test_a_rope_freqs_tensor_of_another_length_is_a_clear_error(tiny_model_dir, tmp_path):
+    # Shorter than head_dim / 2: torch.allclose raised RuntimeError, which a node's model scan did
+    # not expect (every model left its card); now the file is named as unsupported.
+    folder = tiny_model_dir("llama3", rope_parameters=LLAMA3_STANDARD)
+    freqs = _llama3_rope_freqs(SafetensorsSource(folder).config().head_dim)[:-1]
+    with pytest.raises(UnsupportedArchitecture, match="rope_freqs"):
+        GGUFSource(write_model_gguf(folder, tmp_path / "m.gguf", "llama", rope_freqs=freqs)).config()
