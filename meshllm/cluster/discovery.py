@@ -37,14 +37,40 @@ def is_wildcard(host: str) -> bool:
     return host in ("0.0.0.0", "::", "")
 
 
+# Interfaces of containers and VMs on this machine: their addresses mean this machine only to
+# itself (every Docker host has 172.17.0.1), so a node never advertises them first.
+_VIRTUAL_INTERFACES = ("docker", "br-", "virbr", "veth", "cni", "flannel", "vboxnet", "vmnet", "lxc", "lxd",
+                       "podman", "kube")
+
+
 def lan_ipv4_addresses() -> list[str]:
-    """This machine's non-loopback IPv4 addresses, for a node bound to 0.0.0.0."""
-    addresses = []
-    for entries in psutil.net_if_addrs().values():
-        for entry in entries:
-            if entry.family == socket.AF_INET and not ipaddress.ip_address(entry.address).is_loopback:
-                addresses.append(entry.address)
-    return sorted(addresses)
+    """This machine's non-loopback IPv4 addresses, for a node bound to 0.0.0.0; the one a node
+    advertises first: the address its default route leaves from, then those of interfaces that
+    are up and not container or VM bridges, link-local ones last. (Sorted as text, docker0's
+    172.17.0.1 came before 192.168.x.x, and peers on other machines dialled their own bridge.)"""
+    stats = psutil.net_if_stats()
+    found = [(name, entry.address) for name, entries in psutil.net_if_addrs().items() for entry in entries
+             if entry.family == socket.AF_INET and not ipaddress.ip_address(entry.address).is_loopback]
+    primary = _default_route_address()
+
+    def rank(item: tuple[str, str]):
+        name, address = item
+        ip = ipaddress.ip_address(address)
+        up = stats[name].isup if name in stats else True
+        return address != primary, not up, name.startswith(_VIRTUAL_INTERFACES), ip.is_link_local, ip
+
+    return list(dict.fromkeys(address for _, address in sorted(found, key=rank)))
+
+
+def _default_route_address() -> str | None:
+    """The source address of this machine's default route, or None without one. A UDP connect
+    sends nothing: the kernel only picks the route (203.0.113.1 is TEST-NET-3, never a real host)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("203.0.113.1", 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return None
 
 
 class Discovery:

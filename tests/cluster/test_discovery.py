@@ -2,12 +2,15 @@
 network namespace, joined by a veth pair this test creates (and removes)."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
+from meshllm.cluster import discovery
 from meshllm.cluster.discovery import _instance_name
 from tests.cluster_fixtures import REPO_ROOT
 from tests.netns import namespace_pair
@@ -62,3 +65,20 @@ def test_instance_names_fit_a_dns_label():
     assert _instance_name("mac-mini.local-7650") == "mac-mini-local-7650"
     long = _instance_name("x" * 200)
     assert len(long) <= 63 and long != _instance_name("x" * 199)
+
+
+def test_a_node_on_all_interfaces_advertises_its_lan_address_before_container_bridges(monkeypatch):
+    # Sorted as text, docker0's 172.17.0.1 came first: peers on other machines dialled their own bridge.
+    def addr(ip):
+        return SimpleNamespace(family=socket.AF_INET, address=ip)
+
+    interfaces = {"docker0": [addr("172.17.0.1")], "eth0": [addr("192.168.1.20")], "lo": [addr("127.0.0.1")],
+                  "virbr0": [addr("192.168.122.1")], "wlan0": [addr("169.254.3.4")], "eth1": [addr("10.0.0.9")]}
+    stats = {name: SimpleNamespace(isup=name != "eth1") for name in interfaces}
+    monkeypatch.setattr(discovery.psutil, "net_if_addrs", lambda: interfaces)
+    monkeypatch.setattr(discovery.psutil, "net_if_stats", lambda: stats)
+    monkeypatch.setattr(discovery, "_default_route_address", lambda: None)
+    assert discovery.lan_ipv4_addresses() == ["192.168.1.20", "169.254.3.4", "172.17.0.1", "192.168.122.1",
+                                              "10.0.0.9"]
+    monkeypatch.setattr(discovery, "_default_route_address", lambda: "10.0.0.9")  # where the default route leaves
+    assert discovery.lan_ipv4_addresses()[0] == "10.0.0.9"
