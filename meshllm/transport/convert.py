@@ -12,13 +12,17 @@ import math
 
 from meshllm.cluster.card import Card, LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer, WeightForm
 from meshllm.errors import InvalidCard, MalformedMessage
+from meshllm.transport.auth import MAX_CLOCK_SKEW_S
 from meshllm.transport.protos import cluster_pb2
 
 CARD_MAX_BYTES = 4096
 MAX_CARDS_PER_EXCHANGE = 512
 # Room for a full message of maximal cards plus per-field framing.
 MAX_EXCHANGE_BYTES = MAX_CARDS_PER_EXCHANGE * (CARD_MAX_BYTES + 8)
-MAX_FUTURE_S = 10.0  # clock skew tolerated on announced_at; more wins last-writer-wins unfairly
+# Clock skew tolerated on announced_at: as much as calls are allowed (auth.MAX_CLOCK_SKEW_S). Less
+# made a node whose clock ran 10-30 s behind accept every call and drop every card: an empty
+# fleet, while the others placed stages on it. More would let a card win last-writer-wins unfairly.
+MAX_FUTURE_S = MAX_CLOCK_SKEW_S
 MAX_TTL_S = 86_400.0
 MAX_MEMORY_BYTES = 1 << 50  # 1 PiB
 MAX_BANDWIDTH_GBPS = 1e5

@@ -101,3 +101,14 @@ def test_a_port_of_non_ascii_digits_is_an_invalid_card_not_a_crash():
     msg.grpc_address = "10.0.0.1:²"
     with pytest.raises(InvalidCard, match="host:port"):
         convert.card_from_pb(msg, NOW)
+
+
+def test_cards_from_a_clock_ahead_by_what_calls_tolerate_are_accepted():
+    # A node whose clock runs 20 s behind its peers passed every call's check (30 s) and dropped
+    # every card (10 s): it saw an empty fleet.
+    from meshllm.transport.auth import MAX_CLOCK_SKEW_S
+
+    ahead = make_card("n1", announced_at=NOW + MAX_CLOCK_SKEW_S - 1)
+    assert convert.card_from_pb(convert.card_to_pb(ahead), NOW).announced_at == ahead.announced_at
+    with pytest.raises(InvalidCard, match="clocks out of sync"):
+        convert.card_from_pb(convert.card_to_pb(make_card("n1", announced_at=NOW + MAX_CLOCK_SKEW_S + 5)), NOW)
