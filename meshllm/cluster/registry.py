@@ -9,6 +9,7 @@ hypothesis), so views converge whatever order exchanges happen in.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from meshllm.cluster.card import Card, NodeId
+
+log = logging.getLogger(__name__)
 
 View = Mapping[NodeId, Card]
 
@@ -58,6 +61,7 @@ class Registry:
         self._lock = threading.Lock()
         self._own = own
         self._others: dict[NodeId, Card] = {}
+        self._twins: set[str] = set()  # addresses of other nodes seen with this node's id (warned once)
 
     @property
     def node_id(self) -> NodeId:
@@ -68,10 +72,13 @@ class Registry:
             return self._own
 
     def update_own(self, card: Card) -> None:
+        """Replace this node's card, unless a newer one is in already: the gossip thread and the
+        stage service build it at once, and the older build must not undo a shard just loaded."""
         if card.node_id != self._own.node_id:
             raise ValueError(f"own card must keep node_id {self._own.node_id!r}, got {card.node_id!r}")
         with self._lock:
-            self._own = card
+            if card.announced_at >= self._own.announced_at:
+                self._own = card
 
     def merge(self, cards: Iterable[Card]) -> MergeResult:
         """Merge cards from gossip. Cards for this node's id are ignored: the
@@ -80,6 +87,13 @@ class Registry:
         num_new = num_updated = num_ignored = 0
         with self._lock:
             for card in cards:
+                if card.node_id == self._own.node_id and card.grpc_address != self._own.grpc_address \
+                        and not card.is_expired(now) and card.grpc_address not in self._twins:
+                    # Two machines of one name (cloned images) on the default --node-id: each takes
+                    # the other's card for its own, and calls meant for one reach the other.
+                    self._twins.add(card.grpc_address)
+                    log.warning("another node, at %s, uses this node's id %r: start one of them with its "
+                                "own --node-id", card.grpc_address, card.node_id)
                 if card.node_id == self._own.node_id or card.is_expired(now):
                     num_ignored += 1
                     continue

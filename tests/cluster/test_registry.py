@@ -1,5 +1,7 @@
 """Merge laws of the fleet view (pure) and the Registry's own-card rules."""
 
+import logging
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -94,3 +96,23 @@ def test_update_own_refuses_another_node_id():
         assert "self" in str(e)
     else:
         raise AssertionError("update_own accepted another node's card")
+
+
+def test_a_card_built_earlier_never_replaces_the_own_card_built_later():
+    # The gossip thread and the stage service build the card at once; the older build written
+    # last advertised a shard just loaded (or unloaded) wrongly for a round.
+    registry = Registry(make_card("me", announced_at=NOW), clock=lambda: NOW)
+    registry.update_own(make_card("me", announced_at=NOW + 2, shards=()))
+    registry.update_own(make_card("me", announced_at=NOW + 1))
+    assert registry.own_card().announced_at == NOW + 2 and registry.own_card().shards == ()
+
+
+def test_another_node_with_this_nodes_id_is_named_in_a_warning(caplog):
+    registry = Registry(make_card("pi-7650", announced_at=NOW, grpc_address="192.168.1.20:7650"), clock=lambda: NOW)
+    twin = make_card("pi-7650", announced_at=NOW, grpc_address="192.168.1.21:7650")
+    with caplog.at_level(logging.WARNING, logger="meshllm.cluster.registry"):
+        registry.merge([twin])
+        registry.merge([twin])
+    warnings = [r.getMessage() for r in caplog.records if "uses this node's id" in r.getMessage()]
+    assert len(warnings) == 1 and "192.168.1.21:7650" in warnings[0] and "--node-id" in warnings[0]
+    assert registry.own_card().grpc_address == "192.168.1.20:7650"  # its own card stays its own
