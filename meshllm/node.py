@@ -179,11 +179,19 @@ def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda no
     """Start `node`, call `on_ready`, and stop cleanly on SIGINT or SIGTERM: `on_stopping` first
     (what was built on the node, such as an API and its leader, goes before the stages it uses),
     then the node. Call from the main thread (Python delivers signals there)."""
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop, ready = threading.Event(), threading.Event()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+        if not ready.is_set():
+            # Still starting (waiting for the fleet, loading weights: minutes): stop now, not after.
+            raise SystemExit(128 + signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         node.start()
         on_ready(node)
+        ready.set()
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
             pass
         log.info("node %s stopping", node.node_id)

@@ -75,6 +75,24 @@ def test_serve_answers_openai_requests_and_stops_on_sigterm(aidreams_path, tmp_p
             process.wait(timeout=10)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_while_waiting_for_the_fleet_stops_serve_at_once(aidreams_path, tmp_path, sig):
+    # Start-up (waiting up to --fleet-timeout for the nodes, then loading) ignored Ctrl-C and
+    # systemd's stop until it was over: the handler only set a flag the main thread read later.
+    command = [sys.executable, "-m", "meshllm.cli", "--log-level", "INFO", "serve", "--model", str(aidreams_path),
+               "--stages", "2", "--fleet-timeout", "120", "--port", "0", "--api-port", "0", "--no-discovery",
+               "--state-dir", str(tmp_path / "state")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        read_line_matching(process, r"found \d+ model\(s\) on disk", 60)  # started; waiting for a 2nd node
+        process.send_signal(sig)
+        assert process.wait(timeout=15) == 128 + sig
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
+
+
 def test_bad_flags_exit_with_a_message(tmp_path, capsys):
     base = ["serve", "--state-dir", str(tmp_path), "--no-discovery", "--port", "0"]
     for flags, message in ((["--request-timeout", "0"], "--request-timeout"),
