@@ -127,6 +127,9 @@ class GGUFFile:
         if magic != b"GGUF":
             raise CorruptWeights(f"{path} does not start with the GGUF magic bytes (found {magic!r}): "
                                  f"not a GGUF file, or a corrupt one")
+        if version not in (2, 3) and int.from_bytes(version.to_bytes(4, "little"), "big") in (2, 3):
+            raise UnsupportedArchitecture(f"{path} is a big-endian GGUF (for s390x and the like); meshllm "
+                                          f"reads little-endian GGUF files, as llama.cpp writes them by default")
         if version not in (2, 3):
             raise CorruptWeights(f"{path} is GGUF version {version}; meshllm reads versions 2 and 3")
         if num_tensors > size or num_kv > size:  # each entry takes at least a byte: the counts are garbage
@@ -431,12 +434,16 @@ def config_dict(file: GGUFFile) -> dict:
     """An HF config.json-style dict from the GGUF metadata (what ModelConfig.from_dict reads)."""
     meta = file.metadata
     arch = meta.get("general.architecture")
+    # Before the architecture: a split GGUF's later parts carry no general metadata at all.
+    if int(meta.get("split.count", 1)) > 1:
+        raise ModelLoadError(f"{file.path} is one part of a split GGUF; merge the parts first with "
+                             f"`llama-gguf-split --merge <its first part> merged.gguf`")
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitecture(f"{file.path} is a GGUF of architecture {arch!r}; meshllm runs GGUF "
                                       f"architectures {sorted(_ARCHITECTURES)}")
-    if int(meta.get("split.count", 1)) > 1:
-        raise ModelLoadError(f"{file.path} is one part of a split GGUF; merge the parts first with "
-                             f"`llama-gguf-split --merge {file.path} merged.gguf`")
+    if int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:  # Mixtral is written as "llama"
+        raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts model ({arch}.expert_count "
+                                      f"{meta[f'{arch}.expert_count']}); meshllm runs dense models only")
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -433,3 +434,30 @@ def test_a_rope_freqs_tensor_of_another_length_is_a_clear_error(tiny_model_dir, 
     freqs = _llama3_rope_freqs(SafetensorsSource(folder).config().head_dim)[:-1]
     with pytest.raises(UnsupportedArchitecture, match="rope_freqs"):
         GGUFSource(write_model_gguf(folder, tmp_path / "m.gguf", "llama", rope_freqs=freqs)).config()
+
+
+def test_files_meshllm_cannot_run_say_what_they_are(tmp_path):
+    # A split GGUF's later parts (no general metadata: "architecture None" before), a big-endian
+    # file ("GGUF version 50331648" before), a Mixtral (llama-architecture MoE: it opened, and
+    # failed later naming a missing mlp weight).
+    later_part = tmp_path / "m-00002-of-00003.gguf"
+    entries = b"".join(struct.pack("<Q", len(k)) + k + struct.pack("<IH", 2, v)
+                       for k, v in ((b"split.no", 1), (b"split.count", 3)))
+    later_part.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 2) + entries + bytes(64))
+    with pytest.raises(ModelLoadError, match="one part of a split GGUF; merge"):
+        GGUFSource(later_part)
+
+    embedding = {"token_embd.weight": (_values(4, 32, 0), GGML.F32)}
+    big_endian = _write_tensors(tmp_path / "be.gguf", embedding)
+    data = bytearray(big_endian.read_bytes())
+    data[4:8] = (3).to_bytes(4, "big")
+    big_endian.write_bytes(bytes(data))
+    with pytest.raises(UnsupportedArchitecture, match="big-endian"):
+        GGUFSource(big_endian)
+
+    w = GGUFWriter(tmp_path / "moe.gguf", "llama")
+    w.add_expert_count(8)
+    w.add_tensor("token_embd.weight", _values(4, 32, 0))
+    _finish(w)
+    with pytest.raises(UnsupportedArchitecture, match="mixture-of-experts"):
+        GGUFSource(tmp_path / "moe.gguf")
