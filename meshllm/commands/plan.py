@@ -58,6 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per weight as stages hold them: 2 for float16/bfloat16, 4 for float32 "
                              f"(default {_REQUEST_DEFAULTS['weight_dtype_bytes']}); a quantized GGUF's blocks "
                              "count as they are")
+    # stage_weights.QUANTIZE_TYPES' names, not imported here: it would load torch for --help
     parser.add_argument("--quantize", choices=("int4", "int8"), default=None,
                         help="as serve's --quantize: a 16/32-bit model's linear weights quantized at load")
     parser.add_argument("--kv-bytes", type=int, choices=(1, 2, 4), default=_REQUEST_DEFAULTS["kv_dtype_bytes"],

@@ -61,8 +61,9 @@ class StageRunner:
         # A sequence this plan adopted after a failover is claimed by the first work naming it
         # (kv_carry.skip_carried); a stage before this one that had every row of that work carried
         # drops the work, so here the step may name it only to publish or release it.
-        for seq_id in {p.seq_id for p in step.publish}.union(step.release):
-            self.cache.claim(seq_id, owner)
+        if step.publish or step.release:
+            for seq_id in {p.seq_id for p in step.publish}.union(step.release):
+                self.cache.claim(seq_id, owner)
         # Evictions before publications: the leader's index evicted to make room for them, and
         # the chores it sends never evict and publish the same block (pipeline/chores.py).
         self.prefix.evict(step.evict, owner)

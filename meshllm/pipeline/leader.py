@@ -161,11 +161,11 @@ class Leader(LeaderFailover, LeaderLifecycle):
     def cancel(self, seq_id: SeqId) -> None:
         self._inbox.put(Cancel(seq_id))
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams,
-                 speculative: bool | None = None) -> Iterator[GenerationEvent]:
+    def generate(self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None,
+                 grammar: Matcher | None = None) -> Iterator[GenerationEvent]:
         """Blocking convenience: yields events until the sequence finishes."""
         events: queue.Queue = queue.Queue()
-        seq_id = self.submit(prompt_ids, params, events.put, speculative=speculative)
+        seq_id = self.submit(prompt_ids, params, events.put, grammar=grammar, speculative=speculative)
         try:
             while True:
                 event = events.get()

@@ -77,10 +77,11 @@ class ProposerService(proposer_pb2_grpc.ProposerServicer):
         # A sequence reaching past the draft model's context (drafts included) gets no draft, now or
         # later (its context only grows): the call answers for the others. Aborting it made the
         # leader leave this proposer out, and so stop drafting for every sequence.
-        beyond = [r.seq_id for r in requests if served.max_context and r.end + r.k > served.max_context]
+        asked = requests
+        beyond = {r.seq_id for r in requests if r.end + r.k > served.max_context} if served.max_context else set()
         if beyond:
-            requests = [r for r in requests if r.seq_id not in set(beyond)]
-            release = tuple(release) + tuple(beyond)
+            requests = [r for r in requests if r.seq_id not in beyond]
+            release = tuple(release) + tuple(sorted(beyond))
         with self._locks[request.model_id]:
             last_used = self._last_used[request.model_id]
             if release:
@@ -96,7 +97,10 @@ class ProposerService(proposer_pb2_grpc.ProposerServicer):
             for r in requests:
                 last_used.pop(r.seq_id, None)  # re-inserted last: the dict stays oldest first
                 last_used[r.seq_id] = now
-        return spec_convert.drafts_to_pb(list(drafts) + [Draft(seq_id) for seq_id in beyond])
+        if beyond:  # in the order asked
+            drafted = iter(drafts)
+            drafts = [Draft(r.seq_id) if r.seq_id in beyond else next(drafted, Draft(r.seq_id)) for r in asked]
+        return spec_convert.drafts_to_pb(drafts)
 
     def expire(self) -> int:
         """Release the sequences no Propose named for the lease; returns how many."""

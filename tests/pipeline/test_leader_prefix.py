@@ -58,8 +58,6 @@ def test_a_prefix_block_a_stage_dropped_is_prefilled_again_not_a_failure(aidream
     the same answer; before, it ended in an error (or, with a re-planner, every running request
     was re-prefilled on a new plan). Two stages in this process; the blocks dropped on the first
     or on the second (the first then attached and computed the step, and rolls back)."""
-    import queue
-
     import torch
 
     from meshllm.engine.stage_runner import StageRunner
@@ -78,15 +76,9 @@ def test_a_prefix_block_a_stage_dropped_is_prefilled_again_not_a_failure(aidream
     leader = new_leader(files, LocalPipeline(runners), EXACT)
 
     def answer() -> tuple[list[int], int]:
-        events = queue.Queue()
-        leader.submit(prompt, params, events.put)
-        tokens = []
-        while True:
-            e = events.get(timeout=60)
-            assert e.error is None, e.error
-            tokens += [e.token_id] if e.token_id is not None else []
-            if e.finish_reason is not None:
-                return tokens, e.num_cached_tokens
+        events = list(leader.generate(prompt, params))
+        assert events[-1].error is None, events[-1].error
+        return [e.token_id for e in events if e.token_id is not None], events[-1].num_cached_tokens
 
     try:
         first, cached = answer()

@@ -6,7 +6,6 @@ ended in an error."""
 
 from __future__ import annotations
 
-import queue
 from dataclasses import replace
 
 import pytest
@@ -50,19 +49,12 @@ def _run(files, prompt, proposer=None) -> tuple[list[int], str]:
     options = replace(EXACT, spec=SpecConfig(wait_for_drafts=True)) if proposer else EXACT
     leader = local_leader(files, options, proposer=proposer)
     compiler = GrammarCompiler(files.tokenizer)
-    events = queue.Queue()
     try:
-        leader.submit(prompt, GREEDY, events.put, grammar=compiler.matcher(compiler.json_schema(SCHEMA)))
-        tokens = []
-        while True:
-            e = events.get(timeout=120)
-            assert e.error is None, e.error
-            if e.token_id is not None:
-                tokens.append(e.token_id)
-            if e.finish_reason is not None:
-                return tokens, e.finish_reason
+        events = list(leader.generate(prompt, GREEDY, grammar=compiler.matcher(compiler.json_schema(SCHEMA))))
     finally:
         leader.close()
+    assert events[-1].error is None, events[-1].error
+    return [e.token_id for e in events if e.token_id is not None], events[-1].finish_reason
 
 
 @pytest.mark.parametrize("prompt_text", ["Once upon a time", "The answer is"])

@@ -109,9 +109,9 @@ def test_a_sequence_past_the_draft_models_context_gets_no_draft_and_the_others_d
     try:
         remote = RemoteProposer(channels.get(server.address, "proposer-node"), "ngram", "test-node", deadline_s=5.0)
         short, long = SeqId(1), SeqId(2)
-        drafts = remote.propose([ProposeRequest(short, 0, (1, 2, 3, 1, 2), 3),
-                                 ProposeRequest(long, 0, (1, 2, 3, 1, 2, 3, 1, 2, 3, 1), 3)])
-        assert {d.seq_id: d.tokens for d in drafts} == {short: (3, 1), long: ()}
+        drafts = remote.propose([ProposeRequest(long, 0, (1, 2, 3, 1, 2, 3, 1, 2, 3, 1), 3),
+                                 ProposeRequest(short, 0, (1, 2, 3, 1, 2), 3)])
+        assert [(d.seq_id, d.tokens) for d in drafts] == [(long, ()), (short, (3, 1))]  # in the order asked
     finally:
         channels.close()
         server.stop()
