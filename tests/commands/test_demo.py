@@ -72,13 +72,15 @@ def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gg
     del stage
     reference = smollm2_transformers
     whole = load_stage_decoder(files.source, files.config, dtype=TORCH_DTYPES[options.dtype])
+    golden = {}  # prompt -> (ids, transformers' greedy reply, its logits at every reply position and after)
     for prompt in GOLDEN_PROMPTS:
         ids = files.tokenizer.encode(files.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
         with torch.no_grad():
             theirs = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
                                         eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
-            logits = reference(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:-1]
-        deviation = (_teacher_forced(whole, ids, theirs) - logits).abs().amax(dim=-1)
+            logits = reference(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:]
+        golden[prompt] = ids, theirs, logits
+        deviation = (_teacher_forced(whole, ids, theirs) - logits[:-1]).abs().amax(dim=-1)
         assert deviation.max() < MAX_DEVIATION, (prompt, deviation)
     del whole
 
@@ -89,13 +91,9 @@ def test_demo_serves_the_q4_1_gguf_quantized_and_matches_transformers(smollm2_gg
         leader = Cluster(local).leader(files, [(0, 15), (15, 30)], options)
         try:
             for prompt in GOLDEN_PROMPTS:
-                ids = files.tokenizer.encode(files.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
+                ids, theirs, logits = golden[prompt]
                 params = SamplingParams(temperature=0.0, max_tokens=32)
                 ours = [e.token_id for e in leader.generate(ids, params) if e.token_id is not None]
-                with torch.no_grad():
-                    theirs = reference.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
-                                                eos_token_id=2, pad_token_id=2)[0, len(ids):].tolist()
-                    logits = reference(torch.tensor([ids + theirs])).logits[0, len(ids) - 1:]
                 first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
                 if first is None:
                     assert ours == theirs, (prompt, ours, theirs)  # same tokens, same stop
