@@ -27,6 +27,7 @@ from meshllm.cluster.models_on_disk import ModelScan
 from meshllm.cluster.own_card import CardIdentity, OwnCard
 from meshllm.cluster.profile import load_or_probe, memory_of, platform_name
 from meshllm.cluster.registry import Registry
+from meshllm.cluster.stage_budget import StageMemory
 from meshllm.tp.node_collective import NodeCollective
 from meshllm.transport.auth import cluster_id
 from meshllm.transport.channels import ChannelConfig, ChannelPool
@@ -83,12 +84,16 @@ class NodeConfig:
                 raise ValueError(f"--peer {peer!r} is not host:port")
 
 
-def capped_memory(memory: tuple[int, int], cap: int | None, held: int = 0) -> tuple[int, int]:
-    """(total, free) as the card advertises them: with --max-memory, never more than the cap less
-    the weights this node already holds for plans (`held`), so the cap bounds what its plans take
-    together, not each reading of free memory (which already counts what they took)."""
+def capped_memory(memory: tuple[int, int], cap: int | None, plans: StageMemory = StageMemory()) -> tuple[int, int]:
+    """(total, free) as the card advertises them. Free leaves out the KV this node's plans may still
+    grow into (`plans.reserved`), which the OS counts as free until they do. With --max-memory, never
+    more than the cap less what the plans hold (weights and KV) and reserve, so the cap bounds what
+    they take together, not each reading of free memory (which already counts what they took)."""
     total, free = memory
-    return (total, free) if cap is None else (min(total, cap), max(0, min(free, cap - held)))
+    free -= plans.reserved
+    if cap is not None:
+        total, free = min(total, cap), min(free, cap - plans.held - plans.reserved)
+    return total, max(0, min(free, total))
 
 
 class Service(Protocol):
@@ -112,10 +117,10 @@ class Node:
 
         self.models = ModelScan(config.model_paths)
         profile = load_or_probe(config.device, config.state_dir)
-        self.held_bytes: Callable[[], int] = lambda: 0  # the stage service's weights (node_stage.py)
+        self.plan_memory: Callable[[], StageMemory] = StageMemory  # the stage service's (node_stage.py)
         self.card = OwnCard(CardIdentity(self.node_id, self.address, platform_name(), config.ttl_s), profile,
                             memory=lambda: capped_memory(memory_of(config.device), config.max_memory_bytes,
-                                                         self.held_bytes()),
+                                                         self.plan_memory()),
                             models=lambda: self.models.models)
         self.collective: NodeCollective | None = None
         if config.collective_port is not None:
@@ -169,9 +174,17 @@ class Node:
             self._started.append(service)
 
     def stop(self) -> None:
-        while self._started:
-            self._started.pop().stop()
-        self.server.stop()
+        """Services last started first, then the gRPC server; one that fails to stop is logged and
+        the rest still stop (a node that is told to stop must not keep its port and threads)."""
+        try:
+            while self._started:
+                service = self._started.pop()
+                try:
+                    service.stop()
+                except Exception:  # noqa: BLE001 - logged; the other services and the server still stop
+                    log.exception("stopping %s failed", type(service).__name__)
+        finally:
+            self.server.stop()
 
 
 def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda node: None,

@@ -47,6 +47,9 @@ class LoadedShard:
     max_streams: int = 64
     tp_size: int = 1  # > 1: one rank's slice of a tensor-parallel group, not the whole range
     form: WeightForm = WeightForm()
+    # KV the plans over this range may still grow into within their limits. The card's free memory
+    # already leaves it out; a re-plan over the same range takes those plans' place (and their KV).
+    kv_reserved_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,7 +148,8 @@ def plan_placement(request: PlacementRequest, fleet: Sequence[Card]) -> Plan:
     same set of cards (in any order) give the same plan on every node.
     """
     footprint = Footprint.of(request)
-    stage_nodes = [c for c in _unique_by_node(fleet) if Role.STAGE in c.roles and c.node_id not in request.exclude]
+    stage_nodes = [_reserved_kv_counted_free(c, request.fingerprint) for c in _unique_by_node(fleet)
+                   if Role.STAGE in c.roles and c.node_id not in request.exclude]
     reused = _plan_on_loaded_shards(request, footprint, stage_nodes)
     if reused is not None:
         return reused
@@ -170,6 +171,19 @@ def _unique_by_node(fleet: Sequence[Card]) -> list[Card]:
         current = newest.get(card.node_id)
         newest[card.node_id] = card if current is None else newer(current, card)
     return [newest[node_id] for node_id in sorted(newest)]
+
+
+def _reserved_kv_counted_free(card: Card, fingerprint: str) -> Card:
+    """`card` with the KV its plans of this model reserve counted as free. A card's free memory leaves
+    out the KV its loaded plans may still grow into, so that no other model's plan is placed into it;
+    a plan of the same model is a re-plan (after a failure, or over more nodes) that takes their
+    place: the plans it replaces are unloaded once it is deployed, their KV adopted or freed. (Two
+    leaders that plan the same model differently would each count it: leaders normally share one
+    plan, see stage_control.unload.)"""
+    reserved = sum(s.kv_reserved_bytes for s in card.shards if s.fingerprint == fingerprint)
+    if not reserved:
+        return card
+    return replace(card, memory_free_bytes=min(card.memory_total_bytes, card.memory_free_bytes + reserved))
 
 
 def _has_weights(card: Card, request: PlacementRequest) -> bool:

@@ -36,6 +36,14 @@ class WeightBytes:
             raise ValueError(f"weight bytes must not be negative: {self}")
 
 
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """What a node's loaded plans take and may still take (pipeline/loaded_stages.py)."""
+
+    held: int = 0  # weights (each shared range once) and the KV the plans hold now
+    reserved: int = 0  # KV the plans may still grow into within their limits: not free for anything else
+
+
 def usable_bytes(card: Card, safety_margin_fraction: float) -> int:
     """Free memory a plan may use on this node: the margin is left for the OS and other programs."""
     return max(0, int(card.memory_free_bytes * (1.0 - safety_margin_fraction)))

@@ -183,4 +183,5 @@ class KVCache:
 
     @property
     def num_bytes(self) -> int:
-        return sum(s.num_bytes for s in self.sequences.values())
+        # A copy first: the node's card reads this from the gossip thread while a step adds sequences.
+        return sum(s.num_bytes for s in list(self.sequences.values()))

@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from meshllm.cluster.stage_budget import StageMemory
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.step_limits import StepLimits
 from meshllm.model.decoder import Decoder
@@ -86,6 +87,23 @@ class LoadedStage:
     @property
     def leased(self) -> bool:
         return self.request.tp.rank == 0  # a worker rank lives as long as its group (see the module doc)
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV and prefix blocks this plan holds here now (allocated capacity, not tokens written)."""
+        return self.runner.cache.num_bytes + self.runner.prefix.num_bytes
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The most KV and prefix blocks the plan's limits let its leaders' streams hold here: what
+        the planner budgeted for this stage (stage_budget.Footprint.layer_kv), per leader. 0 for a
+        plan loaded without limits (an older leader): unknown."""
+        if not self.request.max_context:
+            return 0
+        limits = self.limits
+        tokens = (limits.max_context * limits.max_seqs * max(1, len(self.leaders))
+                  + limits.max_prefix_blocks * (limits.prefix_block_size or 0))
+        return tokens * self.runner.cache.layout.bytes_per_token
 
 
 class LoadedStages:
@@ -160,6 +178,32 @@ class LoadedStages:
         """Weights held in memory, each shared range counted once."""
         with self._lock:
             return sum(w.num_bytes for w in self._weights.values())
+
+    def memory(self) -> StageMemory:
+        """Weights and KV held, and KV reserved (see kv_reserved)."""
+        weights, used, reserved = self._kv_by_range()
+        return StageMemory(weights + sum(used.values()), sum(reserved.values()))
+
+    def kv_reserved(self) -> dict[WeightKey, int]:
+        """Per range of weights, the KV its plans may still grow into within their limits. Free memory
+        as the OS reports it includes that (caches grow as sequences do), and a second plan placed
+        into it would run the node out of memory at long contexts. Plans over one range reserve the
+        largest of their budgets, not the sum: they are a plan and the re-plan that replaces it
+        (adopting its KV, kv_parking.py), or leaders sharing one plan (counted in its budget)."""
+        return self._kv_by_range()[2]
+
+    def _kv_by_range(self) -> tuple[int, dict[WeightKey, int], dict[WeightKey, int]]:
+        """(weight bytes, KV held per range, KV reserved per range)."""
+        with self._lock:
+            stages = list(self._stages.values())
+            weights = sum(w.num_bytes for w in self._weights.values())
+        budget: dict[WeightKey, int] = {}
+        used: dict[WeightKey, int] = {}
+        for s in stages:
+            key = s.weights.key
+            budget[key] = max(budget.get(key, 0), s.kv_budget_bytes)
+            used[key] = used.get(key, 0) + s.kv_bytes
+        return weights, used, {key: max(0, budget[key] - used[key]) for key in budget}
 
     def items(self) -> list[tuple[str, LoadedStage]]:
         """A snapshot, sorted by plan id."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshllm.cluster.card import LoadedShard, WeightForm
+from meshllm.pipeline.loaded_stages import WeightKey
 from meshllm.pipeline.stage_service import StageService
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.protos import stage_pb2_grpc
@@ -31,14 +32,16 @@ def attach_stage_service(node, key: bytes) -> StageService:
         # One entry per range held, however many plans share its weights. Streams are a node-wide
         # budget: every shard shows the node's open streams and its maximum.
         streams = service.forward
+        reserved = service.stages.kv_reserved()
         return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
                                                queue_depth=streams.num_open, max_streams=streams.max_streams,
                                                tp_size=max(r.tp.size, 1),
-                                               form=WeightForm(r.dtype, r.quantization, r.batch_invariant))
+                                               form=WeightForm(r.dtype, r.quantization, r.batch_invariant),
+                                               kv_reserved_bytes=reserved.get(WeightKey.of(r), 0))
                                    for r in service.loaded()))
 
     node.card.set_shards_source(shards)
-    node.held_bytes = service.stages.weight_bytes  # what --max-memory's cap already holds
+    node.plan_memory = service.stages.memory  # left out of the card's free memory
     node.server.add(stage_pb2_grpc.add_StageServicer_to_server, service)
     node.add_service(service)  # stopped first: its tensor-parallel groups are told to stop
     return service

@@ -63,11 +63,14 @@ class StageControl:
         # its group (minutes at most), which would stall every other plan's Load on this node.
         self._read_lock = threading.Lock()
         self._loading = LoadsUnderWay()  # per plan: one Load at a time, and the flag its Unload sets
+        self._closed = False  # the node is stopping: no Load may leave a stage behind (close, _put)
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._loading.turn(request.plan_id, request.leader_id) as unloaded:  # a second Load waits, then reuses
             with self._loading.lock:  # ordered against an Unload of the plan by its last other leader
+                if self._closed:
+                    raise ShardUnavailable("this node is stopping; plan its layers on another node")
                 existing = self._stages.use(request.plan_id)
                 if existing is not None and same_load(existing, request):
                     existing.leaders.add(request.leader_id)
@@ -95,10 +98,14 @@ class StageControl:
         """Serve the loaded stage, unless an Unload of its plan came during the Load: then nothing of
         it stays (ordered against Unload by the same lock, so one of the two always wins whole)."""
         with self._loading.lock:
-            dropped = unloaded.is_set()  # decided once: an Unload right after this finds the stage and pops it
+            # Decided once: an Unload right after this finds the stage and pops it. A node that
+            # stopped meanwhile (close) keeps nothing either: nobody would ever free it.
+            dropped, stopping = unloaded.is_set() or self._closed, self._closed
             previous = None if dropped else self._stages.put(request.plan_id, request, weights, runner)
         if dropped:
             retire(LoadedStage(request, runner, weights) if runner is not None else None)
+            if stopping:
+                raise ShardUnavailable("this node stopped while it loaded the plan; plan its layers on another node")
             raise ModelLoadError(f"plan {request.plan_id} was unloaded while this node loaded it")
         retire(previous)
 
@@ -121,7 +128,7 @@ class StageControl:
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
-        _check_memory(files, request, dtype.itemsize)
+        _check_memory(files, request, dtype.itemsize, self._stages.memory().reserved)
         return files, dtype
 
     def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
@@ -162,6 +169,7 @@ class StageControl:
     def close(self) -> None:
         """Node shutdown: tensor-parallel groups are told to stop, not left to time out."""
         with self._loading.lock:
+            self._closed = True  # a Load from now on is refused, and one under way keeps nothing (_put)
             self._loading.unload_all()  # Loads under way end at their next look (a group forming: at once)
         for plan_id, _ in self._stages.items():
             stage, _ = self._stages.pop(plan_id)
@@ -304,10 +312,12 @@ def _free(stage: LoadedStage) -> None:
     stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
 
 
-def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int) -> None:
-    """Refuse a range whose weights cannot fit in what the OS has free now, before reading it: a
-    leader that planned on a stale card gets a clear error instead of this node swapping. A
-    tensor-parallel rank holds about 1/size of it, in dense form (tp/load.py)."""
+def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int, reserved: int) -> None:
+    """Refuse a range whose weights and KV cannot fit in what the OS has free now, less the KV the
+    plans loaded here may still grow into (`reserved`), before reading it: a leader that planned on
+    a stale card gets a clear error instead of this node swapping now or running out of memory
+    once the sequences grow. A tensor-parallel rank holds about 1/size of it, its weights in dense
+    form (tp/load.py)."""
     config = files.config
     held = None if request.HasField("tp") else held_weight_bytes(
         files.source, config, dtype_bytes, request.quantization or None, request.batch_invariant)
@@ -318,10 +328,14 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
         need += held.embedding if held is not None else vocab_table
     if request.last_layer == config.num_hidden_layers:
         need += held.lm_head if held is not None else vocab_table
+    if request.max_context:  # the KV its limits allow (LoadedStage.kv_budget_bytes); unknown without them
+        tokens = request.max_context * request.max_seqs + request.max_prefix_blocks * request.prefix_block_size
+        need += tokens * config.kv_bytes_per_token(dtype_bytes, request.last_layer - request.first_layer)
     need //= max(request.tp.size, 1)
-    available = psutil.virtual_memory().available
+    available = psutil.virtual_memory().available - reserved
     if need > available:
-        raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) need {need} bytes of weights; "
-                               f"this node has {available} bytes free. Plan them on another node.",
+        raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) need {need} bytes of weights "
+                               f"and KV; this node has {available} bytes free (less {reserved} its plans' KV may "
+                               f"still take). Plan them on another node.",
                                missing_bytes=need - available, part=f"layers {request.first_layer}-"
                                f"{request.last_layer - 1}")

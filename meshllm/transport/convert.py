@@ -52,7 +52,7 @@ def shard_to_pb(s: LoadedShard) -> cluster_pb2.LoadedShard:
     return cluster_pb2.LoadedShard(model_id=s.model_id, fingerprint=s.fingerprint, first_layer=s.first_layer,
                                    last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams,
                                    tp_size=s.tp_size, dtype=s.form.dtype, quantization=s.form.quantization,
-                                   batch_invariant=s.form.batch_invariant)
+                                   batch_invariant=s.form.batch_invariant, kv_reserved_bytes=s.kv_reserved_bytes)
 
 
 def link_to_pb(link: LinkProbe) -> cluster_pb2.LinkProbe:
@@ -128,7 +128,8 @@ def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
         max_streams=int(_bounded(s.max_streams, "max_streams", 1, 1 << 20)),
         tp_size=int(_bounded(max(s.tp_size, 1), "tp_size", 1, 1024)),
         form=WeightForm(_text(s.dtype, "shard dtype", MAX_ID_CHARS, required=False),
-                        _text(s.quantization, "shard quantization", MAX_ID_CHARS, required=False), s.batch_invariant))
+                        _text(s.quantization, "shard quantization", MAX_ID_CHARS, required=False), s.batch_invariant),
+        kv_reserved_bytes=int(_bounded(s.kv_reserved_bytes, "kv_reserved_bytes", 0, MAX_MEMORY_BYTES)))
 
 
 def link_from_pb(k: cluster_pb2.LinkProbe) -> LinkProbe:

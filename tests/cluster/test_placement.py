@@ -98,6 +98,33 @@ def test_reused_shards_must_still_fit_kv_for_the_target_context():
     assert not plan.reused_shards and ranges(plan) == [("c", 0, 16)]
 
 
+def test_a_replan_may_use_the_kv_its_models_plans_reserved_and_no_other_model_may():
+    # A node's card leaves the KV its loaded plans may still grow into out of its free memory and
+    # names it per shard. A plan of the same model takes their place (a re-plan adopts or frees
+    # their KV), so that room counts for it; a plan of another model must not be placed into it.
+    req = request(SIXTEEN, context_length=4096, max_batch=8)
+    fp = Footprint.of(req)
+    need = [8 * fp.layer_kv + fp.activations(i, 2) for i in range(2)]
+    reserved = lambda first, last, kv, model="fp": (LoadedShard("m", model, first, last, kv_reserved_bytes=kv),)  # noqa: E731
+    fleet = [card("a", need[0] // 2, num_layers=16, shards=reserved(0, 8, need[0] - need[0] // 2)),
+             card("b", need[1] // 2, num_layers=16, shards=reserved(8, 16, need[1] - need[1] // 2)),
+             card("c", 16 * GIB, num_layers=16)]
+    plan = plan_placement(req, fleet)
+    assert plan.reused_shards and ranges(plan) == [("a", 0, 8), ("b", 8, 16)]
+    # One byte short of the room on a: a fresh plan on c instead.
+    fleet[0] = card("a", need[0] // 2, num_layers=16, shards=reserved(0, 8, need[0] - need[0] // 2 - 1))
+    plan = plan_placement(req, fleet)
+    assert not plan.reused_shards and ranges(plan) == [("c", 0, 16)]
+    # A fresh plan counts it too: the nodes hold another range of this model (the plan it replaces).
+    layer = fp.per_layer
+    small = [card(n, 4 * layer, num_layers=16, shards=reserved(0, 1, 8 * layer)) for n in ("a", "b")]
+    assert len(plan_placement(req, small).stages) == 2
+    # Another model's reservation is not room for this one.
+    other = [card(n, 4 * layer, num_layers=16, shards=reserved(0, 1, 8 * layer, model="other")) for n in ("a", "b")]
+    with pytest.raises(ShardUnavailable):
+        plan_placement(req, other)
+
+
 def test_a_shard_loaded_in_another_dtype_is_not_reused_and_the_second_copy_is_budgeted():
     """The stage would load the weights again in the new dtype (issue 12): the plan must count that copy."""
     fp32 = request(SIXTEEN, weight_dtype_bytes=4, form=WeightForm("float32"))

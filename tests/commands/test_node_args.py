@@ -33,11 +33,24 @@ def test_a_bad_log_level_is_a_usage_error_not_a_traceback(capsys):
 def test_max_memory_caps_what_all_plans_hold_together():
     # The cap was applied to each reading of free memory, which already counts what the node's
     # plans hold: with 8 GiB offered and 6 GiB loaded, the card still said 8 GiB free.
+    from meshllm.cluster.stage_budget import StageMemory
     from meshllm.node import capped_memory
 
     gib = 1 << 30
-    assert capped_memory((64 * gib, 40 * gib), None, 6 * gib) == (64 * gib, 40 * gib)  # no cap: what is free
+    assert capped_memory((64 * gib, 40 * gib), None, StageMemory(6 * gib)) == (64 * gib, 40 * gib)  # no cap: what is free
     assert capped_memory((64 * gib, 40 * gib), 8 * gib) == (8 * gib, 8 * gib)
-    assert capped_memory((64 * gib, 40 * gib), 8 * gib, 6 * gib) == (8 * gib, 2 * gib)
-    assert capped_memory((64 * gib, 40 * gib), 8 * gib, 9 * gib) == (8 * gib, 0)
-    assert capped_memory((64 * gib, 1 * gib), 8 * gib, 2 * gib) == (8 * gib, 1 * gib)  # less free than the room left
+    assert capped_memory((64 * gib, 40 * gib), 8 * gib, StageMemory(6 * gib)) == (8 * gib, 2 * gib)
+    assert capped_memory((64 * gib, 40 * gib), 8 * gib, StageMemory(9 * gib)) == (8 * gib, 0)
+    assert capped_memory((64 * gib, 1 * gib), 8 * gib, StageMemory(2 * gib)) == (8 * gib, 1 * gib)  # less free than the room left
+
+
+def test_free_memory_leaves_out_the_kv_loaded_plans_may_still_grow_into():
+    # The OS counts KV a plan has not grown into yet as free; a second plan placed into it would
+    # run the node out of memory once the first one's sequences grow.
+    from meshllm.cluster.stage_budget import StageMemory
+    from meshllm.node import capped_memory
+
+    gib = 1 << 30
+    assert capped_memory((64 * gib, 40 * gib), None, StageMemory(6 * gib, 3 * gib)) == (64 * gib, 37 * gib)
+    assert capped_memory((64 * gib, 2 * gib), None, StageMemory(6 * gib, 3 * gib)) == (64 * gib, 0)
+    assert capped_memory((64 * gib, 40 * gib), 8 * gib, StageMemory(4 * gib, 3 * gib)) == (8 * gib, 1 * gib)

@@ -18,12 +18,14 @@ import time
 import psutil
 import pytest
 
+from meshllm.cluster.gossip import fetch_view
 from meshllm.engine.ggml_lib import runtime
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions
 from meshllm.pipeline.local_cluster import LocalCluster
+from meshllm.transport.auth import load_key
 from tests.pipeline.conftest import Cluster
 
 pytestmark = pytest.mark.slow
@@ -57,6 +59,14 @@ def test_loading_all_layers_of_the_q4_1_gguf_grows_a_node_by_file_size_plus_kv_p
             params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
             assert sum(1 for e in leader.generate(ids, params) if e.token_id is not None) == 32
             loaded = _settled_rss(node)
+            # The card reserves the KV the plan's limits allow and it does not hold yet (one sequence
+            # of CONTEXT positions and the prefix-cache blocks), so no other plan is placed into it.
+            s = options.scheduler
+            budget = (CONTEXT + s.prefix_cache_blocks * s.prefix_block_size) * c.kv_bytes_per_token(4)
+            (own,) = [card for card in fetch_view(local.addresses[0], load_key(local.key_file))
+                      if card.node_id == local.node_ids[0]]
+            (shard,) = own.shards
+            assert 0 < shard.kv_reserved_bytes <= budget and budget - shard.kv_reserved_bytes < 16 * MIB, shard
         finally:
             leader.close()
     finally:

@@ -172,7 +172,7 @@ def test_concurrent_loads_never_pass_the_memory_check_for_the_same_bytes(control
                              ("plain", _request(files, "plain", 0, 4))):
         monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=0))
         with pytest.raises(ShardUnavailable) as refused:
-            stage_control._check_memory(files, request, 4)
+            stage_control._check_memory(files, request, 4, 0)
         needs[plan_id] = refused.value.missing_bytes
     free = [needs["tp"] + needs["plain"] - 1]  # room for either, not both
     monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=free[0]))

@@ -1,0 +1,121 @@
+"""A node budgets the KV its loaded plans may still grow into, not only what they hold now.
+
+Caches grow as sequences do, so free memory as the OS reports it includes KV a loaded plan will
+take later: a second plan placed into that room (another model, another leader's plan) runs the
+node out of memory once the first plan's sequences grow. The node's stages reserve what each
+plan's limits allow (its planner budget); the card leaves that out of its free memory and names
+it per loaded range, a Load counts its own KV and the others' reservations, and a re-plan over a
+loaded range may use the room its own replaced plan reserved. Real StageControl and StageRunner
+on the tiny Llama; the one stand-in is the OS's free-memory reading in the refusal test (this
+machine cannot be made short of memory on demand)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import meshllm.pipeline.stage_control as stage_control
+from meshllm.engine.kv_cache import SeqId
+from meshllm.engine.sampler import SamplingParams
+from meshllm.engine.step import SeqWork, Step
+from meshllm.engine.step_limits import StepLimits
+from meshllm.errors import ShardUnavailable
+from meshllm.model.source import open_model
+from meshllm.pipeline.loaded_stages import LoadedStages
+from meshllm.pipeline.stage_control import StageControl
+from meshllm.transport import stage_convert
+from meshllm.transport.protos import stage_pb2
+
+CONTEXT, SEQS, BLOCK, BLOCKS = 64, 4, 16, 8
+
+
+@pytest.fixture
+def files(aidreams_path):
+    return open_model(aidreams_path)
+
+
+@pytest.fixture
+def control(files):
+    control = StageControl(LoadedStages(), lambda model_id, fingerprint: files.path)
+    yield control
+    control.close()
+
+
+def _request(files, plan_id: str, first: int = 0, last: int = 2, seqs: int = SEQS, leader: str = "leader-a"):
+    request = stage_pb2.LoadRequest(plan_id=plan_id, model_id=files.model_id, fingerprint=files.source.fingerprint(),
+                                    num_layers=files.config.num_hidden_layers, first_layer=first, last_layer=last,
+                                    dtype="float32", leader_id=leader)
+    stage_convert.limits_to_pb(StepLimits(CONTEXT, seqs, 32, BLOCK, BLOCKS), request)
+    return request
+
+
+def _budget(files, layers: int, seqs: int = SEQS, leaders: int = 1) -> int:
+    return (CONTEXT * seqs * leaders + BLOCKS * BLOCK) * files.config.kv_bytes_per_token(4, layers)
+
+
+def test_a_plan_reserves_the_kv_its_limits_allow_until_its_sequences_hold_it(control, files):
+    stages = control._stages
+    control.load(_request(files, "plan-a"))
+    weights = stages.memory().held
+    assert weights > 0 and stages.memory().reserved == _budget(files, 2)
+
+    # A prompt of 10 tokens: its cache takes its first capacity, which moves from reserved to held.
+    stage = stages.get("plan-a")
+    work = SeqWork(SeqId(1), 0, 10, 1, SamplingParams(temperature=0.0, seed=1))
+    stage.runner.run(Step(1, (work,), torch.arange(10)))
+    kv = stage.runner.cache.num_bytes
+    assert kv > 0
+    memory = stages.memory()
+    assert memory.held == weights + kv and memory.reserved == _budget(files, 2) - kv
+
+    # A second leader on the same plan may hold as many sequences again.
+    control.load(_request(files, "plan-a", leader="leader-b"))
+    assert stages.memory().reserved == _budget(files, 2, leaders=2) - kv
+
+    # Freed: all of it reserved again.
+    stage.runner.release([SeqId(1)])
+    assert stages.memory().reserved == _budget(files, 2, leaders=2)
+
+
+def test_plans_over_one_range_reserve_the_largest_budget_and_other_ranges_add_theirs(control, files):
+    stages = control._stages
+    control.load(_request(files, "plan-a"))
+    # A re-plan over the same weights (failover) takes the old plan's place, so the two reserve the
+    # larger budget, not both.
+    control.load(_request(files, "plan-b", seqs=2 * SEQS))
+    assert stages.memory().reserved == _budget(files, 2, seqs=2 * SEQS)
+    by_range = stages.kv_reserved()
+    assert list(by_range.values()) == [_budget(files, 2, seqs=2 * SEQS)]
+    # Another range's plan reserves its own.
+    control.load(_request(files, "plan-c", first=2, last=4))
+    assert stages.memory().reserved == _budget(files, 2, seqs=2 * SEQS) + _budget(files, 2)
+    assert sorted(stages.kv_reserved().values()) == sorted([_budget(files, 2, seqs=2 * SEQS), _budget(files, 2)])
+
+
+def test_a_load_counts_its_own_kv_and_the_kv_other_plans_reserved(control, files, monkeypatch):
+    def free(available: int):  # the OS's reading of free memory: this machine has ~20 GiB free
+        monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+
+    # What a Load of layers 2-4 needs on a node with nothing loaded: all it misses with nothing free.
+    free(0)
+    with pytest.raises(ShardUnavailable) as refused:
+        control.load(_request(files, "plan-c", first=2, last=4))
+    need = refused.value.missing_bytes
+    free(1 << 40)
+    probe = control.load(_request(files, "probe", first=2, last=4, seqs=1))
+    assert probe.plan_id == "probe"
+    without_kv = need - _budget(files, 2)  # its own KV is part of the need: the rest is the weights
+    assert 0 < without_kv <= control._stages.memory().held
+    control.unload(stage_pb2.UnloadRequest(plan_id="probe"))
+
+    control.load(_request(files, "plan-a"))
+    reserved = control._stages.memory().reserved
+    assert reserved == _budget(files, 2)
+    free(need + reserved - 1)
+    with pytest.raises(ShardUnavailable, match="its plans' KV may still take"):
+        control.load(_request(files, "plan-c", first=2, last=4))
+    free(need + reserved)
+    control.load(_request(files, "plan-c", first=2, last=4))
+    assert control._stages.get("plan-c") is not None
