@@ -118,9 +118,10 @@ class LogprobFormatter:
         self._strip = tokenizer.strips_leading_space
         self._special = frozenset(i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special)
 
-    def cursor(self) -> TextCursor:
-        """One per choice, fed every entry of that choice in order."""
-        return TextCursor(self._strip)
+    def cursor(self, continues_prompt: bool = False) -> TextCursor:
+        """One per choice, fed every entry of that choice in order. `continues_prompt`: the choice's
+        text goes on from the prompt's (legacy completions), so its first token keeps its space."""
+        return TextCursor(self._strip and not continues_prompt)
 
     def _raw(self, token_id: int) -> bytes:
         return self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""

@@ -52,7 +52,7 @@ class Generation:
                 matcher = None if choice.grammar is None else self.grammars.matcher(choice.grammar)
                 self._seq_ids[choice.index] = self.leader.submit(
                     choice.prompt_ids, choice.params, self._callback(choice.index), grammar=matcher,
-                    speculative=choice.speculative)
+                    speculative=choice.speculative, continues_prompt=choice.continues_prompt)
         except MeshError:
             self.cancel()
             raise

@@ -31,6 +31,7 @@ class ChoiceRequest:
     params: SamplingParams
     grammar: Grammar | None = None  # what the output must match (response_format, forced tool call)
     speculative: bool | None = None  # the request's override of the server's speculative decoding
+    continues_prompt: bool = False  # legacy completions: the text goes on from the prompt's (its spacing kept)
 
 
 # Normalizers may fold a few characters into one (composed accents): allow for it, so
@@ -122,7 +123,7 @@ def completion_choices(model: ModelText, body: CompletionRequest) -> list[Choice
         if bad:
             raise BadRequest(f"token id {bad[0]} in the prompt is outside this model's vocabulary [0, {vocab})")
         all_ids.append(list(prompt))
-    return _expand(all_ids, body, body.max_tokens, body.logprobs, model)
+    return _expand(all_ids, body, body.max_tokens, body.logprobs, model, continues_prompt=True)
 
 
 def _logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -139,7 +140,7 @@ def _logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float
 
 
 def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-            model: ModelText, grammar: Grammar | None = None) -> list[ChoiceRequest]:
+            model: ModelText, grammar: Grammar | None = None, continues_prompt: bool = False) -> list[ChoiceRequest]:
     """n choices per prompt, OpenAI's order (prompt-major). Choice j gets seed base + j, so a
     request with a seed is reproducible and its choices still differ from one another. Without a
     seed each choice draws its own at the leader, which may then verify sampled drafts with
@@ -164,5 +165,6 @@ def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | No
                 frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias=logit_bias)
-            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params, grammar, body.speculative))
+            choices.append(ChoiceRequest(len(choices), prompt_index, ids, params, grammar, body.speculative,
+                                         continues_prompt))
     return choices

@@ -55,7 +55,8 @@ def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatComplet
 def completion(states: list[ChoiceState], ctx: ReplyContext) -> Completion:
     f = ctx.formatter
     choices = [CompletionChoice(index=s.request.index, text="".join(s.text),
-                                logprobs=f.completion(s.logprobs, f.cursor()) if ctx.wants_logprobs else None,
+                                logprobs=f.completion(s.logprobs, f.cursor(continues_prompt=True))
+                                if ctx.wants_logprobs else None,
                                 finish_reason=s.finish_reason)
                for s in states]
     return Completion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))

@@ -121,7 +121,7 @@ class SamplingFields(_Body):
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: the likeliest token only, as OpenAI takes it
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM): keep the k likeliest tokens; -1 or 0 keeps all
     seed: int | None = None
     stop: str | list[str] | None = None

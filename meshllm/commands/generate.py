@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=_DEFAULTS["temperature"],
                         help=f"sampling temperature; 0 is greedy (default {_DEFAULTS['temperature']})")
     parser.add_argument("--top-p", type=float, default=_DEFAULTS["top_p"],
-                        help=f"nucleus sampling mass in (0, 1] (default {_DEFAULTS['top_p']}: off)")
+                        help=f"nucleus sampling mass in [0, 1] (default {_DEFAULTS['top_p']}: off)")
     parser.add_argument("--top-k", type=int, default=_DEFAULTS["top_k"],
                         help="sample among the k most likely tokens (default: all)")
     parser.add_argument("--seed", type=int, default=_DEFAULTS["seed"],

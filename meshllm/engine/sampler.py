@@ -32,7 +32,8 @@ class SamplingParams:
     """How one sequence picks tokens and when it stops (OpenAI semantics).
 
     temperature 0 is greedy (argmax, ties to the lowest id). top_k None keeps every
-    token; top_p 1.0 keeps the whole distribution. seed None draws a fresh seed.
+    token; top_p 1.0 keeps the whole distribution, 0 the likeliest token only (OpenAI takes 0 as
+    the smallest nucleus, and clients send it). seed None draws a fresh seed.
     logprobs None returns none; N returns the chosen token's logprob plus the N most
     likely alternatives, from the unmodified model distribution.
 
@@ -60,8 +61,8 @@ class SamplingParams:
     def __post_init__(self):
         if not 0.0 <= self.temperature <= 100.0:
             raise BadRequest(f"temperature must be in [0, 100], got {self.temperature}; use 0 for greedy")
-        if not 0.0 < self.top_p <= 1.0:
-            raise BadRequest(f"top_p must be in (0, 1], got {self.top_p}; use 1 to disable nucleus sampling")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise BadRequest(f"top_p must be in [0, 1], got {self.top_p}; use 1 to disable nucleus sampling")
         if self.top_k is not None and self.top_k < 1:
             raise BadRequest(f"top_k must be at least 1, got {self.top_k}; leave it unset to keep every token")
         if self.max_tokens < 1:
@@ -181,9 +182,11 @@ def target_distribution(row: Tensor, p: SamplingParams) -> tuple[Tensor, Tensor 
     values, ids = torch.topk(scaled, k, sorted=True)
     probs = torch.softmax(values, dim=-1)
     if p.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p (always the first token).
+        # Keep the smallest prefix whose mass reaches top_p: always the first token (top_p 0 too).
         before = torch.cumsum(probs, dim=-1) - probs
-        probs = torch.where(before < p.top_p, probs, torch.zeros_like(probs))
+        keep = before < p.top_p
+        keep[..., 0] = True
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
     return probs, ids
 
 

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 from datetime import datetime
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -140,8 +141,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> "DecodeStream":
-        return DecodeStream(self, skip_special_tokens)
+    def decode_stream(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> "DecodeStream":
+        """`context`: ids the text continues (the prompt's last few), which only set its spacing."""
+        return DecodeStream(self, skip_special_tokens, context)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
@@ -176,12 +178,15 @@ class DecodeStream:
     # come out as U+FFFD, as in a full decode).
     MAX_HELD = 8
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()):
+        """`context`: ids the text continues. Their text is not emitted; the first token's text is
+        then what it adds after them, so a sentencepiece word keeps the space before it that a
+        decode drops at the start of a text ("is" + "▁Paris": " Paris", not "Paris")."""
         self._backend = tokenizer.backend
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context)
         self._prefix_offset = 0  # ids before this only give context for spacing
-        self._read_offset = 0  # text of ids before this has been emitted
+        self._read_offset = len(self._ids)  # text of ids before this has been emitted
 
     def step(self, token_id: int) -> str:
         self._ids.append(token_id)

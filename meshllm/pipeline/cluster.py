@@ -85,7 +85,8 @@ def new_leader(files: ModelFiles, transport, options: ServingOptions, observer: 
     speculatively (spec/drafter.py)."""
     max_context = context_of(files, options)
     eos = set(files.tokenizer.eos_token_ids) | set(files.config.eos_token_ids)
-    return Leader(transport, eos_token_ids=eos, new_detokenizer=lambda: files.tokenizer.decode_stream().step,
+    return Leader(transport, eos_token_ids=eos,
+                  new_detokenizer=lambda context: files.tokenizer.decode_stream(context=context).step,
                   max_context=max_context, config=options.scheduler_config(max_context), observer=observer,
                   step_timeout_s=options.step_timeout_s, proposer=proposer, spec_config=options.spec,
                   vocab_size=files.config.vocab_size, replanner=replanner, failover=options.failover)

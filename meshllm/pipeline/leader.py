@@ -63,13 +63,16 @@ from meshllm.spec.proposer import Proposer
 log = logging.getLogger(__name__)
 
 Detokenizer = Callable[[int], str]
+# Ids of the prompt a text continues, for its spacing (the legacy completions' text): sentencepiece
+# drops the space before the first word of a text, which a continuation must keep.
+CONTINUATION_CONTEXT = 4
 
 
 class Leader(LeaderFailover, LeaderLifecycle):
     """`transport` None: no plan yet (the replanner is asked for one when a request comes)."""
 
     def __init__(self, transport: StepTransport | None, *, eos_token_ids: Collection[int],
-                 new_detokenizer: Callable[[], Detokenizer], max_context: int,
+                 new_detokenizer: Callable[[list[int]], Detokenizer], max_context: int,
                  config: SchedulerConfig | None = None, observer: LeaderObserver | None = None,
                  step_timeout_s: float = 120.0, proposer: Proposer | None = None,
                  spec_config: SpecConfig | None = None, vocab_size: int | None = None,
@@ -120,11 +123,14 @@ class Leader(LeaderFailover, LeaderLifecycle):
     # --- any thread --------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_event: Callable[[GenerationEvent], None], grammar: Matcher | None = None,
-               speculative: bool | None = None, max_draft: int | None = None) -> SeqId:
+               speculative: bool | None = None, max_draft: int | None = None,
+               continues_prompt: bool = False) -> SeqId:
         """Queue a request; events (text deltas, then one with finish_reason) go to on_event.
 
         `grammar`: a fresh matcher the output must follow (owned by the loop thread from here).
-        `speculative` False decodes without drafts; `max_draft` caps draft tokens per step."""
+        `speculative` False decodes without drafts; `max_draft` caps draft tokens per step.
+        `continues_prompt`: the text goes on from the prompt's (legacy completions), so it keeps
+        the space before its first word; a reply (chat) starts a text of its own."""
         if not prompt_ids:
             raise ContextOverflow("the prompt is empty: at least one token is needed")
         total = len(prompt_ids) + params.max_tokens
@@ -139,7 +145,8 @@ class Leader(LeaderFailover, LeaderLifecycle):
             self._seq_counter += 1
             seq_id = SeqId(self._seq_prefix | self._seq_counter)
         seq = Sequence(seq_id, list(prompt_ids), params)
-        checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer())
+        context = list(prompt_ids[-CONTINUATION_CONTEXT:]) if continues_prompt else []
+        checker = StopChecker(params, self.eos_token_ids, self.new_detokenizer(context))
         constraints = SeqConstraints(params, seq.prompt_ids, grammar)
         message = Submit(Request(seq, checker, constraints, on_event, time.perf_counter()), user_seeded,
                           speculative, max_draft)

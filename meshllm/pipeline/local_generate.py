@@ -33,7 +33,7 @@ def decoder_leader(decoder: Decoder, tokenizer: Tokenizer, max_num_seqs: int, kv
                              prefix_block_size=prefill_chunk, prefix_cache_blocks=0)
     eos = set(tokenizer.eos_token_ids) | set(decoder.config.eos_token_ids)
     return Leader(LocalPipeline([StageRunner(decoder)]), eos_token_ids=eos,
-                  new_detokenizer=lambda: tokenizer.decode_stream().step,
+                  new_detokenizer=lambda context: tokenizer.decode_stream(context=context).step,
                   max_context=decoder.config.max_position_embeddings, config=config)
 
 

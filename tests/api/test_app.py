@@ -101,6 +101,17 @@ def test_seeded_n2_is_reproducible_and_matches_single_process(server, aidreams_f
     assert [c.text for c in other.choices] != texts
 
 
+def test_top_p_0_samples_only_the_likeliest_token(server):
+    # OpenAI takes top_p 0 as the smallest nucleus, and clients send it (it was a 400 here): at any
+    # temperature and seed the text is then the greedy one.
+    client = server.client()
+    greedy = client.completions.create(model=MODEL, prompt="The moon", temperature=0, max_tokens=12).choices[0].text
+    for seed in (1, 2, 3):
+        reply = client.completions.create(model=MODEL, prompt="The moon", temperature=1.5, top_p=0, max_tokens=12,
+                                          seed=seed)
+        assert reply.choices[0].text == greedy
+
+
 def test_greedy_n2_gives_identical_choices(server):
     reply = server.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=12, n=2)

@@ -85,7 +85,7 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
     (CHAT, {"model": MODEL, "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "string", "const": "\ud800"}}}}, 400, "bad_request", None),
     (COMPLETIONS, {"model": MODEL, "prompt": 42}, 400, "invalid_value", None),
-    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "top_p": 0}, 400, "invalid_value", "top_p"),
+    (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "top_p": -0.1}, 400, "invalid_value", "top_p"),
     (COMPLETIONS, {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     (COMPLETIONS, {"model": MODEL, "prompt": [1, 99999]}, 400, "bad_request", None),
     (COMPLETIONS, {"model": MODEL, "prompt": []}, 400, "bad_request", None),

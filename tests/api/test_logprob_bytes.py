@@ -85,6 +85,30 @@ def test_sentencepiece_leading_space_is_not_in_the_bytes(server):
     assert b"".join(bytes(e.bytes) for e in entries) == joined
 
 
+def test_a_legacy_completion_keeps_the_space_before_its_first_word(server, aidreams_path):
+    # Its text continues the prompt's, as OpenAI and vLLM give it: prompt + text reads "Once upon a
+    # time, pixel", where a sentencepiece decode of the completion alone gave "Once upon a time,pixel".
+    from meshllm.model.source import open_model
+
+    tokenizer = open_model(aidreams_path).tokenizer
+    client = server.client()
+    kwargs = dict(model=MODEL, prompt="Once upon a time,", temperature=0, max_tokens=8, logprobs=1)
+    choice = client.completions.create(**kwargs).choices[0]
+    assert choice.text.startswith(" ") and choice.logprobs.tokens[0].startswith(" "), choice  # "▁p"
+    prompt_ids = tokenizer.encode("Once upon a time,")
+    generated = [tokenizer.backend.token_to_id(t.replace(" ", "\u2581")) for t in choice.logprobs.tokens]
+    assert None not in generated, choice.logprobs.tokens
+    assert "Once upon a time," + choice.text == tokenizer.decode(prompt_ids + generated)  # exactly what follows
+    assert b"".join(t.encode() for t in choice.logprobs.tokens) == choice.text.encode()
+    assert choice.logprobs.text_offset[0] == 0 and choice.logprobs.text_offset[1] == len(choice.logprobs.tokens[0])
+    streamed = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert "".join(c.text for c in streamed) == choice.text
+    # A chat reply starts a text of its own: no space before its first word.
+    reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once upon"}],
+                                           temperature=0, max_tokens=8)
+    assert not reply.choices[0].message.content.startswith(" ")
+
+
 def _utf8(data: bytes) -> bool:
     try:
         data.decode()

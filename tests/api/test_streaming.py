@@ -47,7 +47,12 @@ def test_sixteen_concurrent_streams_equal_their_solo_runs(server, aidreams_files
     for t in threads:
         t.join(timeout=180)
     assert not errors, errors
-    assert [results.get(i) for i in range(len(PROMPTS))] == [c.text for c in solo]
+    # A completion's text continues its prompt's (the space before a first word kept): the solo
+    # run's tokens, decoded after the prompt's.
+    tokenizer = aidreams_files.tokenizer
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [tokenizer.decode(p + list(c.token_ids))[len(tokenizer.decode(p)):] for p, c in zip(prompts, solo)]
+    assert [results.get(i) for i in range(len(PROMPTS))] == expected
     # They really ran together: far fewer steps than tokens means sequences shared micro-batches.
     num_tokens = sum(len(c.token_ids) for c in solo)
     assert server.metric("meshllm_step_seconds_count") - steps_before < num_tokens / 2

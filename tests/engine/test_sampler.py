@@ -43,7 +43,9 @@ def test_top_k_samples_only_among_the_k_most_likely():
     assert len(drawn) >= 4  # a high temperature spreads the draws over the five
 
 
-@pytest.mark.parametrize(("top_p", "allowed"), [(0.5, {0}), (0.6, {0, 1}), (0.85, {0, 1, 2}), (1.0, {0, 1, 2, 3})])
+# top_p 0: the likeliest token only (OpenAI takes 0 as the smallest nucleus; it used to keep none).
+@pytest.mark.parametrize(("top_p", "allowed"), [(0.0, {0}), (0.5, {0}), (0.6, {0, 1}), (0.85, {0, 1, 2}),
+                                                (1.0, {0, 1, 2, 3})])
 def test_top_p_keeps_the_smallest_prefix_reaching_the_mass(top_p, allowed):
     logits = _logits_of([0.5, 0.3, 0.15, 0.05])
     assert set(_draws(logits, SamplingParams(top_p=top_p), 400)) == allowed
@@ -105,7 +107,7 @@ def test_logprobs_are_the_model_distribution():
     assert drawn.logprobs[0].logprob == pytest.approx(float(expected[token]))
 
 
-@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0),
+@pytest.mark.parametrize("bad", [dict(temperature=-0.1), dict(top_p=-0.1), dict(top_p=1.5), dict(top_k=0),
                                  dict(max_tokens=0), dict(stop=("",)), dict(stop=["x"]),
                                  dict(logprobs=MAX_LOGPROBS + 1), dict(logprobs=-1)])
 def test_bad_parameters_are_rejected_with_the_value(bad):

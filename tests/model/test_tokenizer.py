@@ -237,6 +237,24 @@ def test_decode_stream_emits_whole_characters(source, smollm2_gguf_path, aidream
     assert "" in deltas  # some emoji/kanji span several tokens: nothing is emitted until they are whole
 
 
+@pytest.mark.parametrize("source", ["gguf", "folder"])
+def test_a_decode_stream_continuing_a_prompt_emits_exactly_what_follows_its_text(source, smollm2_gguf_path,
+                                                                                 aidreams_path):
+    # Seeded with the prompt's last ids, a stream's text is what the whole decode adds after the
+    # prompt's: sentencepiece (aidreams) keeps the space before the first word, which a stream
+    # that starts a text drops; byte-level BPE (SmolLM2) is the same either way.
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf_path) if source == "gguf" else Tokenizer.from_folder(aidreams_path)
+    prompt = tokenizer.encode("Once upon a time, in 日本", add_special_tokens=False)
+    for text in (" there was a crab 🦀.", "s of old", " 語 and more"):
+        ids = tokenizer.encode("Once upon a time, in 日本" + text, add_special_tokens=False)[len(prompt):]
+        stream = tokenizer.decode_stream(context=prompt[-4:])
+        continued = "".join(stream.step(i) for i in ids)
+        assert continued == tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
+        assert continued.startswith(" ") == text.startswith(" "), (continued, text)
+        alone = tokenizer.decode_stream()
+        assert "".join(alone.step(i) for i in ids) == tokenizer.decode(ids)
+
+
 # ---------------------------------------------------------------- GGUF Llama 3 family ("llama-bpe")
 
 def _llama3_style_gguf(path: Path, add_bos: bool | None) -> Path:

@@ -212,7 +212,8 @@ def test_a_hung_stage_is_detected_by_the_deadline_and_probe(files, reference):
     replanner = Replanner(files, [12], hang=True)
     recorder = Recorder()
     transport = replanner.first()
-    leader = Leader(transport, eos_token_ids=(), new_detokenizer=lambda: files.tokenizer.decode_stream().step,
+    leader = Leader(transport, eos_token_ids=(),
+                    new_detokenizer=lambda context: files.tokenizer.decode_stream(context=context).step,
                     max_context=128, config=OPTIONS.scheduler_config(128), observer=recorder, replanner=replanner,
                     deadline=DeadlineConfig(floor_s=0.3, cap_s=20.0, probe_timeout_s=0.1))
     replanner.hang = False  # the replacement answers
