@@ -97,12 +97,24 @@ class PeerError:
     at: float  # unix seconds of the failed exchange
 
 
+# Addresses that never answered (discovered over mDNS, whose cluster tag is public, or seeds not up
+# yet) get at most one wave of the pool per round, and an address that keeps failing is skipped
+# for a growing number of rounds: ~60 fake services pointing at listeners that never answer used
+# to hold every round for minutes (each exchange waits its full timeout), past the cards' TTL,
+# and every node's view emptied.
+MAX_UNANSWERED_PER_ROUND = 8
+MAX_BACKOFF_ROUNDS = 4
+
+
 class GossipLoop:
     """Background thread: refresh own card, exchange with every peer, repeat.
 
     `peers()` is called each round (seeds plus discovered addresses), so
     discovery can add peers while the loop runs. A failing peer is recorded in
-    `errors()` and never stops the round for the others.
+    `errors()` and never stops the round for the others. Peers that answered before
+    (or hold a live card) go first; of the others, MAX_UNANSWERED_PER_ROUND per round,
+    those tried longest ago first; a peer that failed n times in a row sits out
+    min(2^(n-1) - 1, MAX_BACKOFF_ROUNDS) rounds.
     """
 
     def __init__(self, registry: Registry, channels: ChannelPool, peers: Callable[[], set[str]],
@@ -119,6 +131,10 @@ class GossipLoop:
         self._num_random_peers = num_random_peers
         self._errors: dict[str, PeerError] = {}
         self._receivers: dict[str, NodeId] = {}  # address -> node id it answered with; under _errors_lock
+        self._failures: dict[str, int] = {}  # address -> failures in a row; under _errors_lock
+        self._due_round: dict[str, int] = {}  # address -> first round it is tried again; under _errors_lock
+        self._last_tried: dict[str, int] = {}  # unanswered address -> the round it was last tried
+        self._round = 0
         self._errors_lock = threading.Lock()
         self._stopped = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="gossip")
@@ -157,14 +173,31 @@ class GossipLoop:
         return peers
 
     def run_round(self) -> None:
-        """One round: refresh own card, exchange with all peers concurrently."""
+        """One round: refresh own card, exchange with the peers due this round, concurrently."""
+        self._round += 1
         self._registry.update_own(self._refresh_own())
         peers = self.choose_peers()
         # Keep channels to live nodes (random picks recur); drop those of nodes gone.
         live = {c.grpc_address for c in self._registry.snapshot()}
         for address in self._channels.addresses() - peers - live:
             self._channels.discard(address)
-        list(self._pool.map(self._exchange_with, sorted(peers)))
+        list(self._pool.map(self._exchange_with, self._due(peers, live)))
+
+    def _due(self, peers: set[str], live: set[str]) -> list[str]:
+        """The peers to exchange with this round, those that answered before first (see the class doc)."""
+        with self._errors_lock:
+            for book in (self._failures, self._due_round, self._receivers):
+                for address in set(book) - peers - live:
+                    del book[address]  # forgotten, so a flood of addresses does not grow these for good
+            due = [p for p in sorted(peers) if self._due_round.get(p, 0) <= self._round]
+            answered = [p for p in due if p in live or p in self._receivers]
+        for address in set(self._last_tried) - peers:
+            del self._last_tried[address]
+        unanswered = sorted(set(due) - set(answered), key=lambda p: (self._last_tried.get(p, 0), p))
+        unanswered = unanswered[:MAX_UNANSWERED_PER_ROUND]
+        for address in unanswered:
+            self._last_tried[address] = self._round
+        return answered + unanswered
 
     def _exchange_with(self, address: str) -> None:
         request = cluster_pb2.ExchangeRequest(cards=outgoing_cards(self._registry.snapshot(),
@@ -186,6 +219,8 @@ class GossipLoop:
         else:
             with self._errors_lock:
                 recovered = self._errors.pop(address, None)
+                self._failures.pop(address, None)
+                self._due_round.pop(address, None)
             if recovered is not None:
                 log.info("gossip with %s works again", address)
 
@@ -194,6 +229,8 @@ class GossipLoop:
             self._receivers.pop(address, None)  # ask who is there again: it may have restarted as another node
             previous = self._errors.get(address)
             self._errors[address] = PeerError(address, kind, message, self._clock())
+            failures = self._failures[address] = self._failures.get(address, 0) + 1
+            self._due_round[address] = self._round + 1 + min(2 ** (failures - 1) - 1, MAX_BACKOFF_ROUNDS)
         # Once per kind of failure, not every round: a down peer would flood the log.
         if previous is None or previous.kind != kind:
             log.warning("gossip with %s failed (will keep trying): %s", address, message)

@@ -2,6 +2,7 @@
 per-peer errors, and hostile messages that must not harm the registry."""
 
 import random
+import threading
 import time
 
 import grpc
@@ -169,3 +170,53 @@ def test_wrong_key_node_can_neither_read_nor_write(nodes, key):
         assert error.kind == "UNAVAILABLE" and "TLS handshake failed" in error.message and "--key-file" in error.message
     finally:
         intruder.close()
+
+
+class HungHealth(cluster_pb2_grpc.HealthServicer):
+    """A member that takes calls and never answers them (stuck handlers), until `release`."""
+
+    def __init__(self, release):
+        self.release = release
+
+    def Check(self, request, context):
+        self.release.wait(30)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "hung")
+
+
+def test_peers_that_never_answer_neither_hold_up_rounds_nor_crowd_out_live_ones(nodes, key):
+    # Peers that take a call and never answer it: each exchange waits its whole timeout, 8 at a time,
+    # so many of them held every round for that many waves of timeouts (60: minutes, past the cards'
+    # TTL, and every view emptied). Now the peers that answered go first, at most one wave of the
+    # others is tried per round, and the failing ones sit rounds out.
+    from meshllm.cluster.gossip import MAX_UNANSWERED_PER_ROUND
+
+    release = threading.Event()
+    hung = []
+    for i in range(2 * MAX_UNANSWERED_PER_ROUND):
+        server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id=f"hung-{i}"))
+        server.add(cluster_pb2_grpc.add_HealthServicer_to_server, HungHealth(release))
+        server.start()
+        hung.append(server)
+    a = nodes("a")
+    fakes = {server.address for server in hung}
+    b = nodes("b", peers=[a.server.address, *fakes])
+    timeout_s = b.gossip._timeout_s
+    try:
+        durations = []
+        for _ in range(3):  # every one tried once by then
+            started = time.monotonic()
+            b.gossip.run_round()
+            durations.append(time.monotonic() - started)
+        assert b.ids() == {"a", "b"}
+        assert set(b.gossip.errors()) == fakes  # every one was tried
+        # One wave of timeouts per round at most, where 17 peers on 8 workers took 3 every round.
+        assert max(durations) < 2 * timeout_s, durations
+        # a answered: from then on every round reaches it, whatever the others do.
+        a.registry.update_own(make_card("a", grpc_address=a.server.address, announced_at=time.time() + 5))
+        b.gossip.run_round()
+        (seen,) = [c for c in b.registry.snapshot() if c.node_id == "a"]
+        assert seen.announced_at > time.time()
+    finally:
+        release.set()
+        for server in hung:
+            server.stop(0)
