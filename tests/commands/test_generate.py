@@ -79,7 +79,7 @@ def test_max_tokens_beyond_the_context_is_one_line(aidreams_path):
 
 
 @pytest.mark.parametrize(("flags", "code"), [(("--temperature", "-1"), "bad_request"),
-                                             (("--top-p", "0"), "bad_request"),
+                                             (("--top-p", "-0.5"), "bad_request"),
                                              (("--model", "/nonexistent/model"), "model_load_failed")])
 def test_bad_flags_are_one_line(aidreams_path, flags, code):
     args = ("--model", str(aidreams_path), "--prompt", "hi", *flags)

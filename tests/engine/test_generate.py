@@ -96,8 +96,8 @@ class _EosAs:
     def __init__(self, tokenizer, eos: int):
         self.tokenizer, self.eos_token_ids = tokenizer, (eos,)
 
-    def decode_stream(self):
-        return self.tokenizer.decode_stream()
+    def decode_stream(self, context=()):
+        return self.tokenizer.decode_stream(context=context)
 
 
 def test_eos_finishes_with_stop_and_is_not_emitted(model):
