@@ -30,17 +30,19 @@ if [ "$(uname -m)" = x86_64 ]; then
     GGML_FLAGS="$GGML_FLAGS -DCMAKE_C_FLAGS=-mno-avx512fp16 -DCMAKE_CXX_FLAGS=-mno-avx512fp16"
 fi
 BUILT_WITH=.venv/ggml-build  # what the installed ggml was built from and with: a change rebuilds it
+LLAMA_CPP_VOCABS="$PWD/.venv/share/llama-cpp-vocabs"  # from the same sdist: see build_ggml
 BUILD_ID="$GGML_PYTHON over $GGML_SOURCE's ggml, $GGML_FLAGS"
 build_ggml() (  # a subshell: its EXIT trap cleans up and ends with it
     tmp="$(mktemp -d)"
     trap 'rm -rf "$tmp"' EXIT
     # sdists of these two only: ":all:" would reach their build tools too (cmake from source)
     pip download --quiet --no-deps --no-binary ggml-python,llama-cpp-python "$GGML_PYTHON" "$GGML_SOURCE" -d "$tmp" &&
-    python - "$tmp" <<'PY' &&
+    python - "$tmp" "$LLAMA_CPP_VOCABS" <<'PY' &&
 # ggml-python's sdist with its vendored ggml replaced by llama-cpp-python's, as $tmp/bindings
-# (Python's tarfile: tar's --wildcards is GNU's, and macOS has bsdtar)
+# (Python's tarfile: tar's --wildcards is GNU's, and macOS has bsdtar); and llama.cpp's reference
+# tokenizations (vocabulary-only GGUFs, texts, ids), which the tokenizer tests compare with.
 import pathlib, shutil, sys, tarfile
-tmp = pathlib.Path(sys.argv[1])
+tmp, vocabs = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 def unpack(pattern, into, keep=lambda name: True):
     with tarfile.open(next(tmp.glob(pattern))) as tar:
         members = [m for m in tar.getmembers() if keep(m.name + "/")]
@@ -48,7 +50,11 @@ def unpack(pattern, into, keep=lambda name: True):
     (top,) = (tmp / into).iterdir()  # an sdist's one top folder
     return top
 bindings = unpack("ggml_python-*.tar.gz", "ggml-python")
-llama = unpack("llama_cpp_python-*.tar.gz", "llama-cpp-python", lambda name: "/vendor/llama.cpp/ggml/" in name)
+llama = unpack("llama_cpp_python-*.tar.gz", "llama-cpp-python",
+               lambda name: "/vendor/llama.cpp/ggml/" in name or "/vendor/llama.cpp/models/ggml-vocab-" in name)
+shutil.rmtree(vocabs, ignore_errors=True)
+vocabs.parent.mkdir(parents=True, exist_ok=True)
+shutil.move(str(llama / "vendor" / "llama.cpp" / "models"), str(vocabs))
 shutil.rmtree(bindings / "vendor" / "ggml")
 shutil.move(str(llama / "vendor" / "llama.cpp" / "ggml"), str(bindings / "vendor" / "ggml"))
 bindings.rename(tmp / "bindings")
@@ -58,7 +64,8 @@ PY
 # The build (both cores, ~50 s) runs while pip installs torch and the rest (mostly unpacking, one
 # core): measured on 2 cores, the install takes ~40 s less than one after the other.
 ggml_job=""
-if ! { python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$BUILD_ID" ]; }; then
+if ! { python -c 'import ggml' 2>/dev/null && [ "$(cat "$BUILT_WITH" 2>/dev/null)" = "$BUILD_ID" ] &&
+        [ -d "$LLAMA_CPP_VOCABS" ]; }; then
     build_ggml > .venv/ggml-build.log 2>&1 &
     ggml_job=$!
     trap 'kill "$ggml_job" 2>/dev/null || true' EXIT  # an install that fails below leaves no build running

@@ -283,17 +283,35 @@ def _compile(template: str) -> jinja2.Template:
 
 # GGUF token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
-# tokenizer.ggml.pre -> the split regex its merges were learned with; others use GPT-2's.
+# tokenizer.ggml.pre -> the split regexes its merges were learned with, applied one after the
+# other (each splits the pieces of the one before), as llama.cpp's llama-vocab.cpp lists them;
+# others use GPT-2's. Checked against llama.cpp's own reference tokenizations
+# (tests/model/test_llama_cpp_vocabs.py).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+",)
+_QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
+_DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2_SPLIT)  # every digit a piece of its own, then GPT-2's split
+_DEEPSEEK_CODER_SPLIT = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+                         r"\p{N}")
 _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
-                         "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT,
-                         "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-# llama.cpp's Llama 3 family of pre-tokenizers: a word that is a whole token is that token (the BPE
-# "ignore_merges"), and BOS is added unless the file says otherwise.
-_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"})
+                         "falcon3": _LLAMA3_SPLIT, "pixtral": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+                         "dbrx": _LLAMA3_SPLIT,
+                         "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "stablelm2": _QWEN2_SPLIT,
+                         "qwen35": _QWEN35_SPLIT, "tekken": _TEKKEN_SPLIT,
+                         "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
+                         "command-r": _DIGITS_THEN_GPT2, "codeshell": _DIGITS_THEN_GPT2,
+                         "exaone": _DIGITS_THEN_GPT2, "minerva-7b": _DIGITS_THEN_GPT2,
+                         "deepseek-coder": _DEEPSEEK_CODER_SPLIT}
+# llama.cpp's Llama 3 family of pre-tokenizers (and Mistral's tekken): a word that is a whole token
+# is that token (the BPE "ignore_merges"), and BOS is added unless the file says otherwise.
+_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})
 # Tokens llama.cpp ends generation at whatever the metadata names (a Llama 3 Instruct file
 # converted with only eos = <|end_of_text|> still stops at <|eot_id|>).
 _END_OF_GENERATION = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -337,15 +355,15 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Ba
     backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
                                  continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                                  ignore_merges=pre in _LLAMA3_PRE))
-    split = _PRE_TOKENIZER_SPLITS.get(pre)
-    if split is None and pre not in (None, "default", "gpt2", "gpt-2", "smollm"):
+    splits = _PRE_TOKENIZER_SPLITS.get(pre)
+    if splits is None and pre not in (None, "default", "gpt2", "gpt-2"):
         log.warning("tokenizer pre-type %r is not one meshllm knows: splitting text as GPT-2 does, which may "
                     "give other token ids than llama.cpp for some texts", pre)
-    if split is None:
+    if splits is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
         backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     return backend

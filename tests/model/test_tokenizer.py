@@ -287,3 +287,29 @@ def test_llama3_family_vocabularies_encode_and_stop_as_llama_cpp_does(tmp_path):
     assert ours.encode("ab", add_special_tokens=False) == [3]
     assert set(ours.eos_token_ids) == {6, 7}  # <|eot_id|> ends a turn whatever the metadata names
     assert Tokenizer.from_gguf(_llama3_style_gguf(tmp_path / "nobos.gguf", add_bos=False)).encode("abc") == [4]
+
+
+def test_tekken_vocabularies_split_as_mistral_nemo_does(tmp_path):
+    # Mistral Nemo's GGUFs name pre "tekken" (it fell back to GPT-2's split, with a warning): its
+    # split (llama.cpp's llama-vocab.cpp, from the model's tokenizer.json) breaks a word before an
+    # upper-case letter that follows lower-case ones and every digit apart; a piece that is a whole
+    # token is that token, and BOS comes first by default, as llama.cpp sets for tekken.
+    tokens = ["H", "e", "l", "o", "W", "r", "d", "1", "2", "Hello", "World", "HelloWorld", "12", "<s>", "</s>"]
+    path = tmp_path / "tekken.gguf"
+    w = GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("tekken")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<") else 1 for t in tokens])
+    w.add_token_merges(["1 2"])
+    w.add_bos_token_id(13)
+    w.add_eos_token_id(14)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = Tokenizer.from_gguf(path)
+    hello, world = tokens.index("Hello"), tokens.index("World")
+    assert ours.encode("HelloWorld") == [13, hello, world]  # GPT-2's split: [13, "HelloWorld"]
+    assert ours.encode("12", add_special_tokens=False) == [tokens.index("1"), tokens.index("2")]  # GPT-2: "12"
+    assert ours.encode("Hello", add_special_tokens=False) == [hello]  # whole, though no merges reach it
