@@ -257,19 +257,17 @@ def test_a_decode_stream_continuing_a_prompt_emits_exactly_what_follows_its_text
 
 # ---------------------------------------------------------------- GGUF Llama 3 family ("llama-bpe")
 
-def _llama3_style_gguf(path: Path, add_bos: bool | None) -> Path:
-    """A byte-level vocabulary as llama.cpp writes Llama 3's: pre "llama-bpe", EOS <|end_of_text|>
-    and no end-of-turn key (as some converted Instruct files have), "abc" a whole token that no
-    merge reaches."""
-    tokens = ["a", "b", "c", "ab", "abc", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+def _byte_level_gguf(path: Path, pre: str, tokens: list[str], merges: list[str], bos: int, eos: int,
+                     add_bos: bool | None = None) -> Path:
+    """A vocabulary-only GGUF of a byte-level BPE tokenizer; tokens in <...> are control tokens."""
     w = GGUFWriter(path, "llama")
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("llama-bpe")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<|") else 1 for t in tokens])
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(5)
-    w.add_eos_token_id(6)
+    w.add_token_types([3 if t.startswith("<") else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
     w.write_header_to_file()
@@ -277,6 +275,14 @@ def _llama3_style_gguf(path: Path, add_bos: bool | None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _llama3_style_gguf(path: Path, add_bos: bool | None) -> Path:
+    """A byte-level vocabulary as llama.cpp writes Llama 3's: pre "llama-bpe", EOS <|end_of_text|>
+    and no end-of-turn key (as some converted Instruct files have), "abc" a whole token that no
+    merge reaches."""
+    tokens = ["a", "b", "c", "ab", "abc", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    return _byte_level_gguf(path, "llama-bpe", tokens, ["a b"], bos=5, eos=6, add_bos=add_bos)
 
 
 def test_llama3_family_vocabularies_encode_and_stop_as_llama_cpp_does(tmp_path):
@@ -295,19 +301,7 @@ def test_tekken_vocabularies_split_as_mistral_nemo_does(tmp_path):
     # upper-case letter that follows lower-case ones and every digit apart; a piece that is a whole
     # token is that token, and BOS comes first by default, as llama.cpp sets for tekken.
     tokens = ["H", "e", "l", "o", "W", "r", "d", "1", "2", "Hello", "World", "HelloWorld", "12", "<s>", "</s>"]
-    path = tmp_path / "tekken.gguf"
-    w = GGUFWriter(path, "llama")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("tekken")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<") else 1 for t in tokens])
-    w.add_token_merges(["1 2"])
-    w.add_bos_token_id(13)
-    w.add_eos_token_id(14)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _byte_level_gguf(tmp_path / "tekken.gguf", "tekken", tokens, ["1 2"], bos=13, eos=14)
     ours = Tokenizer.from_gguf(path)
     hello, world = tokens.index("Hello"), tokens.index("World")
     assert ours.encode("HelloWorld") == [13, hello, world]  # GPT-2's split: [13, "HelloWorld"]
