@@ -8,6 +8,8 @@ so a distributed run and a local run do the same arithmetic.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
@@ -28,11 +30,17 @@ class KVMissing(MeshError):
 
 class StageRunner:
     def __init__(self, decoder: Decoder, kv_dtype: torch.dtype | None = None,
-                 prefix_capacity_blocks: int = DEFAULT_PREFIX_BLOCKS, samples: bool = True):
+                 prefix_capacity_blocks: int = DEFAULT_PREFIX_BLOCKS, samples: bool = True,
+                 max_context: int | None = None):
+        """`max_context`: the plan's context, where a sequence's cache stops growing (by doubling it
+        would reach the next power of two, past what the plan budgets and the node reserves)."""
         self.decoder = decoder
         # False on the non-zero ranks of a tensor-parallel group: they compute, rank 0 samples.
         self.samples = samples
-        self.cache = KVCache(decoder.kv_layout(kv_dtype))
+        layout = decoder.kv_layout(kv_dtype)
+        if max_context is not None and (layout.max_tokens is None or max_context < layout.max_tokens):
+            layout = replace(layout, max_tokens=max_context)
+        self.cache = KVCache(layout)
         self.prefix = PrefixStore(prefix_capacity_blocks)  # the leader's index holds no more than this
 
     @property

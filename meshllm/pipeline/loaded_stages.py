@@ -141,7 +141,9 @@ class LoadedStages:
             runner: StageRunner | None = None) -> LoadedStage | None:
         """Give `plan_id` its own runner over `weights` (a tensor-parallel rank brings its own),
         replacing what the plan had; returns the replaced stage (the caller closes it)."""
-        stage = LoadedStage(request, runner if runner is not None else StageRunner(weights.decoder), weights)
+        if runner is None:  # its caches grow no further than the plan's context (kv_budget_bytes counts that)
+            runner = StageRunner(weights.decoder, max_context=request.max_context or None)
+        stage = LoadedStage(request, runner, weights)
         with self._lock:
             self._weights.setdefault(weights.key, weights)
             previous = self._stages.get(plan_id)

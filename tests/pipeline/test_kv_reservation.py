@@ -119,3 +119,19 @@ def test_a_load_counts_its_own_kv_and_the_kv_other_plans_reserved(control, files
     free(need + reserved)
     control.load(_request(files, "plan-c", first=2, last=4))
     assert control._stages.get("plan-c") is not None
+
+
+def test_a_sequence_never_holds_more_kv_than_the_plans_context(control, files):
+    # Caches grow by doubling; they stopped at the model's context, so on a plan whose context is not
+    # a power of two a long sequence held up to twice what the plan budgets and the node reserves.
+    context = 100
+    request = _request(files, "plan-a")
+    stage_convert.limits_to_pb(StepLimits(context, 1, 128, BLOCK, 0), request)
+    control.load(request)
+    stage = control._stages.get("plan-a")
+    work = SeqWork(SeqId(1), 0, 70, 1, SamplingParams(temperature=0.0, seed=1))
+    stage.runner.run(Step(1, (work,), torch.arange(70)))  # past 64 positions: the cache grows once
+    kv = stage.runner.cache.sequences[SeqId(1)]
+    assert kv.capacity == context  # not 128
+    memory = control._stages.memory()
+    assert stage.kv_bytes == stage.kv_budget_bytes and memory.reserved == 0
