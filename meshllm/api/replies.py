@@ -55,7 +55,7 @@ def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatComplet
 def completion(states: list[ChoiceState], ctx: ReplyContext) -> Completion:
     f = ctx.formatter
     choices = [CompletionChoice(index=s.request.index, text="".join(s.text),
-                                logprobs=f.completion(s.logprobs, f.cursor(continues_prompt=True))
+                                logprobs=f.completion(s.logprobs, f.cursor(s.request.continues_prompt))
                                 if ctx.wants_logprobs else None,
                                 finish_reason=s.finish_reason)
                for s in states]

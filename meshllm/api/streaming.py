@@ -140,7 +140,8 @@ class _CompletionChunks:
     def delta(self, state: ChoiceState, event: GenerationEvent) -> Completion:
         logprobs = None
         if self.ctx.wants_logprobs and event.logprobs is not None:
-            cursor = self._cursors.setdefault(state.request.index, self.ctx.formatter.cursor(continues_prompt=True))
+            cursor = self._cursors.setdefault(state.request.index,
+                                              self.ctx.formatter.cursor(state.request.continues_prompt))
             logprobs = self.ctx.formatter.completion([event.logprobs], cursor)
         return self._chunk([CompletionChoice(index=state.request.index, text=state.delta[0], logprobs=logprobs)])
 

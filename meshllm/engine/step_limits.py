@@ -39,6 +39,11 @@ class StepLimits:
         if not 0 <= self.max_prefix_blocks < 1 << 31:
             raise ValueError(f"max_prefix_blocks {self.max_prefix_blocks} out of range")
 
+    def kv_tokens(self, streams: int = 1) -> int:
+        """Positions of KV a stage may hold for the plan: `streams` leaders' sequences at full
+        context, plus its prefix-cache blocks (what the planner budgets: Footprint.layer_kv)."""
+        return self.max_context * self.max_seqs * streams + self.max_prefix_blocks * (self.prefix_block_size or 0)
+
 
 # What a stage loaded without limits (an older leader) accepts: only the wire's sanity limits.
 WIRE_LIMITS = StepLimits(WIRE_MAX_CONTEXT, WIRE_MAX_SEQS, WIRE_MAX_STEP_TOKENS, None, DEFAULT_PREFIX_BLOCKS)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from datetime import datetime
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -96,7 +96,7 @@ class Tokenizer:
         _keep_whole(backend, special)
         # llama.cpp's default: sentencepiece vocabularies add BOS unless the file says otherwise.
         add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"
-                                or meta.get("tokenizer.ggml.pre") in _LLAMA3_PRE))
+                                or meta.get("tokenizer.ggml.pre") in _WHOLE_WORD_PRE))
         _set_bos_eos(backend, special, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)))
         # Generation ends at EOS and at the end-of-turn tokens llama.cpp knows about.
         eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
@@ -311,7 +311,7 @@ _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "ll
                          "deepseek-coder": _DEEPSEEK_CODER_SPLIT}
 # llama.cpp's Llama 3 family of pre-tokenizers (and Mistral's tekken): a word that is a whole token
 # is that token (the BPE "ignore_merges"), and BOS is added unless the file says otherwise.
-_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})
+_WHOLE_WORD_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})
 # Tokens llama.cpp ends generation at whatever the metadata names (a Llama 3 Instruct file
 # converted with only eos = <|end_of_text|> still stops at <|eot_id|>).
 _END_OF_GENERATION = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -354,7 +354,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Ba
              for i, t in enumerate(tokens)}
     backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
                                  continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                                 ignore_merges=pre in _LLAMA3_PRE))
+                                 ignore_merges=pre in _WHOLE_WORD_PRE))
     splits = _PRE_TOKENIZER_SPLITS.get(pre)
     if splits is None and pre not in (None, "default", "gpt2", "gpt-2"):
         log.warning("tokenizer pre-type %r is not one meshllm knows: splitting text as GPT-2 does, which may "

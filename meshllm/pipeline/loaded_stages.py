@@ -100,10 +100,7 @@ class LoadedStage:
         plan loaded without limits (an older leader): unknown."""
         if not self.request.max_context:
             return 0
-        limits = self.limits
-        tokens = (limits.max_context * limits.max_seqs * max(1, len(self.leaders))
-                  + limits.max_prefix_blocks * (limits.prefix_block_size or 0))
-        return tokens * self.runner.cache.layout.bytes_per_token
+        return self.limits.kv_tokens(max(1, len(self.leaders))) * self.runner.cache.layout.bytes_per_token
 
 
 class LoadedStages:
@@ -175,11 +172,6 @@ class LoadedStages:
             return 0
         weights = self._weights.pop(key, None)
         return weights.num_bytes if weights is not None else 0
-
-    def weight_bytes(self) -> int:
-        """Weights held in memory, each shared range counted once."""
-        with self._lock:
-            return sum(w.num_bytes for w in self._weights.values())
 
     def memory(self) -> StageMemory:
         """Weights and KV held, and KV reserved (see kv_reserved)."""

@@ -329,8 +329,8 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
     if request.last_layer == config.num_hidden_layers:
         need += held.lm_head if held is not None else vocab_table
     if request.max_context:  # the KV its limits allow (LoadedStage.kv_budget_bytes); unknown without them
-        tokens = request.max_context * request.max_seqs + request.max_prefix_blocks * request.prefix_block_size
-        need += tokens * config.kv_bytes_per_token(dtype_bytes, request.last_layer - request.first_layer)
+        need += stage_convert.limits_from_pb(request).kv_tokens() * config.kv_bytes_per_token(
+            dtype_bytes, request.last_layer - request.first_layer)
     need //= max(request.tp.size, 1)
     available = psutil.virtual_memory().available - reserved
     if need > available:
