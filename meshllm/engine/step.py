@@ -112,13 +112,20 @@ class Step:
     input: Tensor  # token ids [tokens] into the first stage; hidden states [tokens, hidden] after
     release: tuple[SeqId, ...] = ()
     timings: tuple[StageTiming, ...] = ()
-    publish: tuple[Publish, ...] = ()  # applied first, then evict, then release
+    publish: tuple[Publish, ...] = ()  # applied after evict, before release (stage_runner.py)
     evict: tuple[int, ...] = ()
     block_size: int = 0  # tokens per prefix-cache block (0: no prefix cache in this step)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)
+
+    def chores(self) -> Step | None:
+        """This step's releases, publications and evictions without its work, or None without any:
+        what the stages after one that failed the step still owe the leader, which counts them done."""
+        if not (self.release or self.publish or self.evict):
+            return None
+        return Step(self.step_id, (), self.input[:0], self.release, (), self.publish, self.evict, self.block_size)
 
 
 @dataclass(frozen=True, slots=True)

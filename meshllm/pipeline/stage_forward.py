@@ -4,7 +4,9 @@ Each stream has a pump thread that reads micro-batches, computes them under the
 stage's lock, and passes the hidden states on to the next stage over its own stream
 (stage_relay.py), or on the last stage puts the sampled tokens in the reply queue;
 the gRPC thread yields replies (ours and those relayed back from downstream) in
-arrival order.
+arrival order. A step that fails on a stage is answered by that stage's error, and its
+releases, publications and evictions (which the leader counts done) go on to the later
+stages as an unanswered step, so none keeps what the leader forgot.
 
 Resources: a stream owns the KV of every sequence it computed and the prefix blocks it
 published, and frees them when it ends, however it ends (the leader closed it, crashed,
@@ -32,7 +34,7 @@ import grpc
 from meshllm.engine.kv_cache import Owner
 from meshllm.engine.kv_carry import skip_carried
 from meshllm.engine.step import StageTiming
-from meshllm.errors import MeshError
+from meshllm.errors import MalformedMessage, MeshError
 from meshllm.pipeline.fault_injection import FaultInjector
 from meshllm.pipeline.kv_parking import park_stream, parks
 from meshllm.pipeline.loaded_stages import LoadedStage, LoadedStages
@@ -107,10 +109,14 @@ class ForwardStreams:
                 received_at = time.time()
                 stage = self._stages.use(request.plan_id)  # renews the plan's lease
                 if stage is None:
-                    replies.put(stage_convert.error_reply(request.step_id, "shard_not_loaded",
-                                                          f"plan {request.plan_id} is not loaded here", -1))
+                    if not request.unanswered:
+                        replies.put(stage_convert.error_reply(request.step_id, "shard_not_loaded",
+                                                              f"plan {request.plan_id} is not loaded here", -1))
                     continue
                 touched[request.plan_id] = stage
+                if request.unanswered:  # a step an earlier stage failed: its chores only
+                    downstream = self._chores_on(request, stage, owner, downstream, replies)
+                    continue
                 try:
                     step = stage_convert.step_from_pb(request, stage.limits)
                     started = time.perf_counter()
@@ -126,12 +132,16 @@ class ForwardStreams:
                 except MeshError as e:
                     log.warning("stage %d step %d failed: %s", stage.index, request.step_id, e.code)
                     replies.put(stage_convert.error_reply(request.step_id, e.code, str(e), stage.index))
+                    downstream = self._chores_on(stage_convert.chores_to_pb(request), stage, owner, downstream,
+                                                 replies)
                     continue
                 except Exception as e:  # noqa: BLE001 - a bug on one step must not end the stream of every sequence
                     log.exception("stage %d step %d failed unexpectedly", stage.index, request.step_id)
                     replies.put(stage_convert.error_reply(request.step_id, "internal",
                                                           f"internal error on this stage: {type(e).__name__}",
                                                           stage.index))
+                    downstream = self._chores_on(stage_convert.chores_to_pb(request), stage, owner, downstream,
+                                                 replies)
                     continue
                 timings = list(request.timings) + [
                     stage_convert.timing_to_pb(StageTiming(stage.index, compute_s, received_at, time.time()))]
@@ -141,9 +151,7 @@ class ForwardStreams:
                     continue
                 if downstream is not None and downstream.broken:
                     break  # the hop below lost this stream's state: the whole chain ends (see Downstream)
-                if downstream is None:
-                    next_stage = self._channels.get(stage.request.next_address, stage.request.next_node_id)
-                    downstream = Downstream(next_stage, replies, stage.index + 1)
+                downstream = downstream or self._downstream(stage, replies)
                 # The same step onward, our output in place of our input (fields listed, not
                 # CopyFrom: that would copy the incoming activations only to overwrite them).
                 seqs = request.seqs if skipped.kept is None else stage_convert.kept_seqs_to_pb(request.seqs,
@@ -179,6 +187,34 @@ class ForwardStreams:
                                  what, num_seqs, num_blocks)
             finally:
                 replies.put(None)  # whatever happened above: else the call and its server thread never end
+
+    def _downstream(self, stage: LoadedStage, replies: queue.Queue) -> Downstream:
+        next_stage = self._channels.get(stage.request.next_address, stage.request.next_node_id)
+        return Downstream(next_stage, replies, stage.index + 1)
+
+    def _chores_on(self, chores: stage_pb2.StepRequest | None, stage: LoadedStage, owner: Owner,
+                   downstream: Downstream | None, replies: queue.Queue) -> Downstream | None:
+        """A step failed here or on an earlier stage, and the leader counts its releases,
+        publications and evictions done (it failed the step's sequences and moved on): apply them
+        here (where the step failed, again: it may have failed before them, and each is idempotent)
+        and send them on, unanswered, so no later stage keeps sequences and blocks the leader forgot."""
+        if chores is None:
+            return downstream
+        try:
+            step = stage_convert.step_from_pb(chores, stage.limits)
+            if step.seqs:
+                raise MalformedMessage("an unanswered step carries rows; it may carry only releases, "
+                                       "publications and evictions")
+            with stage.lock:
+                stage.runner.run(step, owner)
+        except MeshError as e:  # bad chores: the stages after this one would refuse them too
+            log.warning("stage %d: step %d's releases and evictions failed: %s", stage.index, chores.step_id, e.code)
+            return downstream
+        if stage.runner.is_last or (downstream is not None and downstream.broken):
+            return downstream
+        downstream = downstream or self._downstream(stage, replies)
+        downstream.send(chores)
+        return downstream
 
 
 def _after_a_stage(touched: dict[str, LoadedStage]) -> bool:

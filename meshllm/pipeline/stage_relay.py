@@ -76,9 +76,11 @@ class Downstream:
     def send(self, request: stage_pb2.StepRequest) -> None:
         with self._lock:
             if self.broken:
-                self._fail(request.step_id)
+                if not request.unanswered:
+                    self._fail(request.step_id)
                 return
-            self._pending.add(request.step_id)
+            if not request.unanswered:  # no reply will come for it
+                self._pending.add(request.step_id)
         self._requests.put(request)
 
     def close(self, park: bool = False) -> None:

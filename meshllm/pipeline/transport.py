@@ -172,12 +172,26 @@ class LocalPipeline:
                 x = runner.run(replace(step, input=x))
                 timings.append(StageTiming(index, time.perf_counter() - started, received_at, time.time()))
             except MeshError as e:
+                self._chores_after_failure(step, index)
                 return StepResult(step.step_id, error_code=e.code, error_message=str(e), failed_stage=index)
             except Exception as e:  # noqa: BLE001 - reported to the leader like a remote stage's failure
                 log.exception("local stage %d failed", index)
+                self._chores_after_failure(step, index)
                 return StepResult(step.step_id, error_code="internal", error_message=str(e), failed_stage=index)
         tokens: list[SampledToken] = x if isinstance(x, list) else []
         return StepResult(step.step_id, tuple(tokens), tuple(timings))
+
+    def _chores_after_failure(self, step: Step, failed: int) -> None:
+        """As a remote stage does (stage_forward.py): the failed step's releases, publications and
+        evictions still reach the failed stage and every one after it."""
+        chores = step.chores()
+        if chores is None:
+            return
+        for index in range(failed, len(self.runners)):
+            try:
+                self.runners[index].run(chores)
+            except MeshError as e:
+                log.warning("local stage %d: a failed step's releases and evictions failed too: %s", index, e.code)
 
     def close(self, timeout_s: float = 60.0, park: bool = False) -> None:
         """`park` changes nothing here: a re-plan never reuses in-process runners."""

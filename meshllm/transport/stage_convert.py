@@ -6,6 +6,8 @@ parameters are checked before they reach the engine.
 
 from __future__ import annotations
 
+import torch
+
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.logit_processors import PenaltyCounts
 from meshllm.engine.sampler import SamplingParams, TokenLogprobs
@@ -20,6 +22,7 @@ from meshllm.transport.token_mask import mask_from_bytes, mask_to_bytes
 
 MAX_TP_SIZE = 64  # ranks of one tensor-parallel group
 MAX_DRAFT_TOKENS = 64  # a verification step scores at most this many proposed tokens per sequence
+_NO_INPUT = codec.to_pb(torch.zeros(0, dtype=torch.int64))  # a step of chores only: no rows
 
 
 def scored_rows_fit(num_scored: int, num_draft: int, num_tokens: int) -> bool:
@@ -81,6 +84,15 @@ def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
         publish=[stage_pb2.Publish(seq_id=p.seq_id, first_block=p.first_block, hashes=p.hashes)
                  for p in step.publish],
         evict=step.evict, block_size=step.block_size)
+
+
+def chores_to_pb(msg: stage_pb2.StepRequest) -> stage_pb2.StepRequest | None:
+    """`msg`'s releases, publications and evictions without its work (see Step.chores), or None;
+    marked unanswered: the stages after the one that failed `msg` apply them and reply nothing."""
+    if not (msg.release or msg.publish or msg.evict):
+        return None
+    return stage_pb2.StepRequest(plan_id=msg.plan_id, step_id=msg.step_id, input=_NO_INPUT, release=msg.release,
+                                 publish=msg.publish, evict=msg.evict, block_size=msg.block_size, unanswered=True)
 
 
 def kept_seqs_to_pb(entries, kept) -> list[stage_pb2.SeqEntry]:

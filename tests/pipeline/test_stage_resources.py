@@ -114,6 +114,41 @@ def test_steps_beyond_the_plans_limits_are_refused_and_the_stream_goes_on(cluste
         leader.close()
 
 
+def test_a_step_that_fails_on_one_stage_still_frees_what_it_releases_on_every_stage(cluster, model_files):
+    """The leader counts a failed step's releases done: the stages after the one that failed it get
+    them anyway, and the failed stage applies them even when the step failed before they ran."""
+    files = model_files["aidreams"]
+    leader = cluster.leader(files, [(0, 2), (2, 4)])
+    plan_id = leader.transport.plan_id
+    stream = RemotePipeline(cluster.channels.get(cluster.local.addresses[0], cluster.local.node_ids[0]), plan_id, 2)
+
+    def step(*works, release=()):
+        ids = torch.ones(sum(w.num_tokens for w in works), dtype=torch.int64)
+        return stream.submit(Step(next_step_id(), works, ids, release)).result(timeout=30)
+
+    def holding(seq_id):
+        return [seq_id in s.seq_ids for info in infos(cluster) for s in info.shards if s.plan_id == plan_id]
+
+    try:
+        assert step(SeqWork(994, 0, 3), SeqWork(995, 0, 3)).ok
+        assert holding(994) == holding(995) == [True, True]
+        # Fails on stage 0 after its chores ran there (continues a sequence stage 0 never saw).
+        failed = step(SeqWork(996, 5, 1), release=(994,))
+        assert failed.error_code == "kv_missing" and failed.failed_stage == 0, failed
+        assert step(SeqWork(997, 0, 1)).ok  # same stream, in order: stage 1 has had the chores by now
+        assert holding(994) == [False, False]
+        # Fails on stage 0 before anything ran (beyond the plan's context): chores applied anyway.
+        too_far = step(SeqWork(998, OPTIONS.context_length - 1, 2), release=(995,))
+        assert too_far.error_code == "plan_limit_exceeded", too_far
+        assert step(SeqWork(999, 0, 1)).ok
+        assert holding(995) == [False, False]
+        stream.close()
+        assert held(cluster, plan_id)[0] == 0
+    finally:
+        stream.close()
+        leader.close()
+
+
 def test_the_prefix_store_keeps_the_plans_block_budget(cluster, model_files):
     files = model_files["aidreams"]
     options = replace(OPTIONS, scheduler=replace(OPTIONS.scheduler, prefix_cache_blocks=4))
