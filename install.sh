@@ -21,7 +21,12 @@ tree = ast.parse(open("meshllm/engine/ggml_lib.py").read())
 print(next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == sys.argv[1]))' "$1"; }
 GGML_PYTHON="ggml-python==$(pins GGML_PYTHON_VERSION)"
 GGML_SOURCE="$(pins GGML_SOURCE)"
-GGML_FLAGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON"
+GGML_FLAGS="-DGGML_NATIVE=ON -DGGML_LLAMAFILE=ON -DGGML_OPENMP=OFF"
+# ggml's own thread pool, not OpenMP's (as on macOS, where Apple's compiler has no OpenMP): steps
+# reach ggml from several threads (stream pumps, the in-process pipeline, a Load), and OpenMP starts
+# a team of workers for each; once they outnumber the cores, libgomp makes every team sleep at each
+# barrier. Measured through the leader (2-vCPU AMD Zen 4, SmolLM2 Q4_1, 2 threads): 55-72 tok/s
+# with OpenMP, 137-177 with the pool (1 thread: 117-163).
 # No AVX512-FP16 code on x86: this ggml's f16 vector ops step 128 values at a time there, so on such
 # CPUs (Sapphire Rapids and later) a 64-wide attention head falls to its scalar tail, and its f16 dot
 # products accumulate in f16. Without it they run as AVX-512 with f32 accumulation. Measured on a

@@ -155,6 +155,12 @@ def runtime(num_threads: int | None = None) -> Runtime | None:
     threads = num_threads or torch.get_num_threads()
     params = g.ggml_threadpool_params_default(threads)
     pool = g.ggml_threadpool_new(ctypes.byref(params))
+    # The cores are the pool's now: torch's few ops around ggml's (sampling, copies) run on one
+    # thread. With more, torch's OpenMP workers spin after each of its ops on the core a pool
+    # thread needs: SmolLM2 Q4_1 decode at batch 8, 2 threads, fell to 260-340 tok/s from 530-670.
+    # (torch's own fallback path lost nothing by it: through the leader it ran 28-32 tok/s on one
+    # thread, 23-26 on two.)
+    torch.set_num_threads(1)
     # Not ggml_backend_cpu_buffer_type(): ggml-python 0.0.45 declares it returning a C int, which
     # truncates the pointer (tests/engine/test_ggml_weights.py checks those meshllm calls return pointers).
     return Runtime(g, g.ggml_backend_dev_buffer_type(device), repack, pool, threads)
