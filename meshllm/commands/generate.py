@@ -76,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
                         help=SPECULATIVE_HELP + " (default: off)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: torch's choice, one per core)")
+                        help="CPU threads that compute (ggml's pool, or torch's where ggml does not run; "
+                             "default: one per core, or OMP_NUM_THREADS)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,6 +85,9 @@ def run(args: argparse.Namespace) -> int:
     _sampling_params(args, _DEFAULTS["max_tokens"] if requested is None else requested)  # bad flags fail early
     files = open_model(args.model)
     prompt_ids = _prompt_ids(files, args.prompt, args.raw)
+    # Without a chat turn the text goes on from the prompt's: printed after it, it keeps the space
+    # before its first word (sentencepiece tokenizers fold that space into the word's token).
+    continues = args.raw or files.tokenizer.chat_template is None
     room = files.config.max_position_embeddings - len(prompt_ids)
     params = _sampling_params(args, max(min(_DEFAULTS["max_tokens"], room), 1) if requested is None else requested)
     check_fits(len(prompt_ids), params, files.config.max_position_embeddings)  # before loading weights
@@ -97,9 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.speculative is not None:
         SpeculativeChoice.parse(args.speculative)  # a bad value fails before any weight loads
     if args.peer:
-        deltas = _cluster_stream(files, prompt_ids, params, args)
+        deltas = _cluster_stream(files, prompt_ids, params, args, continues)
     else:
-        deltas = _local_stream(files, prompt_ids, params, args)
+        deltas = _local_stream(files, prompt_ids, params, args, continues)
     num_tokens, finish_reason, first_token_at = 0, None, None
     for delta in deltas:
         first_token_at = first_token_at or time.perf_counter()
@@ -115,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
-                  args: argparse.Namespace) -> Iterator[GenerationEvent]:
+                  args: argparse.Namespace, continues: bool) -> Iterator[GenerationEvent]:
     """The whole model in this process as the one stage of the cluster's leader loop (which
     drafts with the chosen proposer, if any)."""
     from meshllm.pipeline.cluster import ServingOptions, local_leader
@@ -123,11 +127,11 @@ def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPara
     options = ServingOptions(context_length=files.config.max_position_embeddings, max_batch=1,
                              dtype=args.dtype, quantization=args.quantize,
                              speculative=args.speculative, device=args.device)
-    return _events(local_leader(files, options), prompt_ids, params)
+    return _events(local_leader(files, options), prompt_ids, params, continues)
 
 
 def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
-                    args: argparse.Namespace) -> Iterator[GenerationEvent]:
+                    args: argparse.Namespace, continues: bool) -> Iterator[GenerationEvent]:
     """Plan the model over the fleet the peers see, load the stages, and stream through them."""
     from meshllm.cluster.gossip import fetch_view
     from meshllm.commands.node import resolve_key
@@ -163,13 +167,13 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
                                part=report.missing)
     print("[" + ", ".join(f"{'+'.join(s.node_ids)}: layers {s.first_layer}-{s.last_layer - 1}"
                           for s in plan.stages) + "]", file=sys.stderr)
-    return _events(leader, prompt_ids, params)
+    return _events(leader, prompt_ids, params, continues)
 
 
-def _events(leader, prompt_ids: list[int], params: SamplingParams) -> Iterator[GenerationEvent]:
+def _events(leader, prompt_ids: list[int], params: SamplingParams, continues: bool) -> Iterator[GenerationEvent]:
     """The request's events, its error raised; the leader is closed when the stream ends."""
     try:
-        for event in leader.generate(prompt_ids, params):
+        for event in leader.generate(prompt_ids, params, continues_prompt=continues):
             if event.error is not None:
                 raise event.error
             yield event

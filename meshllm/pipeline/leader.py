@@ -169,10 +169,11 @@ class Leader(LeaderFailover, LeaderLifecycle):
         self._inbox.put(Cancel(seq_id))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, speculative: bool | None = None,
-                 grammar: Matcher | None = None) -> Iterator[GenerationEvent]:
+                 grammar: Matcher | None = None, continues_prompt: bool = False) -> Iterator[GenerationEvent]:
         """Blocking convenience: yields events until the sequence finishes."""
         events: queue.Queue = queue.Queue()
-        seq_id = self.submit(prompt_ids, params, events.put, grammar=grammar, speculative=speculative)
+        seq_id = self.submit(prompt_ids, params, events.put, grammar=grammar, speculative=speculative,
+                             continues_prompt=continues_prompt)
         try:
             while True:
                 event = events.get()
