@@ -18,10 +18,14 @@ from meshllm.errors import BadRequest, MalformedMessage, PlanLimitExceeded
 from meshllm.tp.group import DEFAULT_TIMEOUT_S, RankRole
 from meshllm.transport import codec
 from meshllm.transport.protos import stage_pb2
-from meshllm.transport.token_mask import mask_from_bytes, mask_to_bytes
+from meshllm.transport.token_mask import MAX_MASK_WORDS, mask_from_bytes, mask_to_bytes
 
 MAX_TP_SIZE = 64  # ranks of one tensor-parallel group
 MAX_DRAFT_TOKENS = 64  # a verification step scores at most this many proposed tokens per sequence
+# Allowed-token masks one step may inflate to, in all: a leader's worst case is ~133 MB (64
+# sequences x 65 scored rows x a 256k vocabulary); without it a step under the wire's limits (a
+# LoadRequest without limits) could make a stage inflate 4096 x 65 masks of 128 KiB, 34 GB.
+MAX_STEP_MASK_BYTES = 256 << 20
 _NO_INPUT = codec.to_pb(torch.zeros(0, dtype=torch.int64))  # a step of chores only: no rows
 
 
@@ -119,6 +123,7 @@ def step_from_pb(msg: stage_pb2.StepRequest, limits: StepLimits = WIRE_LIMITS) -
         raise MalformedMessage(f"block_size {msg.block_size} is not the plan's prefix-cache block size "
                                f"{limits.prefix_block_size}")
     seqs, seen, total = [], set(), 0
+    mask_words_left = MAX_STEP_MASK_BYTES // 4
     for e in msg.seqs:
         if e.seq_id in seen:
             raise MalformedMessage(f"sequence {e.seq_id} appears twice in step {msg.step_id}")
@@ -143,9 +148,15 @@ def step_from_pb(msg: stage_pb2.StepRequest, limits: StepLimits = WIRE_LIMITS) -
         if e.allowed and len(e.allowed) != e.num_scored:
             raise MalformedMessage(f"sequence {e.seq_id}: {len(e.allowed)} allowed-token masks for {e.num_scored} "
                                    f"scored rows")
+        masks = []
+        for data in e.allowed:
+            if mask_words_left <= 0:
+                raise PlanLimitExceeded(f"step {msg.step_id}'s allowed-token masks exceed {MAX_STEP_MASK_BYTES} "
+                                        f"bytes in all")
+            masks.append(mask_from_bytes(data, min(MAX_MASK_WORDS, mask_words_left)))
+            mask_words_left -= masks[-1].numel()
         seqs.append(SeqWork(SeqId(e.seq_id), e.start, e.num_tokens, e.num_scored, sampling, tuple(e.attach),
-                            tuple(e.draft), _penalties_from_pb(e, limits), tuple(mask_from_bytes(m) for m in e.allowed),
-                            _dists_from_pb(e)))
+                            tuple(e.draft), _penalties_from_pb(e, limits), tuple(masks), _dists_from_pb(e)))
     x = codec.from_pb(msg.input) if msg.HasField("input") else None
     if x is None or x.dim() == 0 or x.shape[0] != total:
         raise MalformedMessage(f"step {msg.step_id} input has {None if x is None or x.dim() == 0 else x.shape[0]} "

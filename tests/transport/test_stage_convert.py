@@ -107,3 +107,26 @@ def test_limits_travel_in_the_load_request_and_a_request_without_them_gets_the_w
     load.max_seqs = -3
     with pytest.raises(BadRequest, match="step limits"):
         stage_convert.limits_from_pb(load)
+
+
+def test_allowed_token_masks_inflate_to_at_most_the_steps_budget(monkeypatch):
+    """A mask compresses ~1000:1 (a run of ones), so the bytes a step's masks inflate to are
+    bounded in all, not only per mask: under the wire's limits a step may carry 4096 x 65 masks."""
+    import numpy as np
+
+    from meshllm.transport.token_mask import MAX_MASK_WORDS, mask_to_bytes
+
+    monkeypatch.setattr(stage_convert, "MAX_STEP_MASK_BYTES", 8 * 4 * MAX_MASK_WORDS)  # eight whole masks
+    mask = mask_to_bytes(np.full(MAX_MASK_WORDS, -1, dtype=np.int32))
+    assert len(mask) < 1024  # 128 KiB of ones
+
+    def step(num_seqs: int) -> stage_pb2.StepRequest:
+        works = tuple(SeqWork(SeqId(s), 0, 3, 3, PARAMS, draft=(5, 6)) for s in range(num_seqs))
+        msg = stage_convert.step_to_pb("plan", Step(1, works, torch.zeros(3 * num_seqs, dtype=torch.int64)))
+        for e in msg.seqs:
+            e.allowed.extend([mask] * 3)
+        return msg
+
+    assert len(stage_convert.step_from_pb(step(2)).seqs[1].allowed) == 3  # six masks: within
+    with pytest.raises(PlanLimitExceeded, match="allowed-token masks exceed"):
+        stage_convert.step_from_pb(step(3))  # nine
