@@ -121,6 +121,12 @@ def _route_logs(g) -> None:
 
 
 @functools.cache
+def _compute_threads() -> int:
+    """torch's thread count before the first pool took the cores (runtime() leaves torch one)."""
+    return torch.get_num_threads()
+
+
+@functools.cache
 def runtime(num_threads: int | None = None) -> Runtime | None:
     """The ggml runtime with `num_threads` compute threads (torch's count by default), or None."""
     if os.environ.get("MESHLLM_NO_GGML"):
@@ -152,7 +158,8 @@ def runtime(num_threads: int | None = None) -> Runtime | None:
     device = g.ggml_backend_dev_by_type(g.GGML_BACKEND_DEVICE_TYPE_CPU)
     extra = _extra_buffer_types(g, device)
     repack = next((b for b in extra if g.ggml_backend_buft_name(b) == b"CPU_REPACK"), None)
-    threads = num_threads or torch.get_num_threads()
+    default = _compute_threads()  # read before any pool leaves torch one thread, whichever comes first
+    threads = num_threads or default
     params = g.ggml_threadpool_params_default(threads)
     # Workers sleep as soon as a graph is done, instead of spinning up to ~100 ms for the next
     # one (poll 50, ggml's default): a step's graph wakes them for the price of one futex call.

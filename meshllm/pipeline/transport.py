@@ -183,11 +183,12 @@ class LocalPipeline:
 
     def _chores_after_failure(self, step: Step, failed: int) -> None:
         """As a remote stage does (stage_forward.py): the failed step's releases, publications and
-        evictions still reach the failed stage and every one after it."""
+        evictions still reach every stage after the failed one (which applied them first: in process
+        no parse comes before them)."""
         chores = step.chores()
         if chores is None:
             return
-        for index in range(failed, len(self.runners)):
+        for index in range(failed + 1, len(self.runners)):
             try:
                 self.runners[index].run(chores)
             except MeshError as e:

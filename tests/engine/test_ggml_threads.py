@@ -30,6 +30,7 @@ SCRIPT = textwrap.dedent(f"""
     from meshllm.engine.ggml_lib import runtime
     from meshllm.engine.ggml_weights import GraphScope
 
+    cores = torch.get_num_threads()
     rt = runtime(2)
     weight, x = torch.randn(256, 512), torch.randn(4, 512)
     expected = x @ weight.T  # here: torch's matmul starts threads of its own (MKL's) on a new thread
@@ -63,7 +64,7 @@ SCRIPT = textwrap.dedent(f"""
     for c in callers:
         c.join()
     print(json.dumps({{"exact": exact, "before": before, "during": during, "pool": rt.num_threads,
-                      "torch": torch.get_num_threads()}}))
+                      "torch": torch.get_num_threads(), "cores": cores, "default_pool": runtime().num_threads}}))
 """)
 
 
@@ -75,5 +76,7 @@ def test_callers_on_other_threads_share_the_one_pool():
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts["exact"] and counts["pool"] == 2, counts
     assert counts["torch"] == 1, counts  # torch's ops leave the cores to the pool (ggml_lib.runtime)
+    # and a pool made after that still gets torch's count from before, not the one thread left it
+    assert counts["default_pool"] == counts["cores"], counts
     # The callers themselves and nothing else: no workers started per calling thread.
     assert counts["during"] == counts["before"] + CALLERS, counts
