@@ -117,6 +117,12 @@ class UnknownModel(MeshError):
     code = "model_not_found"
 
 
+class NotFound(MeshError):
+    """A request names a stored object (a response) this server does not hold."""
+
+    code = "not_found"
+
+
 class RequestTooLarge(BadRequest):
     """An HTTP request body over the API's --max-body-mib, refused before it is read."""
 

@@ -25,6 +25,10 @@ from meshllm.api.metrics import CONTENT_TYPE_LATEST
 from meshllm.api.prompts import ChoiceRequest, ModelText, chat_choices, completion_choices
 from meshllm.api.replies import ReplyContext
 from meshllm.api.responses import ChatCompletion, Completion, ModelEntry, ModelList, now
+from meshllm.api.responses_api.reply import ResponseRun, whole_response
+from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request
+from meshllm.api.responses_api.store import ResponseStore
+from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
 from meshllm.api.tool_parser import ToolCallParser
@@ -50,6 +54,7 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     formatter = LogprobFormatter(backend.tokenizer)
     backend.tokenizer.max_token_chars  # noqa: B018 - computed once here rather than in the first request
     model_text = ModelText.of(backend.tokenizer, backend.max_context)
+    stored_responses = ResponseStore()
     started = now()
 
     def leader_for(model: str) -> Leader:
@@ -128,5 +133,41 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         choices = await run_in_threadpool(completion_choices, model_text, body)
         ctx = ReplyContext.new("cmpl", backend.model_id, formatter, body.logprobs is not None)
         return await answer(request, leader, choices, body, ctx, chat=False)
+
+    @app.post("/v1/responses", response_model=None, responses=generating)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response | dict:
+        """OpenAI's Responses API: one chat choice underneath (responses_api/)."""
+        leader = leader_for(body.model)
+        history = stored_responses.get(body.previous_response_id).conversation if body.previous_response_id else []
+        messages = chat_messages(body)
+        chat = chat_request(body, history, messages)
+        choices = await run_in_threadpool(chat_choices, model_text, chat)
+        state = ChoiceState(choices[0], ToolCallParser(model_text.tool_format, chat.parallel_tool_calls)
+                            if chat.calls_tools else None)
+        run = ResponseRun(body, state, history + messages, formatter, backend.model_id)
+        generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected,
+                                model_text.grammars)
+        streaming = False
+        try:
+            await run_in_threadpool(generation.submit)
+            if body.stream:
+                response = await open_response_stream(generation, run, stored_responses, metrics)
+                streaming = True  # the stream owns the sequence now
+                return response
+            return await whole_response(generation, run, stored_responses)
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+        finally:
+            if not streaming:
+                generation.cancel()
+
+    @app.get("/v1/responses/{response_id}", response_model=None, responses=error_responses(*keyed, 404))
+    async def get_response(response_id: str) -> dict:
+        return stored_responses.get(response_id).response
+
+    @app.delete("/v1/responses/{response_id}", response_model=None, responses=error_responses(*keyed, 404))
+    async def delete_response(response_id: str) -> dict:
+        stored_responses.delete(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     return app

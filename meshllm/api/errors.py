@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 from meshllm.api.metrics import MetricsObserver
 from meshllm.engine.scheduler import QueueFull
-from meshllm.errors import (AuthError, BadRequest, ContextOverflow, LeaderDown, MalformedMessage, MeshError,
+from meshllm.errors import (AuthError, BadRequest, ContextOverflow, LeaderDown, MalformedMessage, MeshError, NotFound,
                             PipelineStalled, RequestTimeout, RequestTooLarge, ShardUnavailable, UnknownModel)
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ _STATUS: tuple[tuple[type[MeshError], int, str], ...] = (
     (MalformedMessage, 400, "invalid_request_error"),
     (AuthError, 401, "invalid_request_error"),
     (UnknownModel, 404, "invalid_request_error"),
+    (NotFound, 404, "invalid_request_error"),
     (QueueFull, 429, "rate_limit_error"),
     (ShardUnavailable, 503, "server_error"),
     (PipelineStalled, 503, "server_error"),
@@ -90,7 +91,7 @@ def install_error_handlers(app: FastAPI, metrics: MetricsObserver) -> None:
     async def on_http_error(request: Request, error: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "http_error")
         message = (f"no route {request.method} {request.url.path}; this server offers /v1/models, "
-                   f"/v1/chat/completions, /v1/completions, /v1/cluster and /metrics"
+                   f"/v1/chat/completions, /v1/completions, /v1/responses, /v1/cluster and /metrics"
                    if error.status_code in (404, 405) else str(error.detail))
         return JSONResponse(error_body(message, "invalid_request_error", code), status_code=error.status_code,
                             headers=error.headers)
@@ -126,7 +127,7 @@ _DESCRIPTIONS = {
     400: "Invalid request: malformed JSON, a field out of range, text that is not valid Unicode, or a prompt "
          "longer than the context",
     401: "Missing or wrong API key (only when the server runs with --api-key)",
-    404: "The model is not served here",
+    404: "The model is not served here, or (responses) the response is not stored here",
     413: "The request body is over the server's --max-body-mib",
     429: "The queue is full; retry later",
     500: "Internal error",

@@ -20,7 +20,7 @@ MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_STOP_STRINGS = 16
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     @model_validator(mode="before")
@@ -29,21 +29,21 @@ class _Body(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Body):
+class FunctionCall(RequestBody):
     name: str
     arguments: str  # JSON text, as the model wrote it
 
 
-class ToolCall(_Body):
+class ToolCall(RequestBody):
     """A call an assistant message made earlier in the conversation."""
 
     id: str
@@ -51,7 +51,7 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -75,28 +75,28 @@ class ChatMessage(_Body):
         return message
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(RequestBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: str | None = None
     parameters: dict | None = None  # JSON Schema of the arguments object
     strict: bool | None = None
 
 
-class ToolDefinition(_Body):
+class ToolDefinition(RequestBody):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(_Body):
+class NamedFunction(RequestBody):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(RequestBody):
     type: Literal["function"]
     function: NamedFunction
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(RequestBody):
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
@@ -105,7 +105,7 @@ class JsonSchemaFormat(_Body):
     strict: bool | None = None
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(RequestBody):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -116,7 +116,7 @@ class ResponseFormat(_Body):
         return self
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """What chat and legacy completions share."""
 
     model: str

@@ -44,14 +44,21 @@ def _sse(chunk: BaseModel | dict) -> str:
 async def open_stream(generation: Generation, states: list[ChoiceState], ctx: ReplyContext, include_usage: bool,
                       metrics: MetricsObserver, chat: bool) -> StreamingResponse:
     """Wait for the first event (raising its error as an HTTP error), then stream the rest."""
+    events = await started(generation)
+    body = _stream(generation, events, states, ctx, include_usage, metrics, chat)
+    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def started(generation: Generation) -> AsyncIterator[Item]:
+    """The generation's events once the first has arrived; raises that one's error (cancelling the
+    rest) if it failed, while the HTTP status can still say so."""
     events = generation.events()
     first = await anext(events)
     error = failure_of(first[1])
     if error is not None:
         generation.cancel()
         raise error
-    body = _stream(generation, _prepend(first, events), states, ctx, include_usage, metrics, chat)
-    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return _prepend(first, events)
 
 
 async def _prepend(first: Item, rest: AsyncIterator[Item]) -> AsyncIterator[Item]:

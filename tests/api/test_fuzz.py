@@ -25,7 +25,7 @@ from .conftest import serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 # Short contexts keep every accepted request quick, whatever max_tokens the fuzzer picks.
 OPTIONS = ServingOptions(context_length=96, max_batch=4, scheduler=SchedulerConfig(max_waiting=8))
 
@@ -72,12 +72,58 @@ prompt = st.one_of(text, st.lists(text, max_size=3), st.lists(st.integers(-5, 60
 valid_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": text})
 near_prompt = st.one_of(text, st.lists(st.integers(-5, 60_000), min_size=1, max_size=12))
 
+# The Responses API: its own fields, and input items of every kind (converted by hand, so fuzzed hard).
+RESPONSE_FIELDS = {
+    "instructions": text, "max_output_tokens": st.integers(-1, 8), "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5), "top_logprobs": small_int, "store": st.booleans(), "stream": st.booleans(),
+    "previous_response_id": text, "parallel_tool_calls": st.booleans(), "background": st.booleans(),
+    "truncation": st.sampled_from(["auto", "disabled", "middle"]), "metadata": st.dictionaries(text, text, max_size=20),
+    "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]), max_size=2),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+        {"type": st.sampled_from(["function", "file_search"]), "name": text})),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search"]), "name": text},
+                                            optional={"parameters": any_json, "strict": st.booleans()}), max_size=2),
+    "text": st.fixed_dictionaries({"format": st.one_of(any_json, st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "grammar"]), "name": text,
+         "schema": any_json}))}),
+}
+input_item = st.one_of(
+    valid_message,
+    st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning",
+                                                    "item_reference", "web_search_call"])},
+                          optional={"role": st.sampled_from(["user", "assistant", "tool", "wizard"]),
+                                    "content": st.one_of(text, st.lists(st.fixed_dictionaries(
+                                        {"type": st.sampled_from(["input_text", "output_text", "refusal",
+                                                                  "input_image"]), "text": text}), max_size=2),
+                                                         any_json),
+                                    "call_id": st.one_of(text, any_json), "name": text, "arguments": any_json,
+                                    "output": any_json, "id": text}),
+    any_json)
+
+
+def _responses_body(draw, near: bool) -> dict:
+    body: dict = {"model": MODEL_ID, "max_output_tokens": draw(st.integers(1, 6))}
+    if near:
+        body["input"] = draw(st.one_of(text, st.lists(input_item, min_size=1, max_size=3)))
+        body.update(draw(st.lists(st.sampled_from(sorted(RESPONSE_FIELDS)).flatmap(
+            lambda name: st.tuples(st.just(name), RESPONSE_FIELDS[name])), max_size=3)))
+    else:
+        body["model"] = draw(model)
+        body["input"] = draw(st.one_of(st.lists(input_item, max_size=3), any_json))
+        body.update(draw(st.lists(st.sampled_from(sorted(RESPONSE_FIELDS)).flatmap(
+            lambda name: st.tuples(st.just(name), st.one_of(RESPONSE_FIELDS[name], any_json))), max_size=6)))
+        if draw(st.booleans()):
+            body.pop(draw(st.sampled_from(sorted(body))), None)
+    return body
+
 
 @st.composite
 def bodies(draw) -> tuple[str, bytes]:
-    path = draw(st.sampled_from([CHAT, COMPLETIONS]))
+    path = draw(st.sampled_from([CHAT, COMPLETIONS, RESPONSES]))
     body: dict = {"model": MODEL_ID, "max_tokens": draw(st.integers(1, 6))}
-    if draw(st.booleans()):
+    if path == RESPONSES:
+        body = _responses_body(draw, draw(st.booleans()))
+    elif draw(st.booleans()):
         # Near the schema: a valid request with odd text and a few plausible, maybe invalid, fields.
         if path == CHAT:
             body["messages"] = draw(st.lists(valid_message, min_size=1, max_size=3))
@@ -110,7 +156,7 @@ GOOD = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max
         "temperature": 0}
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=bodies())
 def test_any_body_gets_a_clear_answer_and_the_server_keeps_serving(smollm2, case):
     path, raw = case

@@ -2,7 +2,8 @@
 knows no tools, so the Hermes protocol is written in) and tiny random models whose templates
 speak each family (hermes, llama3, mistral). Forced calls (tool_choice required or named) are
 grammar-constrained, so even a random model's arguments validate against the schema. Also one
-agent loop of the `openai-agents` framework with this server as its model."""
+agent loop of the `openai-agents` framework with this server as its model, over chat completions
+and over the Responses API (test_responses_api.py tests that API itself)."""
 
 from __future__ import annotations
 
@@ -143,8 +144,13 @@ def test_forced_calls_through_a_two_stage_pipeline(long_server):
         _check_calls(choice.message.tool_calls)
 
 
-def test_openai_agents_loop_with_this_server_as_its_model(smollm2_fast_server):
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+@pytest.mark.parametrize("api", ["chat", "responses", "responses-streamed"])
+def test_openai_agents_loop_with_this_server_as_its_model(smollm2_fast_server, api):
+    """The framework on chat completions, and on its default model class, which speaks the Responses API."""
+    import asyncio
+
+    from agents import (Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool,
+                        set_tracing_disabled)
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)  # never export traces anywhere
@@ -157,12 +163,21 @@ def test_openai_agents_loop_with_this_server_as_its_model(smollm2_fast_server):
         return f"It is 18 degrees and sunny in {city}."
 
     client = AsyncOpenAI(base_url=f"{smollm2_fast_server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model_class = OpenAIChatCompletionsModel if api == "chat" else OpenAIResponsesModel
     agent = Agent(name="weather", instructions="You answer questions about the weather. Use the tools.",
                   tools=[get_weather],
-                  model=OpenAIChatCompletionsModel(model=smollm2_fast_server.backend.model_id, openai_client=client),
+                  model=model_class(model=smollm2_fast_server.backend.model_id, openai_client=client),
                   # required for the first turn; the SDK resets it to auto once a tool ran
                   model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
                                                max_tokens=60))
-    result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    if api == "responses-streamed":
+        async def run():
+            result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+            kinds = {e.data.type async for e in result.stream_events() if e.type == "raw_response_event"}
+            assert {"response.function_call_arguments.delta", "response.output_text.delta"} <= kinds
+            return result
+        result = asyncio.run(run())
+    else:
+        result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert asked == ["Paris"]
     assert isinstance(result.final_output, str) and "18" in result.final_output

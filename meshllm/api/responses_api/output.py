@@ -1,0 +1,126 @@
+"""A response's output items, built as its choice's content and call deltas arrive, and the
+Responses stream's events for each step (stream.py sends them; a whole reply keeps the items).
+
+Content opens a message item (one output_text part) and each call a function_call item; an
+item is closed when the next one opens or the reply ends. Content that is only whitespace is
+held until something visible follows, so the spacing around a tool call never becomes a
+message of its own (chat completions drop it the same way).
+"""
+
+from __future__ import annotations
+
+from meshllm.api.responses import new_id
+from meshllm.api.tool_parser import CallDelta
+
+
+class OutputItems:
+    def __init__(self):
+        self.items: list[dict] = []
+        self._open: dict | None = None  # the item receiving deltas
+        self._call_items: dict[int, dict] = {}  # by the parser's call index
+        self._held = ""  # whitespace not yet known to belong to a message
+        self._logprobs: list[dict] = []  # of tokens not yet sent with a text delta
+
+    @property
+    def text(self) -> str:
+        return "".join(part["text"] for item in self.items if item["type"] == "message" for part in item["content"])
+
+    def feed(self, content: str, calls: list[CallDelta], logprobs: list[dict]) -> list[dict]:
+        """The events `content` and `calls` (what one token added) make; `logprobs`: that token's entries."""
+        events: list[dict] = []
+        self._logprobs += logprobs
+        if content:
+            text = self._held + content
+            if text.strip() or (self._open is not None and self._open["type"] == "message"):
+                self._held = ""
+                events += self._text(text)
+            else:
+                self._held = text
+        for delta in calls:
+            item = self._call_items.get(delta.index)
+            if item is None:
+                self._held = ""
+                item = self._call_items[delta.index] = {"type": "function_call", "id": new_id("fc"),
+                                                        "call_id": delta.id, "name": delta.name, "arguments": "",
+                                                        "status": "in_progress"}
+                events += self._add(item)
+            if delta.arguments:
+                item["arguments"] += delta.arguments
+                events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                               "output_index": self.items.index(item), "delta": delta.arguments})
+        return events
+
+    def finish(self, status: str, whole_calls: frozenset[str] = frozenset()) -> list[dict]:
+        """Close the item still open as `status`: completed, or incomplete when the reply was cut short
+        (a call among `whole_calls`, by call id, was not: its arguments are all there)."""
+        if self._open is not None and self._open.get("call_id") in whole_calls:
+            status = "completed"
+        return self._close(status)
+
+    def _text(self, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != "message":
+            item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+                    "content": []}
+            events += self._add(item)
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            events.append({"type": "response.content_part.added", "item_id": item["id"],
+                           "output_index": len(self.items) - 1, "content_index": 0,
+                           "part": {**part, "logprobs": []}})
+        item = self._open
+        part = item["content"][0]
+        part["text"] += text
+        logprobs, self._logprobs = self._logprobs, []
+        part["logprobs"] += logprobs
+        events.append({"type": "response.output_text.delta", "item_id": item["id"],
+                       "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
+                       "logprobs": logprobs})
+        return events
+
+    def _add(self, item: dict) -> list[dict]:
+        events = self._close("completed")
+        self.items.append(item)
+        self._open = item
+        return events + [{"type": "response.output_item.added", "output_index": len(self.items) - 1,
+                          "item": _copy(item)}]
+
+    def _close(self, status: str) -> list[dict]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self.items.index(item)
+        events = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            part["logprobs"] += self._logprobs
+            self._logprobs = []
+            events += [{"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "text": part["text"], "logprobs": part["logprobs"]},
+                       {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
+                        "content_index": 0, "part": dict(part)}]
+        else:
+            events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
+                           "output_index": index, "name": item["name"], "arguments": item["arguments"]})
+        item["status"] = status
+        events.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
+        return events
+
+
+def _copy(item: dict) -> dict:
+    """The item as it stands now (events carry snapshots; the item itself keeps growing)."""
+    return {**item, "content": [dict(p) for p in item["content"]]} if item["type"] == "message" else dict(item)
+
+
+def as_chat_message(items: list[dict]) -> dict | None:
+    """The assistant message the items amount to, for the stored conversation (None: no output)."""
+    text = "".join(p["text"] for item in items if item["type"] == "message" for p in item["content"])
+    calls = [{"id": item["call_id"], "type": "function",
+              "function": {"name": item["name"], "arguments": item["arguments"]}}
+             for item in items if item["type"] == "function_call"]
+    if not text and not calls:
+        return None
+    message = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return message

@@ -1,0 +1,159 @@
+"""The Responses API's parts without a server: input items to chat messages, deltas to output
+items and stream events, and the bounded store of responses."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshllm.api.responses_api.output import OutputItems, as_chat_message
+from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request
+from meshllm.api.responses_api.store import ResponseStore
+from meshllm.api.tool_parser import CallDelta
+from meshllm.errors import BadRequest, NotFound
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+def request(**fields) -> ResponsesRequest:
+    return ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+
+
+def test_input_items_become_the_chat_messages_they_stand_for():
+    body = request(input=[
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
+                                                        {"type": "input_text", "text": "in Paris?"}]},
+        # What a client sends back of an earlier reply: a message with its id and status, then its calls.
+        {"type": "message", "id": "msg-1", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "id": "fc-1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Lyon"}'},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call_output", "call_id": "call_1", "output": "18 C"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "20 C"}]},
+    ])
+    assert chat_messages(body) == [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Lyon"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "20 C"},
+    ]
+    # A call with no assistant message before it opens one of its own.
+    calls_only = chat_messages(request(input=[{"role": "user", "content": "x"}, {
+        "type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"}]))
+    assert calls_only[1] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}
+
+
+def test_the_request_becomes_the_chat_request_it_amounts_to():
+    body = request(instructions="Be brief.", tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+                   parallel_tool_calls=False, max_output_tokens=30, temperature=0.5, top_p=0.9, seed=7,
+                   include=["message.output_text.logprobs"], top_logprobs=2,
+                   text={"format": {"type": "json_schema", "name": "w", "schema": {"type": "object"}, "strict": True}})
+    history = [{"role": "user", "content": "before"}, {"role": "assistant", "content": "ok"}]
+    chat = chat_request(body, history, chat_messages(body))
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "user"]
+    assert chat.messages[0].content == "Be brief." and chat.messages[-1].content == "hi"
+    assert chat.tools[0].function.name == "get_weather" and chat.tools[0].function.strict is True
+    assert chat.tool_choice.function.name == "get_weather" and chat.parallel_tool_calls is False
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.name == "w"
+    assert (chat.completion_limit, chat.temperature, chat.top_p, chat.seed) == (30, 0.5, 0.9, 7)
+    assert chat.num_logprobs == 2
+    plain = chat_request(request(), [], chat_messages(request()))
+    assert plain.response_format is None and plain.num_logprobs is None and plain.tools is None
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+     "read text only"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "role 'robot'"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "call_id must be a string"),
+    ({"input": [{"type": "computer_call", "id": "c"}]}, "'computer_call' are not supported"),
+    ({"input": [{"type": "item_reference", "id": "msg-1"}]}, "previous_response_id"),
+    ({"tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+    ({"text": {"format": {"type": "grammar"}}}, "text.format type 'grammar'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "not among tools"),
+    ({"tools": [{**WEATHER, "name": "bad name!"}]}, "tools.0.function.name"),
+])
+def test_what_cannot_be_served_is_refused_with_the_reason(fields, says):
+    body = request(**fields)
+    with pytest.raises(BadRequest) as refused:
+        chat_request(body, [], chat_messages(body))
+    assert says in str(refused.value)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"background": True}, "background"), ({"truncation": "auto"}, "truncation"),
+    ({"conversation": "conv_1"}, "conversation"), ({"metadata": {str(i): "v" for i in range(17)}}, "16 keys"),
+])
+def test_unsupported_modes_fail_validation(fields, says):
+    with pytest.raises(ValueError, match=says):
+        request(**fields)
+
+
+def _types(events: list[dict]) -> list[str]:
+    return [e["type"].removeprefix("response.") for e in events]
+
+
+def test_deltas_become_items_and_the_events_that_build_them():
+    out = OutputItems()
+    events = out.feed("\n", [], [])  # whitespace alone opens nothing yet
+    assert events == [] and out.items == []
+    events = out.feed("Hi", [], [{"token": "Hi"}])
+    assert _types(events) == ["output_item.added", "content_part.added", "output_text.delta"]
+    assert events[-1]["delta"] == "\nHi" and events[-1]["logprobs"] == [{"token": "Hi"}]
+    events = out.feed(" ", [CallDelta(0, "call_1", "get_weather", '{"ci')], [])
+    # The open message takes the space (as a chat reply's content does); it closes as the call opens.
+    assert _types(events) == ["output_text.delta", "output_text.done", "content_part.done", "output_item.done",
+                              "output_item.added", "function_call_arguments.delta"]
+    assert events[3]["item"]["status"] == "completed" and events[3]["item"]["content"][0]["text"] == "\nHi "
+    assert events[4]["item"] == {"type": "function_call", "id": events[4]["item"]["id"], "call_id": "call_1",
+                                 "name": "get_weather", "arguments": "", "status": "in_progress"}
+    out.feed("", [CallDelta(0, arguments='ty": "Paris"}')], [])
+    events = out.finish("incomplete", whole_calls=frozenset({"call_1"}))
+    assert _types(events) == ["function_call_arguments.done", "output_item.done"]
+    assert events[0]["arguments"] == '{"city": "Paris"}' and events[1]["item"]["status"] == "completed"
+    assert [i["type"] for i in out.items] == ["message", "function_call"]
+    assert [e["output_index"] for e in events] == [1, 1]
+    assert as_chat_message(out.items) == {"role": "assistant", "content": "\nHi ", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+
+
+def test_a_reply_cut_short_leaves_its_open_item_incomplete():
+    out = OutputItems()
+    out.feed("", [CallDelta(0, "call_1", "f", "{}")], [])
+    out.feed("\n ", [], [])  # after a call, whitespace alone opens no message
+    out.feed("Once upon", [], [])
+    events = out.finish("incomplete")
+    assert events[-1]["item"]["status"] == "incomplete" and out.text == "\n Once upon"
+    assert [i["status"] for i in out.items] == ["completed", "incomplete"]
+    assert as_chat_message(OutputItems().items) is None
+
+
+def test_the_store_keeps_the_newest_within_its_count_and_size():
+    store = ResponseStore(max_responses=3, max_bytes=10_000)
+    for i in range(5):
+        store.put({"id": f"r{i}"}, [{"role": "user", "content": "x" * 10}])
+    assert len(store) == 3
+    with pytest.raises(NotFound, match="not stored here"):
+        store.get("r1")
+    store.get("r2")  # read: now the newest
+    store.put({"id": "r5"}, [])
+    assert store.get("r2") and store.get("r5")
+    with pytest.raises(NotFound):
+        store.get("r3")
+    store.put({"id": "big"}, [{"role": "user", "content": "x" * 9_950}])  # the others must go to fit it
+    assert len(store) == 1 and store.get("big")
+    store.put({"id": "huge"}, [{"role": "user", "content": "x" * 20_000}])  # larger than the store: not kept
+    with pytest.raises(NotFound):
+        store.get("huge")
+    store.delete("big")
+    with pytest.raises(NotFound):
+        store.delete("big")
