@@ -27,6 +27,7 @@ from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_weights import QUANTIZE_TYPES
 from meshllm.model.source import open_model
 from meshllm.pipeline.cluster import ServingOptions
+from meshllm.commands.threads import add_threads_argument
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 
@@ -52,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_api_guard_arguments(parser)
     parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
                         help=SPECULATIVE_HELP + " (default: off)")
+    add_threads_argument(parser, default="the cores shared out among the nodes, at least one each")
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:
@@ -75,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"meshllm demo: model {files.model_id} ({files.config.num_hidden_layers} layers) from {files.path}",
           flush=True)
     state_dir = Path(tempfile.mkdtemp(prefix="meshllm-demo-"))
-    threads = max(1, (os.cpu_count() or 1) // args.nodes)
+    if args.threads is not None and args.threads < 1:
+        raise SystemExit(f"meshllm demo: --threads must be at least 1, got {args.threads}")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.nodes)  # per node
     collective = ("--collective-port", "0") if args.tp > 1 else ()
     cluster = LocalCluster(args.nodes, [files.path], state_dir, extra_args=("--gossip-interval", "0.5", *collective),
                            threads_per_node=threads, on_exit=_report_exit)

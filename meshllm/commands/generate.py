@@ -16,9 +16,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch
-
 from meshllm.commands.plan import add_tp_argument
+from meshllm.commands.threads import add_threads_argument, apply_threads
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.engine.dtypes import add_dtype_argument
 from meshllm.engine.generate import check_fits
@@ -75,9 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="same as --quantize int8 (kept for old scripts)")
     parser.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|remote[:NODE]",
                         help=SPECULATIVE_HELP + " (default: off)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads that compute (ggml's pool, or torch's where ggml does not run; "
-                             "default: one per core, or OMP_NUM_THREADS)")
+    add_threads_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,10 +88,7 @@ def run(args: argparse.Namespace) -> int:
     room = files.config.max_position_embeddings - len(prompt_ids)
     params = _sampling_params(args, max(min(_DEFAULTS["max_tokens"], room), 1) if requested is None else requested)
     check_fits(len(prompt_ids), params, files.config.max_position_embeddings)  # before loading weights
-    if args.threads is not None:
-        if args.threads < 1:
-            raise BadRequest(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     if (args.tp or 1) > 1 and not args.peer:
         raise BadRequest(f"--tp {args.tp} splits stages over nodes of a cluster: give --peer HOST:PORT of one")
     started = time.perf_counter()

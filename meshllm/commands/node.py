@@ -9,6 +9,7 @@ from meshllm.pipeline.node_stage import attach_stage_service
 from meshllm.spec.factory import DraftOptions
 from meshllm.spec.node_proposer import attach_proposer_service
 from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
+from meshllm.commands.threads import add_threads_argument, apply_threads
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.transport.auth import load_key, load_or_create_key
 
@@ -56,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "free one), advertise it, and measure links to peers that do too. Its traffic (gloo) "
                              "is not encrypted: use it on a trusted link (Thunderbolt, a switch you own). "
                              "Default: off")
+    add_threads_argument(parser)
 
 
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1000, "MB": 1000**2, "GB": 1000**3}
@@ -91,6 +93,7 @@ def resolve_key(key_file: Path | None, state_dir: Path, *, create: bool) -> byte
 
 def run(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or default_state_dir()
+    apply_threads(args.threads)
     try:
         config = NodeConfig(
             host=args.host, port=args.port, advertise_host=args.advertise_host, peers=tuple(args.peer),

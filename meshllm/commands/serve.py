@@ -19,6 +19,7 @@ from meshllm.api.server import APIServer
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
 from meshllm.commands.plan import add_tp_argument
+from meshllm.commands.threads import apply_threads
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.dtypes import add_dtype_argument
 from meshllm.engine.stage_weights import QUANTIZE_TYPES
@@ -139,6 +140,7 @@ def build_backend(args: argparse.Namespace, node: Node, key: bytes) -> Backend:
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_threads(args.threads)
     try:
         api = api_config(args)
         serving_options(args)  # reject bad flags before anything loads

@@ -54,3 +54,35 @@ def test_free_memory_leaves_out_the_kv_loaded_plans_may_still_grow_into():
     assert capped_memory((64 * gib, 40 * gib), None, StageMemory(6 * gib, 3 * gib)) == (64 * gib, 37 * gib)
     assert capped_memory((64 * gib, 2 * gib), None, StageMemory(6 * gib, 3 * gib)) == (64 * gib, 0)
     assert capped_memory((64 * gib, 40 * gib), 8 * gib, StageMemory(4 * gib, 3 * gib)) == (8 * gib, 1 * gib)
+
+
+def test_threads_set_the_pool_a_node_or_server_computes_with():
+    """`--threads` on node and serve (and demo, per node) reaches ggml's pool: applied before the
+    first pool exists, in a fresh process since this one's pool may exist already."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    from meshllm.commands.threads import apply_threads
+    from meshllm.errors import BadRequest
+
+    script = """
+import argparse
+from meshllm.commands import serve
+from meshllm.commands.threads import apply_threads
+from meshllm.engine.ggml_lib import runtime
+parser = argparse.ArgumentParser()
+serve.add_arguments(parser)
+apply_threads(parser.parse_args(["--threads", "3"]).threads)
+rt = runtime()
+print("no ggml" if rt is None else rt.num_threads)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "no ggml":
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    assert done.stdout.strip() == "3"
+    assert _parse("--threads", "2").threads == 2 and _parse().threads is None
+    with pytest.raises(BadRequest, match="--threads must be at least 1"):
+        apply_threads(0)
