@@ -118,7 +118,7 @@ class ForwardStreams:
                     downstream = self._chores_on(request, stage, owner, downstream, replies)
                     continue
                 try:
-                    step = stage_convert.step_from_pb(request, stage.limits)
+                    step = stage_convert.step_from_pb(request, stage.limits, samples=stage.runner.is_last)
                     started = time.perf_counter()
                     with stage.lock:
                         skipped = skip_carried(step, stage.runner.cache, owner)

@@ -111,8 +111,11 @@ def kept_seqs_to_pb(entries, kept) -> list[stage_pb2.SeqEntry]:
     return out
 
 
-def step_from_pb(msg: stage_pb2.StepRequest, limits: StepLimits = WIRE_LIMITS) -> Step:
-    """The step `msg` carries, checked against the limits of the plan it names (see step_limits.py)."""
+def step_from_pb(msg: stage_pb2.StepRequest, limits: StepLimits = WIRE_LIMITS, samples: bool = True) -> Step:
+    """The step `msg` carries, checked against the limits of the plan it names (see step_limits.py).
+    `samples`: whether this stage samples (the last); the others pass the allowed-token masks on as
+    they came (the request's own bytes) and never inflate them, so they leave them out of the Step
+    (the last stage checks them: a malformed mask still fails the step there)."""
     if len(msg.seqs) > limits.max_seqs:
         raise PlanLimitExceeded(f"step carries {len(msg.seqs)} sequences; the plan's batch is {limits.max_seqs}")
     if len(msg.release) > WIRE_MAX_LIST or len(msg.evict) > WIRE_MAX_LIST:
@@ -149,7 +152,7 @@ def step_from_pb(msg: stage_pb2.StepRequest, limits: StepLimits = WIRE_LIMITS) -
             raise MalformedMessage(f"sequence {e.seq_id}: {len(e.allowed)} allowed-token masks for {e.num_scored} "
                                    f"scored rows")
         masks = []
-        for data in e.allowed:
+        for data in e.allowed if samples else ():
             if mask_words_left <= 0:
                 raise PlanLimitExceeded(f"step {msg.step_id}'s allowed-token masks exceed {MAX_STEP_MASK_BYTES} "
                                         f"bytes in all")

@@ -130,3 +130,19 @@ def test_allowed_token_masks_inflate_to_at_most_the_steps_budget(monkeypatch):
     assert len(stage_convert.step_from_pb(step(2)).seqs[1].allowed) == 3  # six masks: within
     with pytest.raises(PlanLimitExceeded, match="allowed-token masks exceed"):
         stage_convert.step_from_pb(step(3))  # nine
+    # A stage that does not sample never inflates them (it passes the request's bytes on).
+    assert all(not s.allowed for s in stage_convert.step_from_pb(step(3), samples=False).seqs)
+
+
+def test_only_the_sampling_stage_inflates_masks_so_only_it_refuses_a_bad_one():
+    from meshllm.errors import MalformedMessage
+
+    works = (SeqWork(SeqId(1), 0, 1, 1, PARAMS),)
+    msg = stage_convert.step_to_pb("plan", Step(1, works, torch.zeros(1, dtype=torch.int64)))
+    msg.seqs[0].allowed.append(b"not zlib")
+    assert stage_convert.step_from_pb(msg, samples=False).seqs[0].allowed == ()
+    with pytest.raises(MalformedMessage, match="does not decompress"):
+        stage_convert.step_from_pb(msg)
+    msg.seqs[0].allowed.append(b"x")  # two masks for one scored row: refused by every stage
+    with pytest.raises(MalformedMessage, match="2 allowed-token masks for 1"):
+        stage_convert.step_from_pb(msg, samples=False)
