@@ -76,13 +76,30 @@ def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRe
         for field in ("content", "name"):
             if field in message:
                 checked_text(tokenizer, message[field], model.max_context, f"messages[{i}].{field}")
+    final = messages[-1]["content"]
     messages, template_tools = model.tool_format.template_inputs(messages, tools)
-    text = checked_text(tokenizer, tokenizer.apply_chat_template(messages, tools=template_tools), model.max_context,
-                        "the rendered chat")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.opens_turn, tools=template_tools)
+    if body.continue_final_message:
+        text = _cut_after(text, final)
+    text = checked_text(tokenizer, text, model.max_context, "the rendered chat")
     # A model's own template writes BOS itself where it wants one (transformers encodes the
     # rendered text without special tokens); the plain fallback template does not.
     ids = tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
-    return _expand([ids], body, body.completion_limit, body.num_logprobs, model, _chat_grammar(model, body))
+    return _expand([ids], body, body.completion_limit, body.num_logprobs, model, _chat_grammar(model, body),
+                   continues_prompt=body.continue_final_message)
+
+
+def _cut_after(text: str, final: str) -> str:
+    """The rendered chat up to the end of the final message's text: the template's end of turn
+    after it goes, so the model goes on writing that message. As transformers cuts it
+    (apply_chat_template's continue_final_message), trailing spaces a template trims included."""
+    core = final.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise BadRequest("continue_final_message: the model's chat template changes the last message's text, so "
+                         "there is no place to continue it from")
+    whole = final.lstrip()
+    return text[:at + len(whole)] if text[at:at + len(whole)] == whole else text[:at + len(core)]
 
 
 def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | None:

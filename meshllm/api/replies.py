@@ -46,7 +46,8 @@ def assistant_message(state: ChoiceState) -> AssistantMessage:
 def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatCompletion:
     f = ctx.formatter
     choices = [ChatChoice(index=s.request.index, message=assistant_message(s),
-                          logprobs=f.chat(s.logprobs, f.cursor()) if ctx.wants_logprobs else None,
+                          logprobs=f.chat(s.logprobs, f.cursor(s.request.continues_prompt))
+                          if ctx.wants_logprobs else None,
                           finish_reason=s.finish_reason)
                for s in states]
     return ChatCompletion(id=ctx.id, created=ctx.created, model=ctx.model, choices=choices, usage=usage(states))

@@ -168,11 +168,23 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
+    # Extensions (vLLM's names): the reply continues the last message, an assistant's opening
+    # words ("prefill"), instead of starting a new turn; and whether the template opens one.
+    continue_final_message: bool = False
+    add_generation_prompt: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.continue_final_message:
+            last = self.messages[-1]
+            if last.role != "assistant" or last.tool_calls or not last.as_template_input()["content"].strip():
+                raise ValueError("continue_final_message needs the last message to be an assistant's text (the "
+                                 "words the reply goes on from)")
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message continues the last turn, add_generation_prompt opens a "
+                                 "new one: set at most one of them")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise ValueError("tools: two functions share a name")
@@ -182,6 +194,11 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
                              f"among tools ({', '.join(names)})")
         return self
+
+    @property
+    def opens_turn(self) -> bool:
+        """Whether the rendered prompt ends by opening the assistant's turn (the template's generation prompt)."""
+        return not self.continue_final_message if self.add_generation_prompt is None else self.add_generation_prompt
 
     @property
     def calls_tools(self) -> bool:

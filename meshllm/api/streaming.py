@@ -114,7 +114,8 @@ class _ChatChunks:
     def delta(self, state: ChoiceState, event: GenerationEvent) -> ChatCompletionChunk:
         logprobs = None
         if self.ctx.wants_logprobs and event.logprobs is not None:
-            cursor = self._cursors.setdefault(state.request.index, self.ctx.formatter.cursor())
+            cursor = self._cursors.setdefault(state.request.index,
+                                              self.ctx.formatter.cursor(state.request.continues_prompt))
             logprobs = self.ctx.formatter.chat([event.logprobs], cursor)
         content, calls = state.delta
         tool_calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
