@@ -138,13 +138,13 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     async def create_response(body: ResponsesRequest, request: Request) -> Response | dict:
         """OpenAI's Responses API: one chat choice underneath (responses_api/)."""
         leader = leader_for(body.model)
-        history = stored_responses.get(body.previous_response_id).conversation if body.previous_response_id else []
-        messages = chat_messages(body)
+        history = stored_responses.conversation(body.previous_response_id) if body.previous_response_id else []
+        messages = chat_messages(body, history)
         chat = chat_request(body, history, messages)
         choices = await run_in_threadpool(chat_choices, model_text, chat)
         state = ChoiceState(choices[0], ToolCallParser(model_text.tool_format, chat.parallel_tool_calls)
                             if chat.calls_tools else None)
-        run = ResponseRun(body, state, history + messages, formatter, backend.model_id)
+        run = ResponseRun(body, state, messages, formatter, backend.model_id)
         generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected,
                                 model_text.grammars)
         streaming = False

@@ -118,11 +118,23 @@ def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | No
         return compiler.lark(fmt.call_grammar(tools, body.parallel_tool_calls),
                              f"tool_choice {', '.join(t.function.name for t in forced)}")
     if answer is None:
-        return None
+        return _strict_calls_grammar(model, body)
     if body.calls_tools:
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
         return compiler.lark(fmt.call_grammar(tools, body.parallel_tool_calls, answer), f"{what} or a tool call")
     return compiler.json_schema(answer, what)
+
+
+def _strict_calls_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | None:
+    """With tool_choice auto and a function marked `strict`: free text or calls whose arguments match
+    the strict functions' schemas (the others' arguments are any JSON object), as OpenAI's strict
+    mode promises. None when no tool is strict (the model then writes calls unconstrained)."""
+    if not body.calls_tools or not any(t.function.strict for t in body.tools):
+        return None
+    tools = [t.model_dump(exclude_none=True, exclude=None if t.function.strict else {"function": {"parameters"}})
+             for t in body.tools]
+    return model.grammars.lark(model.tool_format.text_or_call_grammar(tools, body.parallel_tool_calls),
+                               "strict tools")
 
 
 def completion_choices(model: ModelText, body: CompletionRequest) -> list[ChoiceRequest]:

@@ -9,8 +9,9 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
+def new_id(prefix: str, separator: str = "-") -> str:
+    """chatcmpl-..., as OpenAI writes chat ids; the Responses API's are resp_..., msg_..., fc_..."""
+    return f"{prefix}{separator}{secrets.token_hex(12)}"
 
 
 def now() -> int:

@@ -91,7 +91,25 @@ class ToolFormat:
             return f"start: calls\n{calls}"
         return f"start: calls | answer\nanswer: %json {schema_text(answer)}\n{calls}"
 
+    def text_or_call_grammar(self, tools: list[dict], parallel: bool) -> str:
+        """Lark for a reply that is free text or calls to `tools` whose arguments match their schemas
+        (tool_choice auto with strict tools). Text may come before a call block (hermes, mistral),
+        never inside one; a llama3 call is the whole reply, so text there is anything that does not
+        open a JSON object (llguidance's own example for Llama 3.1)."""
+        calls = self._calls_grammar(tools, parallel)
+        begin = self.grammar_begin
+        if begin == '""':
+            return f"start: TEXT | calls\nTEXT: /[^{{](?s:.*)/\n{calls}"
+        # Text never holds the opening spelled out either (the parser would read it as one).
+        text = f"/(?s:.+)/ & ~(/(?s:.*)/ {json.dumps(self.begin_text)} /(?s:.*)/)"
+        if begin.startswith("<["):  # the opening is a token of its own: text ends where it comes
+            return f"start: TEXT | TEXT? calls\nTEXT: {text}\n{calls}"
+        # The text before a call ends at the call's opening, which it consumes (a lazy lexeme with
+        # llguidance's `suffix`: a greedy one would have eaten "<tool_call" before seeing the ">").
+        return f"start: TEXT | pre first\nTEXT: {text}\npre[suffix={begin}]: /(?s:.*)/\n{calls}"
+
     def _calls_grammar(self, tools: list[dict], parallel: bool) -> str:
+        """`calls` (a call block, opening included) and `first` (the first call after its opening)."""
         options = [{"type": "object", "properties": {
             "name": {"const": t["function"]["name"]},
             self.arguments_key: t["function"].get("parameters") or {"type": "object"}},
@@ -99,12 +117,12 @@ class ToolFormat:
         call = options[0] if len(options) == 1 else {"anyOf": options}
         if self.family == "mistral":
             array = {"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})}
-            return f"calls: {self.grammar_begin} body\nbody: %json {schema_text(array)}\n"
+            return f"calls: {self.grammar_begin} first\nfirst: body\nbody: %json {schema_text(array)}\n"
         if self.family == "llama3":  # one call per turn: Llama 3.x's JSON tool calling has no parallel form
             return f"calls: body\nbody: %json {schema_text(call)}\n"
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return (f"calls: call{repeat}\ncall: {self.grammar_begin} \"\\n\" body \"\\n\" {self.grammar_end}\n"
-                f"body: %json {schema_text(call)}\n")
+        block = f'"\\n" body "\\n" {self.grammar_end}'
+        more = f' ("\\n" call)*\ncall: {self.grammar_begin} {block}' if parallel else ""
+        return f"calls: {self.grammar_begin} first\nfirst: {block}{more}\nbody: %json {schema_text(call)}\n"
 
 
 def _lark_marker(tokenizer: Tokenizer, text: str) -> str:

@@ -79,6 +79,7 @@ def test_the_request_becomes_the_chat_request_it_amounts_to():
     ({"tools": [{"type": "web_search"}]}, "only function tools"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format type 'grammar'"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "its text as a string"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "not among tools"),
     ({"tools": [{**WEATHER, "name": "bad name!"}]}, "tools.0.function.name"),
 ])
@@ -90,12 +91,35 @@ def test_what_cannot_be_served_is_refused_with_the_reason(fields, says):
 
 
 @pytest.mark.parametrize("fields, says", [
-    ({"background": True}, "background"), ({"truncation": "auto"}, "truncation"),
-    ({"conversation": "conv_1"}, "conversation"), ({"metadata": {str(i): "v" for i in range(17)}}, "16 keys"),
+    ({"background": True}, "background"), ({"conversation": "conv_1"}, "conversation"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "16 keys"), ({"metadata": {"k": "v" * 513}}, "512"),
+    ({"max_tokens": 5}, "use max_output_tokens"), ({"messages": []}, "send them as input"),
+    ({"response_format": {"type": "json_object"}}, "use text.format"), ({"prompt": {"id": "p"}}, "prompt"),
+    ({"metadata": {"k": "\ud800"}}, "metadata.k is not valid Unicode"),
+    ({"user": "\udfff"}, "user is not valid Unicode"), ({"text": {"format": "json"}}, "text.format must be an object"),
 ])
-def test_unsupported_modes_fail_validation(fields, says):
+def test_what_would_be_lost_fails_validation(fields, says):
     with pytest.raises(ValueError, match=says):
         request(**fields)
+
+
+def test_what_changes_nothing_here_is_accepted():
+    # truncation "auto" drops nothing here either (an overflowing input is a 400 as with "disabled");
+    # tool_choice "auto" without tools is what agent frameworks send for an agent with none.
+    body = request(truncation="auto", tool_choice="auto", tools=[], reasoning={"effort": "low"},
+                   text={"verbosity": "low"}, prompt_cache_key="k")
+    chat = chat_request(body, [], chat_messages(body))
+    assert chat.tools is None and chat.tool_choice is None and chat.response_format is None
+
+
+def test_a_function_output_must_answer_a_call_made_before_it():
+    lone = request(input=[{"role": "user", "content": "x"},
+                          {"type": "function_call_output", "call_id": "call_9", "output": "18 C"}])
+    with pytest.raises(BadRequest, match="no function call with call_id 'call_9'"):
+        chat_messages(lone)
+    history = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert chat_messages(lone, history)[-1] == {"role": "tool", "tool_call_id": "call_9", "content": "18 C"}
 
 
 def _types(events: list[dict]) -> list[str]:
@@ -137,23 +161,56 @@ def test_a_reply_cut_short_leaves_its_open_item_incomplete():
     assert as_chat_message(OutputItems().items) is None
 
 
-def test_the_store_keeps_the_newest_within_its_count_and_size():
+def test_the_store_keeps_the_most_recently_used_within_its_count_and_size():
     store = ResponseStore(max_responses=3, max_bytes=10_000)
     for i in range(5):
-        store.put({"id": f"r{i}"}, [{"role": "user", "content": "x" * 10}])
+        store.put({"id": f"r{i}"}, None, [{"role": "user", "content": "x" * 10}])
     assert len(store) == 3
     with pytest.raises(NotFound, match="not stored here"):
         store.get("r1")
     store.get("r2")  # read: now the newest
-    store.put({"id": "r5"}, [])
+    store.put({"id": "r5"}, None, [])
     assert store.get("r2") and store.get("r5")
     with pytest.raises(NotFound):
         store.get("r3")
-    store.put({"id": "big"}, [{"role": "user", "content": "x" * 9_950}])  # the others must go to fit it
+    store.put({"id": "big"}, None, [{"role": "user", "content": "x" * 9_950}])  # the others must go to fit it
     assert len(store) == 1 and store.get("big")
-    store.put({"id": "huge"}, [{"role": "user", "content": "x" * 20_000}])  # larger than the store: not kept
+    store.put({"id": "huge"}, None, [{"role": "user", "content": "x" * 20_000}])  # larger than the store: not kept
     with pytest.raises(NotFound):
         store.get("huge")
     store.delete("big")
     with pytest.raises(NotFound):
         store.delete("big")
+
+
+def test_a_conversation_is_its_responses_followed_back_each_counted_once():
+    store = ResponseStore(max_responses=5, max_bytes=100_000)
+    turn = lambda i: [{"role": "user", "content": f"q{i} " + "x" * 1000}, {"role": "assistant", "content": f"a{i}"}]  # noqa: E731
+    store.put({"id": "old"}, None, [])
+    store.put({"id": "t0"}, None, turn(0))
+    for i in range(1, 4):
+        store.put({"id": f"t{i}"}, f"t{i - 1}", turn(i))
+    assert store.conversation("t3") == turn(0) + turn(1) + turn(2) + turn(3)
+    assert store._bytes < 4 * 1200  # each turn's text once, not the whole conversation again per turn
+    store.put({"id": "other"}, None, [])  # the least recently used goes: "old", not t0, which the read refreshed
+    assert store.conversation("t3")[0] == turn(0)[0]
+    with pytest.raises(NotFound):
+        store.get("old")
+    store.delete("t1")
+    with pytest.raises(NotFound, match="continues 't1', which is no longer stored"):
+        store.conversation("t3")
+
+
+def test_logprobs_go_with_the_text_their_tokens_wrote():
+    out = OutputItems()
+    entry = lambda text: {"token": text, "bytes": list(text.encode())}  # noqa: E731
+    out.feed("", [], [entry("<tool_call>")])  # markup the parser holds: no text yet
+    out.feed("", [CallDelta(0, "call_1", "f", '{"a": 1}')], [entry('{"a": 1}')])
+    out.feed("", [], [entry("</tool_call>")])  # markup again
+    out.feed("\n\n", [], [entry("\n\n")])  # held: whitespace after a call
+    events = out.feed("Done", [], [entry("Done")])
+    assert [e["token"] for e in events[-1]["logprobs"]] == ["\n\n", "Done"]
+    out.feed("", [], [{"token": "<eos>", "bytes": []}])
+    done = out.finish("completed")
+    part = done[-1]["item"]["content"][0]
+    assert b"".join(bytes(e["bytes"]) for e in part["logprobs"]) == part["text"].encode() == b"\n\nDone"

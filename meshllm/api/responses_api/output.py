@@ -5,6 +5,11 @@ Content opens a message item (one output_text part) and each call a function_cal
 item is closed when the next one opens or the reply ends. Content that is only whitespace is
 held until something visible follows, so the spacing around a tool call never becomes a
 message of its own (chat completions drop it the same way).
+
+Logprobs belong to the text: a text delta carries the entries of the tokens that wrote it (the
+newest entries whose bytes make up its bytes; the tool parser may hold text back a few tokens),
+and the entries of tokens that went into a call's markup or arguments are dropped, so an
+output_text's entries always join to its text.
 """
 
 from __future__ import annotations
@@ -36,11 +41,13 @@ class OutputItems:
                 events += self._text(text)
             else:
                 self._held = text
+        if calls:
+            self._logprobs = []  # the call's tokens: none of them wrote message text
         for delta in calls:
             item = self._call_items.get(delta.index)
             if item is None:
                 self._held = ""
-                item = self._call_items[delta.index] = {"type": "function_call", "id": new_id("fc"),
+                item = self._call_items[delta.index] = {"type": "function_call", "id": new_id("fc", "_"),
                                                         "call_id": delta.id, "name": delta.name, "arguments": "",
                                                         "status": "in_progress"}
                 events += self._add(item)
@@ -60,7 +67,7 @@ class OutputItems:
     def _text(self, text: str) -> list[dict]:
         events = []
         if self._open is None or self._open["type"] != "message":
-            item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+            item = {"type": "message", "id": new_id("msg", "_"), "status": "in_progress", "role": "assistant",
                     "content": []}
             events += self._add(item)
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -71,7 +78,7 @@ class OutputItems:
         item = self._open
         part = item["content"][0]
         part["text"] += text
-        logprobs, self._logprobs = self._logprobs, []
+        logprobs, self._logprobs = _writers(self._logprobs, text.encode()), []
         part["logprobs"] += logprobs
         events.append({"type": "response.output_text.delta", "item_id": item["id"],
                        "output_index": len(self.items) - 1, "content_index": 0, "delta": text,
@@ -93,7 +100,7 @@ class OutputItems:
         events = []
         if item["type"] == "message":
             part = item["content"][0]
-            part["logprobs"] += self._logprobs
+            part["logprobs"] += [e for e in self._logprobs if not e.get("bytes")]  # EOS and the like: no text
             self._logprobs = []
             events += [{"type": "response.output_text.done", "item_id": item["id"], "output_index": index,
                         "content_index": 0, "text": part["text"], "logprobs": part["logprobs"]},
@@ -105,6 +112,20 @@ class OutputItems:
         item["status"] = status
         events.append({"type": "response.output_item.done", "output_index": index, "item": _copy(item)})
         return events
+
+
+def _writers(entries: list[dict], data: bytes) -> list[dict]:
+    """The newest of `entries` whose bytes join to `data` (the tokens that wrote it; older ones wrote
+    markup that was not text). All of them where no such run exists (a token whose text was split
+    between markup and text)."""
+    size = 0
+    for i in range(len(entries) - 1, -1, -1):
+        size += len(entries[i].get("bytes") or ())
+        if size == len(data):
+            return entries[i:]
+        if size > len(data):
+            break
+    return entries
 
 
 def _copy(item: dict) -> dict:

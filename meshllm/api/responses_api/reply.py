@@ -17,16 +17,16 @@ from meshllm.pipeline.events import GenerationEvent
 
 @dataclass
 class ResponseRun:
-    """A response being made: `conversation` is what its prompt holds after the instructions (what a
-    later request with previous_response_id continues)."""
+    """A response being made: `messages` are what its input adds to the conversation it continues
+    (stored with its output for a later request's previous_response_id)."""
 
     body: ResponsesRequest
     state: ChoiceState
-    conversation: list[dict]
+    messages: list[dict]
     formatter: LogprobFormatter
     model: str
-    id: str = field(default_factory=lambda: new_id("resp"))
-    created_at: float = field(default_factory=time.time)
+    id: str = field(default_factory=lambda: new_id("resp", "_"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
     output: OutputItems = field(default_factory=OutputItems)
     _cursor: TextCursor | None = None
 
@@ -59,16 +59,19 @@ class ResponseRun:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
             "output": self.output.items if status != "in_progress" else [],
-            "error": None if error is None else {"code": error.code, "message": str(error)},
+            # OpenAI's codes for a failed response are few; ours goes in the message.
+            "error": None if error is None else {"code": "server_error", "message": f"[{error.code}] {error}"},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
             "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": b.previous_response_id,
             "store": b.store, "temperature": 1.0 if b.temperature is None else b.temperature,
             "top_p": 1.0 if b.top_p is None else b.top_p, "top_logprobs": b.top_logprobs,
-            "text": {"format": b.text_format}, "tool_choice": b.tool_choice or "auto", "tools": b.tools or [],
+            "text": {**(b.text or {}), "format": b.text_format}, "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [],
             "truncation": b.truncation, "user": b.user, "background": False, "reasoning": None,
-            "completed_at": time.time() if done else None,
-            "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": s.num_cached_tokens},
+            "completed_at": int(time.time()) if done else None,
+            "usage": {"input_tokens": prompt_tokens,
+                      "input_tokens_details": {"cached_tokens": s.num_cached_tokens, "cache_write_tokens": 0},
                       "output_tokens": s.num_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": prompt_tokens + s.num_tokens} if done else None,
         }
@@ -77,7 +80,7 @@ class ResponseRun:
         """Store the finished response if the request asked for it (the default)."""
         if self.body.store:
             reply = as_chat_message(self.output.items)
-            store.put(response, self.conversation + ([reply] if reply is not None else []))
+            store.put(response, self.body.previous_response_id, self.messages + ([reply] if reply is not None else []))
 
 
 async def whole_response(generation: Generation, run: ResponseRun, store: ResponseStore) -> dict:

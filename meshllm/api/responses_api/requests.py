@@ -17,12 +17,18 @@ from meshllm.engine.sampler import MAX_LOGPROBS
 from meshllm.errors import BadRequest
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-MAX_METADATA_KEYS = 16  # OpenAI's limit
+MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
+# Fields of chat completions (or of OpenAI features not served here) that would change what the
+# client gets if they were ignored as unknown fields are: refused, saying what to send instead.
+_MISPLACED = {"messages": "send them as input", "max_tokens": "use max_output_tokens",
+              "max_completion_tokens": "use max_output_tokens", "response_format": "use text.format",
+              "stop": "this API has no stop strings", "n": "this API makes one output; send n requests",
+              "prompt": "stored prompt templates are not supported; send the instructions and input"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
 # Extensions this server takes on chat completions too (vLLM's names), passed through as they are.
 _PASSED_THROUGH = ("top_k", "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                   "speculative", "ignore_eos", "user")
+                   "logit_bias", "speculative", "ignore_eos", "user")
 
 
 class ResponsesRequest(RequestBody):
@@ -42,7 +48,7 @@ class ResponsesRequest(RequestBody):
     stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = None
-    truncation: Literal["auto", "disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"  # either way nothing is dropped (see _check)
     background: bool = False
     conversation: str | dict | None = None
     # Extensions, as on chat completions.
@@ -52,9 +58,24 @@ class ResponsesRequest(RequestBody):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     speculative: bool | None = None
     ignore_eos: bool = False
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_misplaced_and_unencodable(cls, data):
+        if isinstance(data, dict):
+            for name, instead in _MISPLACED.items():
+                if data.get(name) is not None:
+                    raise ValueError(f"{name} is not a field of the Responses API: {instead}")
+            where = _lone_surrogate(data)
+            if where is not None:
+                # Echoed fields (metadata, user, tools) would make the response itself unencodable.
+                raise ValueError(f"{where} is not valid Unicode: it holds a lone UTF-16 surrogate, as a client "
+                                 f"that splits an emoji or other character in two sends; send whole characters")
+        return data
 
     @model_validator(mode="after")
     def _check(self):
@@ -64,13 +85,13 @@ class ResponsesRequest(RequestBody):
         if self.conversation is not None:
             raise ValueError("conversation objects are not supported; continue a conversation with "
                              "previous_response_id or send the whole input")
-        if self.truncation == "auto":
-            raise ValueError('truncation "auto" is not supported: nothing is dropped from a conversation here; '
-                             'leave truncation out and keep the input within the context')
         if not isinstance((self.text or {}).get("format") or {}, dict):
             raise ValueError('text.format must be an object such as {"type": "json_object"}')
-        if self.metadata is not None and len(self.metadata) > MAX_METADATA_KEYS:
-            raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys, got {len(self.metadata)}")
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_KEYS or any(len(k) > MAX_METADATA_KEY_CHARS or len(v) > MAX_METADATA_VALUE_CHARS
+                                                    for k, v in metadata.items()):
+            raise ValueError(f"metadata holds at most {MAX_METADATA_KEYS} keys of up to {MAX_METADATA_KEY_CHARS} "
+                             f"characters, with values of up to {MAX_METADATA_VALUE_CHARS}")
         return self
 
     @property
@@ -82,10 +103,32 @@ class ResponsesRequest(RequestBody):
         return (self.text or {}).get("format") or {"type": "text"}
 
 
-def chat_messages(body: ResponsesRequest) -> list[dict]:
-    """The request's input as chat messages (without its instructions)."""
+def _lone_surrogate(value, where: str = "body") -> str | None:
+    """Where in `value` (JSON data) a string holds a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{where}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def chat_messages(body: ResponsesRequest, history: list[dict] = ()) -> list[dict]:
+    """The request's input as chat messages (without its instructions); `history`: the stored
+    conversation it continues, whose calls its function_call_output items may answer."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
+    called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
     messages: list[dict] = []
     for i, item in enumerate(body.input):
         kind = item.get("type", "message")
@@ -98,13 +141,19 @@ def chat_messages(body: ResponsesRequest) -> list[dict]:
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            called.add(call["id"])
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # a reply's text and calls are one message
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+            call_id = _string(item, "call_id", where)
+            if call_id not in called:
+                raise BadRequest(f"{where}: no function call with call_id {call_id!r} comes before this output; "
+                                 f"send the function_call item first (or continue its response with "
+                                 f"previous_response_id)")
+            messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text_of(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
             continue  # a model's reasoning, sent back by clients that keep every item: none is produced here
@@ -122,18 +171,22 @@ def chat_request(body: ResponsesRequest, history: list[dict], messages: list[dic
     `messages` after its instructions, which, as OpenAI has it, do not carry over from a previous
     response."""
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    # "auto" and "none" without tools say nothing (agent frameworks send auto with no tools).
+    choice = body.tool_choice if body.tools or body.tool_choice not in ("auto", "none") else None
     fields = {"model": body.model, "messages": head + history + messages, "parallel_tool_calls": body.parallel_tool_calls,
               "temperature": body.temperature, "top_p": body.top_p, "max_completion_tokens": body.max_output_tokens,
               "logprobs": body.wants_logprobs, "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
               "tools": [_chat_tool(t, i) for i, t in enumerate(body.tools)] if body.tools else None,
-              "tool_choice": _chat_tool_choice(body.tool_choice), "response_format": _response_format(body.text_format)}
+              "tool_choice": _chat_tool_choice(choice),
+              "response_format": _response_format(body.text_format)}
     fields.update({name: getattr(body, name) for name in _PASSED_THROUGH})
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
         problem = e.errors()[0]
         where = ".".join(str(p) for p in problem.get("loc", ()))
-        raise BadRequest(f"invalid request: {where}: {problem['msg']}") from None
+        message = problem["msg"].removeprefix("Value error, ")
+        raise BadRequest(f"invalid request: {where}: {message}" if where else f"invalid request: {message}") from None
 
 
 def _text_of(content, where: str) -> str:
@@ -145,10 +198,11 @@ def _text_of(content, where: str) -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind == "refusal" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
+        key = "refusal" if kind == "refusal" else "text"
+        if kind in (*_TEXT_PARTS, "refusal"):
+            if not isinstance(part.get(key), str):
+                raise BadRequest(f"{where}.content[{j}]: a {kind} part needs its {key} as a string")
+            texts.append(part[key])
         else:
             raise BadRequest(f"{where}.content[{j}]: parts of type {kind!r} are not supported; the models served "
                              f"here read text only (input_text)")
@@ -166,7 +220,10 @@ def _chat_tool(tool: dict, i: int) -> dict:
     if tool.get("type") != "function":
         raise BadRequest(f"tools[{i}]: tools of type {tool.get('type')!r} are not supported; only function tools "
                          f"(this server runs no hosted tools)")
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+    # Strict unless the client says otherwise, as OpenAI has it on this API (not on chat completions):
+    # a call's arguments then always match the parameters' schema (prompts._strict_calls_grammar).
+    function["strict"] = tool.get("strict") is not False
     return {"type": "function", "function": function}
 
 
