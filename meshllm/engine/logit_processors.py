@@ -14,11 +14,13 @@ back draft or a freshly failed-over last stage computes exactly the same row.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -93,8 +95,14 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams], rows: Seque
 def unpack_bitmask(words: Tensor, vocab_size: int) -> Tensor:
     """bool [n, vocab_size] from int32 bitmask words [n, w]. The model's vocabulary may be wider
     than the tokenizer's the mask was made for: tokens past the mask are not allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1).bool()  # [n, 32 w]
+    if words.device.type == "cpu" and sys.byteorder == "little":
+        # numpy unpacks the words' bytes in one pass; torch's shift-and-mask over [n, w, 32] took
+        # ~4x as long (SmolLM2's 49152 tokens: ~0.3 ms a row, a twentieth of a decode step).
+        bits = torch.from_numpy(np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=-1,
+                                              bitorder="little")).bool()
+    else:
+        shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+        bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1).bool()  # [n, 32 w]
     if bits.shape[1] < vocab_size:
         return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
     return bits[:, :vocab_size]
@@ -110,8 +118,8 @@ def _apply_masks(out: Tensor, rows: Sequence[RowInputs]) -> None:
     allowed = unpack_bitmask(words.to(out.device), out.shape[1])
     if not bool(allowed.any(dim=1).all()):
         raise MalformedMessage("an allowed-token mask allows no token of this model's vocabulary")
-    index = torch.tensor(masked, device=out.device)
-    out[index] = out[index].masked_fill(~allowed, float("-inf"))
+    for row, i in enumerate(masked):  # in place: indexing `out` by rows would copy them out and back
+        out[i].masked_fill_(~allowed[row], float("-inf"))
 
 
 def _apply_bias(out: Tensor, params: Sequence[SamplingParams]) -> None:
