@@ -2,7 +2,8 @@
 loopback, SmolLM2-135M-Instruct): throughput, TTFT and inter-token latency p50/p95 at
 concurrency 1, 4 and 16 with mixed prompt lengths, and TTFT with a 512-token prefix hit
 against a miss; and the cost of constrained decoding: decode tok/s of json_schema replies
-against plain ones at concurrency 1 and 16, rounds alternated so both see the same machine.
+and of free-text replies under a strict tool (tool_choice auto), against plain ones at concurrency
+1 and 16, rounds alternated so all see the same machine.
 Real HTTP, the real `openai` client, streaming. Prints one JSON object.
 
     python bench/serve.py [--dtype float32] [--max-tokens 64] [--threads 1] [--only constrained]
@@ -102,9 +103,16 @@ CONSTRAINED_FORMAT = {"type": "json_schema", "json_schema": {"name": "list", "st
     "required": ["items"], "additionalProperties": False}}}
 
 
-def decode_rate(client: OpenAI, model: str, max_tokens: int, constrained: bool) -> tuple[int, float]:
+# A strict function under tool_choice auto: the free-text reply runs under the text-or-call grammar.
+STRICT_TOOL = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"], "additionalProperties": False}}}
+MODES = {"plain": {"extra_body": {"ignore_eos": True}}, "json_schema": {"response_format": CONSTRAINED_FORMAT},
+         "strict_tool": {"tools": [STRICT_TOOL], "extra_body": {"ignore_eos": True}}}
+
+
+def decode_rate(client: OpenAI, model: str, max_tokens: int, mode: str) -> tuple[int, float]:
     """(tokens, seconds) of one streamed chat reply after its first token (prefill excluded)."""
-    extra = {"response_format": CONSTRAINED_FORMAT} if constrained else {"extra_body": {"ignore_eos": True}}
+    extra = MODES[mode]
     stamps, tokens = [], 0
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "List eight fruits as JSON."}], temperature=0,
@@ -120,19 +128,20 @@ def decode_rate(client: OpenAI, model: str, max_tokens: int, constrained: bool) 
 def constrained_overhead(client: OpenAI, model: str, max_tokens: int, rounds: int = 3) -> dict:
     out = {}
     for concurrency in (1, 16):
-        rates: dict[bool, list[float]] = {False: [], True: []}
+        rates: dict[str, list[float]] = {mode: [] for mode in MODES}
         for _ in range(rounds):
-            for constrained in (False, True):
+            for mode in MODES:
                 results: list[tuple[int, float]] = []
-                wall = in_threads(lambda c=constrained: results.append(decode_rate(client, model, max_tokens, c)),
+                wall = in_threads(lambda m=mode: results.append(decode_rate(client, model, max_tokens, m)),
                                   concurrency)
                 # batch 1: the reply's own decode rate; 16: aggregate tokens over the round's wall time
-                rates[constrained].append(results[0][0] / results[0][1] if concurrency == 1 else
-                                          sum(n for n, _ in results) / wall)
-        plain, constrained = percentile(rates[False], 0.5), percentile(rates[True], 0.5)
-        out[str(concurrency)] = {"plain_tok_s": plain, "json_schema_tok_s": constrained,
-                                 "loss": 1 - constrained / plain, "plain_rounds": rates[False],
-                                 "json_schema_rounds": rates[True]}
+                rates[mode].append(results[0][0] / results[0][1] if concurrency == 1 else
+                                   sum(n for n, _ in results) / wall)
+        plain = percentile(rates["plain"], 0.5)
+        row = out[str(concurrency)] = {"plain_tok_s": plain, "plain_rounds": rates["plain"]}
+        for mode in ("json_schema", "strict_tool"):
+            rate = percentile(rates[mode], 0.5)
+            row.update({f"{mode}_tok_s": rate, f"{mode}_loss": 1 - rate / plain, f"{mode}_rounds": rates[mode]})
         print(json.dumps({"constrained": {concurrency: out[str(concurrency)]}}), file=sys.stderr, flush=True)
     return out
 
