@@ -95,16 +95,27 @@ def process_logits(logits: Tensor, params: Sequence[SamplingParams], rows: Seque
 def unpack_bitmask(words: Tensor, vocab_size: int) -> Tensor:
     """bool [n, vocab_size] from int32 bitmask words [n, w]. The model's vocabulary may be wider
     than the tokenizer's the mask was made for: tokens past the mask are not allowed."""
-    if words.device.type == "cpu" and sys.byteorder == "little":
-        # numpy unpacks the words' bytes in one pass; torch's shift-and-mask over [n, w, 32] took
-        # ~4x as long (SmolLM2's 49152 tokens: ~0.3 ms a row, a twentieth of a decode step).
-        bits = torch.from_numpy(np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=-1,
-                                              bitorder="little")).bool()
-    else:
-        shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-        bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1).bool()  # [n, 32 w]
+    if _numpy_path(words):
+        return torch.from_numpy(_unpacked(words.numpy(), vocab_size).view(np.bool_))
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words.unsqueeze(-1) >> shifts) & 1).reshape(words.shape[0], -1).bool()  # [n, 32 w]
     if bits.shape[1] < vocab_size:
         return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+    return bits[:, :vocab_size]
+
+
+def _numpy_path(t: Tensor) -> bool:
+    # On the CPU numpy does the masks' work several times faster than torch's ops on one thread:
+    # 16 SmolLM2 rows (49152 tokens) unpacked, checked and applied in ~0.6 ms against ~2 ms, in a
+    # ~40 ms decode step. (Bit i of a little-endian int32 word is bit i % 8 of its byte i // 8.)
+    return t.device.type == "cpu" and sys.byteorder == "little"
+
+
+def _unpacked(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """uint8 0/1 [n, vocab_size] from int32 words [n, w]; tokens past the words are not allowed."""
+    bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), axis=-1, bitorder="little")
+    if bits.shape[1] < vocab_size:
+        return np.pad(bits, ((0, 0), (0, vocab_size - bits.shape[1])))
     return bits[:, :vocab_size]
 
 
@@ -115,6 +126,14 @@ def _apply_masks(out: Tensor, rows: Sequence[RowInputs]) -> None:
     width = max(rows[i].allowed.numel() for i in masked)
     words = torch.stack([torch.nn.functional.pad(rows[i].allowed, (0, width - rows[i].allowed.numel()))
                          for i in masked])
+    if _numpy_path(out):
+        bits = _unpacked(words.numpy(), out.shape[1])
+        if not bits.any(axis=1).all():
+            raise MalformedMessage("an allowed-token mask allows no token of this model's vocabulary")
+        rows_out = out.numpy()
+        for row, i in enumerate(masked):
+            np.copyto(rows_out[i], -np.inf, where=bits[row] == 0)
+        return
     allowed = unpack_bitmask(words.to(out.device), out.shape[1])
     if not bool(allowed.any(dim=1).all()):
         raise MalformedMessage("an allowed-token mask allows no token of this model's vocabulary")

@@ -75,6 +75,26 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_p
     assert int(sample(logits, [params], [None], [RowInputs(counts)]).token_ids[0]) == 0  # 3 lost its lead
 
 
+def test_masks_come_out_the_same_from_numpy_and_from_torch(monkeypatch):
+    """CPU tensors take numpy's path (faster); devices take torch's: both must agree bit for bit,
+    with masks narrower and wider than the vocabulary, and rows without a mask left alone."""
+    from meshllm.engine import logit_processors
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 70, generator=gen)
+    rows = [RowInputs(allowed=_bitmask([0, 5, 33, 69], 70)), RowInputs(),
+            RowInputs(allowed=_bitmask([1, 40], 64)),  # two words: tokens 64-69 not allowed
+            RowInputs(allowed=torch.tensor([-1, -1, -1, 7], dtype=torch.int32))]  # wider than 70 tokens
+    params = [GREEDY] * 4
+    fast = process_logits(logits, params, rows)
+    words = _bitmask([2, 66], 70)[None]
+    fast_bits = unpack_bitmask(words, 70)
+    monkeypatch.setattr(logit_processors, "_numpy_path", lambda t: False)
+    assert torch.equal(process_logits(logits, params, rows), fast)
+    assert torch.equal(unpack_bitmask(words, 70), fast_bits)
+    assert torch.equal(fast[1], logits[1]) and fast[2, 64:].eq(float("-inf")).all()
+
+
 def test_grammar_bitmask_allows_only_its_tokens_and_beats_bias():
     vocab = 70  # three words, the last one partly past the vocabulary
     allowed = [0, 31, 32, 63, 64, 69]
