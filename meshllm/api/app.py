@@ -27,7 +27,7 @@ from meshllm.api.replies import ReplyContext
 from meshllm.api.responses import ChatCompletion, Completion, ModelEntry, ModelList, now
 from meshllm.api.responses_api.reply import ResponseRun, whole_response
 from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request
-from meshllm.api.responses_api.store import ResponseStore
+from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
@@ -164,6 +164,12 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     @app.get("/v1/responses/{response_id}", response_model=None, responses=error_responses(*keyed, 404))
     async def get_response(response_id: str) -> dict:
         return stored_responses.get(response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=None,
+             responses=error_responses(400, *keyed, 404))
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc", after: str | None = None,
+                               before: str | None = None) -> dict:
+        return input_items_page(stored_responses.get(response_id).input_items, limit, order, after, before)
 
     @app.delete("/v1/responses/{response_id}", response_model=None, responses=error_responses(*keyed, 404))
     async def delete_response(response_id: str) -> dict:

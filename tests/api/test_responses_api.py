@@ -72,6 +72,8 @@ def test_previous_response_id_continues_the_stored_conversation(server):
     assert second.output_text == text and second.previous_response_id == first.id
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    listed = client.responses.input_items.list(second.id, order="asc")
+    assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [("message", "user", "And then?")]
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError, match="not stored here"):
         client.responses.retrieve(first.id)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from meshllm.api.responses_api.output import OutputItems, as_chat_message
-from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request
-from meshllm.api.responses_api.store import ResponseStore
+from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request, input_items
+from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.tool_parser import CallDelta
 from meshllm.errors import BadRequest, NotFound
 
@@ -214,3 +214,21 @@ def test_logprobs_go_with_the_text_their_tokens_wrote():
     done = out.finish("completed")
     part = done[-1]["item"]["content"][0]
     assert b"".join(bytes(e["bytes"]) for e in part["logprobs"]) == part["text"].encode() == b"\n\nDone"
+
+
+def test_input_items_are_listed_as_openai_pages_them():
+    items = input_items(request(input=[{"role": "user", "content": "hi"},
+                                       {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                                       {"type": "function_call_output", "call_id": "c", "output": "1", "id": "own"}]))
+    assert items[0]["content"] == [{"type": "input_text", "text": "hi"}] and items[0]["id"].startswith("msg_")
+    assert items[1]["id"].startswith("fc_") and items[2]["id"] == "own"
+    assert input_items(request(input="hi"))[0]["role"] == "user"
+    page = input_items_page(items, 2, "desc", None, None)  # newest first, OpenAI's default
+    assert [i["id"] for i in page["data"]] == ["own", items[1]["id"]] and page["has_more"]
+    rest = input_items_page(items, 2, "desc", page["last_id"], None)
+    assert [i["id"] for i in rest["data"]] == [items[0]["id"]] and not rest["has_more"]
+    assert [i["id"] for i in input_items_page(items, 20, "asc", None, "own")["data"]] == [items[0]["id"], items[1]["id"]]
+    with pytest.raises(BadRequest, match="not among"):
+        input_items_page(items, 20, "asc", "nope", None)
+    with pytest.raises(BadRequest, match="limit"):
+        input_items_page(items, 0, "asc", None, None)

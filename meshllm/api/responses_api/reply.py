@@ -9,7 +9,7 @@ from meshllm.api.choices import ChoiceState, LogprobFormatter, TextCursor
 from meshllm.api.generation import Generation
 from meshllm.api.responses import new_id
 from meshllm.api.responses_api.output import OutputItems, as_chat_message
-from meshllm.api.responses_api.requests import ResponsesRequest
+from meshllm.api.responses_api.requests import ResponsesRequest, input_items
 from meshllm.api.responses_api.store import ResponseStore
 from meshllm.errors import MeshError
 from meshllm.pipeline.events import GenerationEvent
@@ -80,7 +80,8 @@ class ResponseRun:
         """Store the finished response if the request asked for it (the default)."""
         if self.body.store:
             reply = as_chat_message(self.output.items)
-            store.put(response, self.body.previous_response_id, self.messages + ([reply] if reply is not None else []))
+            store.put(response, self.body.previous_response_id, self.messages + ([reply] if reply is not None else []),
+                      input_items(self.body))
 
 
 async def whole_response(generation: Generation, run: ResponseRun, store: ResponseStore) -> dict:

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
 
+from meshllm.api.responses import new_id
 from meshllm.api.schemas import ChatCompletionRequest, RequestBody
 from meshllm.engine.sampler import MAX_LOGPROBS
 from meshllm.errors import BadRequest
@@ -121,6 +122,26 @@ def _lone_surrogate(value, where: str = "body") -> str | None:
             if found:
                 return found
     return None
+
+
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """The request's input as the items GET /v1/responses/{id}/input_items lists: text as a user
+    message, every item with an id (its own, or a new one) and a message's text as parts."""
+    raw = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    items = []
+    for item in raw:
+        item = {"type": "message", **item}
+        if item["type"] == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", new_id(_ITEM_ID_PREFIX.get(item["type"], "item"), "_"))
+        items.append(item)
+    return items
 
 
 def chat_messages(body: ResponsesRequest, history: list[dict] = ()) -> list[dict]:

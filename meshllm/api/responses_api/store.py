@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from meshllm.errors import NotFound
+from meshllm.errors import BadRequest, NotFound
 
 MAX_RESPONSES = 1024
 MAX_BYTES = 64 << 20
@@ -28,6 +28,7 @@ class StoredResponse:
     response: dict  # as it was answered
     parent_id: str | None  # the response it continued (its previous_response_id)
     messages: list[dict]  # chat messages it added: its input's, then its output (no instructions)
+    input_items: list[dict]  # its input as items, with ids (GET .../input_items)
     num_bytes: int
 
 
@@ -39,13 +40,14 @@ class ResponseStore:
         self._bytes = 0
         self._lock = threading.Lock()  # the event loop and worker threads both use it
 
-    def put(self, response: dict, parent_id: str | None, messages: list[dict]) -> None:
-        size = len(json.dumps(response)) + len(json.dumps(messages))
+    def put(self, response: dict, parent_id: str | None, messages: list[dict], input_items: list[dict] = ()) -> None:
+        input_items = list(input_items)
+        size = len(json.dumps(response)) + len(json.dumps(messages)) + len(json.dumps(input_items))
         if size > self.max_bytes:
             return  # larger than the whole store: kept nowhere, found nowhere (404 later)
         with self._lock:
             self._drop(response["id"])
-            self._entries[response["id"]] = StoredResponse(response, parent_id, messages, size)
+            self._entries[response["id"]] = StoredResponse(response, parent_id, messages, input_items, size)
             self._bytes += size
             while len(self._entries) > self.max_responses or self._bytes > self.max_bytes:
                 self._drop(next(iter(self._entries)))
@@ -96,3 +98,20 @@ class ResponseStore:
         entry = self._entries.pop(response_id, None)
         if entry is not None:
             self._bytes -= entry.num_bytes
+
+
+def input_items_page(items: list[dict], limit: int, order: str, after: str | None, before: str | None) -> dict:
+    """One page of a stored response's input items, as OpenAI lists them (newest first by default;
+    `after` / `before`: item ids the page starts after / ends before, in that order)."""
+    if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+        raise BadRequest(f"limit must be in [1, 100] and order asc or desc, got {limit} and {order!r}")
+    ordered = items[::-1] if order == "desc" else list(items)
+    ids = [item["id"] for item in ordered]
+    for cursor in (after, before):
+        if cursor is not None and cursor not in ids:
+            raise BadRequest(f"item {cursor!r} is not among this response's input items")
+    start = ids.index(after) + 1 if after is not None else 0
+    end = ids.index(before) if before is not None else len(ordered)
+    page = ordered[start:end][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end}
