@@ -26,13 +26,13 @@ from meshllm.api.prompts import ChoiceRequest, ModelText, chat_choices, completi
 from meshllm.api.replies import ReplyContext
 from meshllm.api.responses import ChatCompletion, Completion, ModelEntry, ModelList, now
 from meshllm.api.responses_api.reply import ResponseRun, whole_response
-from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request
+from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request, in_responses_terms
 from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
 from meshllm.api.tool_parser import ToolCallParser
-from meshllm.errors import ShardUnavailable, UnknownModel
+from meshllm.errors import MeshError, ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
 
 _DASHBOARD = Path(__file__).with_name("dashboard.html")
@@ -140,8 +140,11 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         leader = leader_for(body.model)
         history = stored_responses.conversation(body.previous_response_id) if body.previous_response_id else []
         messages = chat_messages(body, history)
-        chat = chat_request(body, history, messages)
-        choices = await run_in_threadpool(chat_choices, model_text, chat)
+        try:
+            chat = chat_request(body, history, messages)
+            choices = await run_in_threadpool(chat_choices, model_text, chat)
+        except MeshError as e:
+            raise in_responses_terms(e) from None
         state = ChoiceState(choices[0], ToolCallParser(model_text.tool_format, chat.parallel_tool_calls)
                             if chat.calls_tools else None)
         run = ResponseRun(body, state, messages, formatter, backend.model_id)
@@ -157,6 +160,8 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
             return await whole_response(generation, run, stored_responses)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
+        except MeshError as e:
+            raise in_responses_terms(e) from None
         finally:
             if not streaming:
                 generation.cancel()

@@ -91,6 +91,8 @@ def test_previous_response_id_continues_the_stored_conversation(server):
     ({"background": True}, "background responses are not supported"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "call_id must be a string"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    # The chat machinery underneath says max_tokens; the client sent max_output_tokens.
+    ({"max_output_tokens": 500}, r"\+ max_output_tokens 500 = \d+ exceeds"),
 ])
 def test_what_cannot_be_served_is_a_400_that_says_why(server, request_fields, says):
     client, model = server.client(), server.backend.model_id

@@ -232,3 +232,20 @@ def test_input_items_are_listed_as_openai_pages_them():
         input_items_page(items, 20, "asc", "nope", None)
     with pytest.raises(BadRequest, match="limit"):
         input_items_page(items, 0, "asc", None, None)
+
+
+def test_errors_from_the_chat_machinery_name_this_apis_fields():
+    from meshllm.api.responses_api.requests import in_responses_terms
+    from meshllm.errors import ContextOverflow, ShardUnavailable
+
+    renamed = in_responses_terms(ContextOverflow("prompt of 5 tokens + max_tokens 500 = 505 exceeds; lower max_tokens"))
+    assert isinstance(renamed, ContextOverflow) and str(renamed) == \
+        "prompt of 5 tokens + max_output_tokens 500 = 505 exceeds; lower max_output_tokens"
+    assert str(in_responses_terms(BadRequest("invalid request: tools.0.function.name: bad"))) == \
+        "invalid request: tools.0.name: bad"
+    assert "message 1 of the conversation" in str(in_responses_terms(BadRequest("messages[1].content is long")))
+    assert str(in_responses_terms(BadRequest("response_format json_schema 'x': bad"))) == "text.format json_schema 'x': bad"
+    plain = BadRequest("nothing to rename")
+    assert in_responses_terms(plain) is plain
+    richer = ShardUnavailable("max_tokens", missing_bytes=1, part="x")  # carries more than its message: kept
+    assert in_responses_terms(richer) is richer

@@ -8,6 +8,7 @@ every tag a union expected.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, ValidationError, model_validator
@@ -15,7 +16,7 @@ from pydantic import Field, ValidationError, model_validator
 from meshllm.api.responses import new_id
 from meshllm.api.schemas import ChatCompletionRequest, RequestBody
 from meshllm.engine.sampler import MAX_LOGPROBS
-from meshllm.errors import BadRequest
+from meshllm.errors import BadRequest, MeshError
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's limits
@@ -267,3 +268,23 @@ def _response_format(fmt: dict) -> dict | None:
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
         return {"type": "json_schema", "json_schema": spec}
     raise BadRequest(f"text.format type {kind!r} is not supported; use text, json_object or json_schema")
+
+
+# What the chat machinery underneath names, in this API's terms (its errors reach this API's clients).
+_CHAT_TERMS = ((re.compile(r"\bmax_(?:completion_)?tokens\b"), "max_output_tokens"),
+               (re.compile(r"\bresponse_format\b"), "text.format"),
+               (re.compile(r"\bmessages(?:\[(\d+)\]|\.(\d+))(?:\.content)?"),
+                "message \\1\\2 of the conversation (from 0: instructions, stored turns, then input)"),
+               (re.compile(r"\btools\.(\d+)\.function\."), "tools.\\1."))
+
+
+def in_responses_terms(error: MeshError) -> MeshError:
+    """`error` as this API's client should read it: chat field names put in this API's terms."""
+    text = str(error)
+    for pattern, term in _CHAT_TERMS:
+        text = pattern.sub(term, text)
+    if text == str(error) or type(error).__init__ is not MeshError.__init__:
+        return error  # unchanged, or an error carrying more than its message
+    renamed = type(error)(text)
+    renamed.__cause__ = error
+    return renamed
