@@ -148,6 +148,8 @@ def _print_next_steps(url: str, model_id: str, needs_key: bool) -> None:
           f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key}); "
           f"print(c.chat.completions.create(model='{model_id}', messages=[{{'role': 'user', 'content': "
           f"'Hello!'}}]).choices[0].message.content)\"\n"
+          f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key={key}); "
+          f"print(c.responses.create(model='{model_id}', input='Hello!').output_text)\"   # the Responses API\n"
           f"  fleet: {url}/v1/cluster   metrics: {url}/metrics   dashboard: {url}/\n", flush=True)
 
 

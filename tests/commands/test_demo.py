@@ -23,7 +23,7 @@ def test_demo_once_serves_the_default_model_across_node_processes(smollm2_gguf_p
     assert "holds layers 0-" in out and "-29\n" in out  # SmolLM2's 30 layers, all placed
     answer = out.split("> What is the capital of France?")[1].split("Try it yourself")[0]
     assert "Paris" in answer
-    assert "curl http://127.0.0.1:" in out and "from openai import OpenAI" in out
+    assert "curl http://127.0.0.1:" in out and "from openai import OpenAI" in out and "c.responses.create(" in out
 
 
 # Chat prompts the demo might be asked; greedy, 32 new tokens each.
