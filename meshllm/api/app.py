@@ -6,6 +6,7 @@ replies in replies.py and streaming.py, errors in errors.py.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -68,27 +69,44 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         # waits through a failover; when nothing fits it fails with shard_unavailable).
         return backend.leader
 
-    async def answer(request: Request, leader: Leader, choices: list[ChoiceRequest], body: SamplingFields,
-                     ctx: ReplyContext, chat: bool) -> Response | ChatCompletion | Completion:
+    def states_of(choices: list[ChoiceRequest], body: SamplingFields) -> list[ChoiceState]:
+        """One per choice, each reading its text for tool calls when the request has tools to call."""
+        reads_calls = isinstance(body, ChatCompletionRequest) and body.calls_tools
+        return [ChoiceState(c, ToolCallParser(model_text.tool_format, body.parallel_tool_calls)
+                            if reads_calls else None) for c in choices]
+
+    async def respond(request: Request, leader: Leader, choices: list[ChoiceRequest],
+                      stream: Callable[[Generation], Awaitable[Response]] | None,
+                      whole: Callable[[Generation], Awaitable[object]]):
+        """Queue `choices` at the leader, then answer by `stream` (when asked) or `whole`. The
+        sequences are cancelled on every way out, except once a stream has opened: it owns them then,
+        and cancels them when it ends."""
         generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected,
                                 model_text.grammars)
-        reads_calls = isinstance(body, ChatCompletionRequest) and body.calls_tools
-        states = [ChoiceState(c, ToolCallParser(model_text.tool_format, body.parallel_tool_calls)
-                              if reads_calls else None) for c in choices]
         streaming = False
         try:
             await run_in_threadpool(generation.submit)
-            if body.stream:
-                response = await open_stream(generation, states, ctx, body.include_usage, metrics, chat)
-                streaming = True  # the stream now owns the sequences and cancels them when it ends
+            if stream is not None:
+                response = await stream(generation)
+                streaming = True
                 return response
-            await replies.collect(generation, states)
-            return replies.chat_completion(states, ctx) if chat else replies.completion(states, ctx)
+            return await whole(generation)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
         finally:
             if not streaming:
                 generation.cancel()  # no-op for finished choices; frees the rest on any failure
+
+    async def answer(request: Request, leader: Leader, choices: list[ChoiceRequest], body: SamplingFields,
+                     ctx: ReplyContext, chat: bool) -> Response | ChatCompletion | Completion:
+        states = states_of(choices, body)
+
+        async def whole(generation: Generation) -> ChatCompletion | Completion:
+            await replies.collect(generation, states)
+            return replies.chat_completion(states, ctx) if chat else replies.completion(states, ctx)
+
+        stream = (lambda g: open_stream(g, states, ctx, body.include_usage, metrics, chat)) if body.stream else None
+        return await respond(request, leader, choices, stream, whole)
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def dashboard() -> HTMLResponse:
@@ -140,31 +158,14 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         leader = leader_for(body.model)
         history = stored_responses.conversation(body.previous_response_id) if body.previous_response_id else []
         messages = chat_messages(body, history)
-        try:
+        try:  # the chat machinery's errors, in this API's terms
             chat = chat_request(body, history, messages)
             choices = await run_in_threadpool(chat_choices, model_text, chat)
+            run = ResponseRun(body, states_of(choices, chat)[0], messages, formatter, backend.model_id)
+            stream = (lambda g: open_response_stream(g, run, stored_responses, metrics)) if body.stream else None
+            return await respond(request, leader, choices, stream, lambda g: whole_response(g, run, stored_responses))
         except MeshError as e:
             raise in_responses_terms(e) from None
-        state = ChoiceState(choices[0], ToolCallParser(model_text.tool_format, chat.parallel_tool_calls)
-                            if chat.calls_tools else None)
-        run = ResponseRun(body, state, messages, formatter, backend.model_id)
-        generation = Generation(leader, choices, config.request_timeout_s, request.is_disconnected,
-                                model_text.grammars)
-        streaming = False
-        try:
-            await run_in_threadpool(generation.submit)
-            if body.stream:
-                response = await open_response_stream(generation, run, stored_responses, metrics)
-                streaming = True  # the stream owns the sequence now
-                return response
-            return await whole_response(generation, run, stored_responses)
-        except ClientDisconnected:
-            return Response(status_code=_CLIENT_CLOSED)
-        except MeshError as e:
-            raise in_responses_terms(e) from None
-        finally:
-            if not streaming:
-                generation.cancel()
 
     @app.get("/v1/responses/{response_id}", response_model=None, responses=error_responses(*keyed, 404))
     async def get_response(response_id: str) -> dict:

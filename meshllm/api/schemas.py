@@ -116,18 +116,15 @@ class ResponseFormat(RequestBody):
         return self
 
 
-class SamplingFields(RequestBody):
-    """What chat and legacy completions share."""
+class GenerationFields(RequestBody):
+    """What every generating request takes (chat, legacy completions, responses)."""
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)  # 0: the likeliest token only, as OpenAI takes it
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM): keep the k likeliest tokens; -1 or 0 keeps all
     seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
-    stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM): generate exactly max_tokens, for benchmarks
     frequency_penalty: float | None = None  # [-2, 2], checked by SamplingParams (400 with the range)
     presence_penalty: float | None = None
@@ -136,6 +133,14 @@ class SamplingFields(RequestBody):
     logit_bias: dict[str, float] | None = None  # token id (as text) -> [-100, 100]
     user: str | None = None
     speculative: bool | None = None  # extension: false decodes this request without drafts (default: server's)
+
+
+class SamplingFields(GenerationFields):
+    """What chat and legacy completions share."""
+
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stream_options: StreamOptions | None = None
 
     @model_validator(mode="after")
     def _check_stop(self):

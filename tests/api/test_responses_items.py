@@ -156,7 +156,7 @@ def test_a_reply_cut_short_leaves_its_open_item_incomplete():
     out.feed("\n ", [], [])  # after a call, whitespace alone opens no message
     out.feed("Once upon", [], [])
     events = out.finish("incomplete")
-    assert events[-1]["item"]["status"] == "incomplete" and out.text == "\n Once upon"
+    assert events[-1]["item"]["status"] == "incomplete" and as_chat_message(out.items)["content"] == "\n Once upon"
     assert [i["status"] for i in out.items] == ["completed", "incomplete"]
     assert as_chat_message(OutputItems().items) is None
 

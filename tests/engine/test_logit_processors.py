@@ -87,11 +87,11 @@ def test_masks_come_out_the_same_from_numpy_and_from_torch(monkeypatch):
             RowInputs(allowed=torch.tensor([-1, -1, -1, 7], dtype=torch.int32))]  # wider than 70 tokens
     params = [GREEDY] * 4
     fast = process_logits(logits, params, rows)
-    words = _bitmask([2, 66], 70)[None]
-    fast_bits = unpack_bitmask(words, 70)
+    words = torch.stack([_bitmask([2, 66], 70), _bitmask([0, 31, 32, 69], 70)])
+    assert torch.equal(torch.from_numpy(logit_processors._unpacked(words.numpy(), 70)).bool(),
+                       unpack_bitmask(words, 70))
     monkeypatch.setattr(logit_processors, "_numpy_path", lambda t: False)
     assert torch.equal(process_logits(logits, params, rows), fast)
-    assert torch.equal(unpack_bitmask(words, 70), fast_bits)
     assert torch.equal(fast[1], logits[1]) and fast[2, 64:].eq(float("-inf")).all()
 
 

@@ -26,10 +26,6 @@ class OutputItems:
         self._held = ""  # whitespace not yet known to belong to a message
         self._logprobs: list[dict] = []  # of tokens not yet sent with a text delta
 
-    @property
-    def text(self) -> str:
-        return "".join(part["text"] for item in self.items if item["type"] == "message" for part in item["content"])
-
     def feed(self, content: str, calls: list[CallDelta], logprobs: list[dict]) -> list[dict]:
         """The events `content` and `calls` (what one token added) make; `logprobs`: that token's entries."""
         events: list[dict] = []

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from meshllm.api.responses import new_id
-from meshllm.api.schemas import ChatCompletionRequest, RequestBody
+from meshllm.api.schemas import ChatCompletionRequest, GenerationFields
 from meshllm.engine.sampler import MAX_LOGPROBS
 from meshllm.errors import BadRequest, MeshError
 
@@ -28,13 +28,12 @@ _MISPLACED = {"messages": "send them as input", "max_tokens": "use max_output_to
               "prompt": "stored prompt templates are not supported; send the instructions and input"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
-# Extensions this server takes on chat completions too (vLLM's names), passed through as they are.
-_PASSED_THROUGH = ("top_k", "min_p", "seed", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                   "logit_bias", "speculative", "ignore_eos", "user")
 
 
-class ResponsesRequest(RequestBody):
-    model: str
+class ResponsesRequest(GenerationFields):
+    """The fields every generating request takes (sampling, and the extensions chat completions take
+    too, vLLM's names), and this API's own."""
+
     input: str | list[dict]
     instructions: str | None = None
     previous_response_id: str | None = None
@@ -43,27 +42,13 @@ class ResponsesRequest(RequestBody):
     parallel_tool_calls: bool = True
     text: dict | None = None  # {"format": {...}, "verbosity": ...}
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include: list[str] | None = None
-    stream: bool = False
     store: bool = True
     metadata: dict[str, str] | None = None
     truncation: Literal["auto", "disabled"] = "disabled"  # either way nothing is dropped (see _check)
     background: bool = False
     conversation: str | dict | None = None
-    # Extensions, as on chat completions.
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    speculative: bool | None = None
-    ignore_eos: bool = False
-    user: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -195,13 +180,12 @@ def chat_request(body: ResponsesRequest, history: list[dict], messages: list[dic
     head = [{"role": "system", "content": body.instructions}] if body.instructions else []
     # "auto" and "none" without tools say nothing (agent frameworks send auto with no tools).
     choice = body.tool_choice if body.tools or body.tool_choice not in ("auto", "none") else None
-    fields = {"model": body.model, "messages": head + history + messages, "parallel_tool_calls": body.parallel_tool_calls,
-              "temperature": body.temperature, "top_p": body.top_p, "max_completion_tokens": body.max_output_tokens,
-              "logprobs": body.wants_logprobs, "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
-              "tools": [_chat_tool(t, i) for i, t in enumerate(body.tools)] if body.tools else None,
-              "tool_choice": _chat_tool_choice(choice),
-              "response_format": _response_format(body.text_format)}
-    fields.update({name: getattr(body, name) for name in _PASSED_THROUGH})
+    fields = body.model_dump(include=set(GenerationFields.model_fields))  # sampling and the extensions, as sent
+    fields.update({"messages": head + history + messages, "parallel_tool_calls": body.parallel_tool_calls,
+                   "max_completion_tokens": body.max_output_tokens, "logprobs": body.wants_logprobs,
+                   "top_logprobs": body.top_logprobs if body.wants_logprobs else None,
+                   "tools": [_chat_tool(t, i) for i, t in enumerate(body.tools)] if body.tools else None,
+                   "tool_choice": _chat_tool_choice(choice), "response_format": _response_format(body.text_format)})
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
