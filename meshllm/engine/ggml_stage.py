@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 
+import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
@@ -560,6 +561,7 @@ class _Step:
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
         self.ids = self.hidden = self.rows = self.pos = self.out = self.kv_anchor = None
         self.table: Tensor | None = None  # the batched form's per-layer sequence table
+        self.table_layout: list | None = None  # what the table was last filled for, but the starts
         self.masks: list[tuple[object, Tensor] | None] = []  # per slice: (ggml mask, its memory)
         self.kvs: list[weakref.ref] = []  # a kept graph's sequences' SequenceKV
         self.out_shape: tuple[int, int] = (0, 0)
@@ -574,7 +576,14 @@ class _Step:
         if self.rows is not None:
             self.rows.copy_(logit_rows)
         if self.table is not None:
-            _fill_table(self.table, slices)
+            # Step after step the same sequences keep their rows and KV tensors: only where each
+            # starts moves, one column per sequence (refilling it all: ~0.09 ms of a 6 ms step).
+            layout = [(s.row, s.num_tokens, s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.k.stride()) for s in slices]
+            if layout == self.table_layout:
+                self.table.numpy()[:, 3:1 + _TABLE_FIELDS * len(slices):_TABLE_FIELDS] = [s.start for s in slices]
+            else:
+                _fill_table(self.table, slices)
+                self.table_layout = layout
             return
         if self.key is None:  # built for this very step: its offsets are already right
             return
@@ -623,14 +632,19 @@ class _Step:
 
 def _fill_table(table: Tensor, slices: list[SeqSlice]) -> None:
     """Where each sequence's rows and KV cache are, per layer, for the batched attention ops
-    (kernels/few_rows_attention.c reads it): SequenceKV.k/.v are [layers, kv_heads, capacity, hd]."""
-    per_seq = torch.tensor([[s.row, s.num_tokens, s.start, s.kv.k.data_ptr(), s.kv.v.data_ptr(),
-                             s.kv.k.stride(2) * s.kv.k.element_size(), s.kv.k.stride(1) * s.kv.k.element_size(),
-                             s.kv.k.stride(0) * s.kv.k.element_size()] for s in slices], dtype=torch.int64)
-    layers = table.shape[0]
-    entries = per_seq[:, :_TABLE_FIELDS].unsqueeze(0).repeat(layers, 1, 1)
-    layer_offsets = torch.arange(layers, dtype=torch.int64)[:, None] * per_seq[:, _TABLE_FIELDS][None, :]
+    (kernels/few_rows_attention.c reads it): SequenceKV.k/.v are [layers, kv_heads, capacity, hd].
+
+    In numpy: after a graph streamed the weights through the caches the same dozen torch ops
+    took ~0.19 ms of a 6 ms SmolLM2 step, these ~0.09 (measured through the leader)."""
+    n, layers = len(slices), table.shape[0]
+    per_seq = np.array([[s.row, s.num_tokens, s.start, s.kv.k.data_ptr(), s.kv.v.data_ptr(),
+                         s.kv.k.stride(2) * s.kv.k.element_size(), s.kv.k.stride(1) * s.kv.k.element_size()]
+                        for s in slices], dtype=np.int64)
+    layer_bytes = np.array([s.kv.k.stride(0) * s.kv.k.element_size() for s in slices], dtype=np.int64)
+    entries = np.repeat(per_seq[None], layers, axis=0)
+    layer_offsets = np.arange(layers, dtype=np.int64)[:, None] * layer_bytes[None, :]
     entries[:, :, 3] += layer_offsets  # each layer's K and V (the same layout)
     entries[:, :, 4] += layer_offsets
-    table[:, 0] = len(slices)
-    table[:, 1:1 + _TABLE_FIELDS * len(slices)] = entries.reshape(layers, -1)
+    view = table.numpy()
+    view[:, 0] = n
+    view[:, 1:1 + _TABLE_FIELDS * n] = entries.reshape(layers, -1)  # field 2 (start): patch() may rewrite it alone

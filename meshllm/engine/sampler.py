@@ -139,12 +139,12 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def _argmax(logits: Tensor) -> Tensor:
+def argmax_ids(logits: Tensor) -> Tensor:
     """Per row, the first id of the highest logit (int64). numpy's on CPU fp32: ~12x faster than
     torch's on one thread (16 SmolLM2 rows 0.05 ms against 0.66; one row 4 us against 43). Both
     take the first of tied maxima, and a NaN as the maximum."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64))
+        return torch.from_numpy(logits.detach().numpy().argmax(axis=-1).astype(np.int64, copy=False))
     return logits.argmax(dim=-1)
 
 
@@ -159,7 +159,7 @@ def sample(logits: Tensor, params: Sequence[SamplingParams], generators: Sequenc
     n = logits.shape[0]
     assert len(params) == n == len(generators), (logits.shape, len(params), len(generators))
     processed = process_logits(logits, params, rows if rows is not None else [NO_INPUTS] * n)
-    token_ids = _argmax(processed)  # greedy rows; ties go to the lowest id
+    token_ids = argmax_ids(processed)  # greedy rows; ties go to the lowest id
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     for i in sampled:
         token_ids[i] = _draw(processed[i], params[i], generators[i])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -103,7 +104,7 @@ class StageRunner:
             if work.start < kv.length:
                 kv.truncate(work.start)  # rollback: rejected draft tokens or a replayed step
             slices.append(SeqSlice(kv, row, work.num_tokens))
-            positions.append(torch.arange(work.start, work.start + work.num_tokens))
+            positions.append(np.arange(work.start, work.start + work.num_tokens))
             row += work.num_tokens
         scored = [w for w in step.seqs if w.num_scored]
         logit_rows = None
@@ -112,7 +113,10 @@ class StageRunner:
             logit_rows = torch.tensor([r for s, w in zip(slices, step.seqs) if w.num_scored
                                        for r in range(s.row + s.num_tokens - w.num_scored, s.row + s.num_tokens)],
                                       dtype=torch.long)
-        out = self.decoder(x, torch.cat(positions), slices, logit_rows).cpu()  # no-op on cpu; from --device
+        # numpy for the small per-step bookkeeping: torch's per-op dispatch costs several times more,
+        # and on a small model these run on caches the last step's weights just swept.
+        out = self.decoder(x, torch.from_numpy(np.concatenate(positions)), slices, logit_rows)
+        out = out.cpu()  # no-op on cpu; from --device
         if not self.is_last:
             return out
         return choose_tokens(out, scored) if self.samples else []
@@ -124,13 +128,20 @@ class StageRunner:
             if x.dtype != torch.int64 or x.shape != (n,):
                 raise ShardCorrupt(f"first stage expects token ids int64[{n}], got {x.dtype}{list(x.shape)}")
             vocab = self.decoder.config.vocab_size
-            if n and (int(x.min()) < 0 or int(x.max()) >= vocab):
+            if n <= 64:  # a decode step's few ids: plain Python beats any array op's dispatch
+                ids = x.tolist()
+                low, high = (min(ids), max(ids)) if n else (0, 0)
+            else:
+                ids = x.numpy()
+                low, high = ids.min(), ids.max()
+            if low < 0 or high >= vocab:
                 raise ShardCorrupt(f"token id out of range [0, {vocab})")
             return x
         hidden = self.decoder.config.hidden_size
         if not x.is_floating_point() or x.shape != (n, hidden):
             raise ShardCorrupt(f"expected hidden states float[{n}, {hidden}], got {x.dtype}{list(x.shape)}")
-        if not bool(torch.isfinite(x).all()):
+        finite = np.isfinite(x.numpy()).all() if x.dtype == torch.float32 else torch.isfinite(x).all()
+        if not bool(finite):
             raise ShardCorrupt("received activations contain NaN or Inf; the previous stage is faulty")
         return x
 

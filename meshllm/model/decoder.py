@@ -269,7 +269,6 @@ class Decoder(nn.Module):
         return KVLayout(len(self.layers), self.config.num_key_value_heads, self.config.head_dim,
                         kv_dtype or self.dtype, max_tokens=self.config.max_position_embeddings, device=self.device)
 
-    @torch.inference_mode()
     def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice],
                 logit_rows: Tensor | None = None) -> Tensor:
         """Run this part of the model on a flat batch and commit its tokens to the KV caches.
@@ -286,8 +285,11 @@ class Decoder(nn.Module):
         assert row == x.shape[0] == positions.shape[0], (row, x.shape[0], positions.shape[0])
         for s in slices:
             s.kv.reserve(s.start + s.num_tokens)
-        run = self.run if self.fast_path is None else self.fast_path.forward
-        out = run(x, positions, slices, logit_rows)
+        if self.fast_path is not None:  # ggml's graph: no torch op that autograd would track
+            out = self.fast_path.forward(x, positions, slices, logit_rows)
+        else:
+            with torch.inference_mode():  # not around ggml's: ~0.06 ms of a 6 ms SmolLM2 step, for nothing
+                out = self.run(x, positions, slices, logit_rows)
         for s in slices:
             s.kv.length += s.num_tokens
         return out

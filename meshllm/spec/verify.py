@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
-from meshllm.engine.sampler import position_generator, sample, token_logprobs
+from meshllm.engine.sampler import argmax_ids, position_generator, sample, token_logprobs
 from meshllm.engine.step import SampledToken, SeqWork
 from meshllm.spec.speculative_sampling import accept_or_resample
 
@@ -46,6 +46,10 @@ def choose_tokens(logits: Tensor, works: Sequence[SeqWork]) -> list[SampledToken
     assert logits.shape[0] == sum(w.num_scored for w in works), (logits.shape, [w.num_scored for w in works])
     if not works:
         return []
+    if all(_argmax_only(w) for w in works):
+        # Plain greedy rows (most decode steps): each row's token is its argmax, with none of the
+        # per-row inputs, processing and logprobs sample() builds (0.20 -> 0.15 ms of a 6 ms step).
+        return _accepted(works, argmax_ids(logits).tolist(), None)
     params, generators, rows = [], [], []
     for w in works:
         rows.extend(w.row_inputs())
@@ -64,12 +68,30 @@ def choose_tokens(logits: Tensor, works: Sequence[SeqWork]) -> list[SampledToken
             out.extend(_accept_by_ratio(choice.processed[row:row + w.num_scored], logits[row:row + w.num_scored],
                                         w, ids[row + w.num_scored - 1], choice.logprobs[row + w.num_scored - 1]))
         else:
-            mine = ids[row:row + w.num_scored]
-            accepted = 0
-            while accepted < len(w.draft) and mine[accepted] == w.draft[accepted]:
-                accepted += 1
-            for i in range(accepted + 1):
-                out.append(SampledToken(w.seq_id, w.first_new_position + i, mine[i], choice.logprobs[row + i]))
+            out.extend(_accepted((w,), ids[row:row + w.num_scored], choice.logprobs[row:row + w.num_scored]))
+        row += w.num_scored
+    return out
+
+
+def _argmax_only(w: SeqWork) -> bool:
+    """Whether w's rows pick their argmax and report nothing else (sample() would do no more)."""
+    p = w.sampling
+    return p.greedy and p.logprobs is None and not p.logit_bias and not p.penalises and not w.allowed
+
+
+def _accepted(works: Sequence[SeqWork], ids: list[int], logprobs) -> list[SampledToken]:
+    """Exact-match verification of each work's draft against the verifier's own tokens `ids` (each
+    work's rows in order): the accepted draft tokens and the verifier's next one."""
+    out: list[SampledToken] = []
+    row = 0
+    for w in works:
+        mine = ids[row:row + w.num_scored]
+        accepted = 0
+        while accepted < len(w.draft) and mine[accepted] == w.draft[accepted]:
+            accepted += 1
+        for i in range(accepted + 1):
+            out.append(SampledToken(w.seq_id, w.first_new_position + i, mine[i],
+                                    None if logprobs is None else logprobs[row + i]))
         row += w.num_scored
     return out
 

@@ -88,6 +88,47 @@ def test_reused_decode_graph_equals_a_fresh_one(decoder, monkeypatch):
         assert torch.equal(a, b)
 
 
+def _swap_midway(decoder) -> list[torch.Tensor]:
+    """Decode A, B and C together, then A, B and a new sequence D in C's place (as many rows: the
+    same graph key), then D alone; logits of every step."""
+    layout = decoder.kv_layout()
+    kvs = {name: SequenceKV(layout, 32) for name in "ABCD"}
+    prompts = dict(zip("ABCD", PROMPTS + [[7, 7, 300, 1]]))
+    for name, kv in kvs.items():
+        p = prompts[name]
+        decoder(torch.tensor(p), torch.arange(len(p)), [SeqSlice(kv, 0, len(p))], torch.tensor([len(p) - 1]))
+    out = []
+    for names in ["ABC"] * 3 + ["ABD"] * 3 + ["D"] * 2:
+        seqs = [kvs[n] for n in names]
+        tokens = torch.tensor([(len(out) * 31 + 7 * i) % 4000 + 3 for i in range(len(seqs))])
+        out.append(decoder(tokens, torch.tensor([kv.length for kv in seqs]),
+                           [SeqSlice(kv, i, 1) for i, kv in enumerate(seqs)], torch.arange(len(seqs))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bf16_decoder(tiny_q4_0):
+    """On a bf16 KV cache few-row steps take the batched form: one graph whatever the sequences,
+    which a table patched per step points at them."""
+    files = open_model(tiny_q4_0)
+    d = load_stage_decoder(files.source, files.config, dtype=torch.bfloat16)
+    if d.fast_path._batched_ops is None:
+        pytest.skip("the batched few-row attention (AVX-512) does not run here")
+    return d
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_a_reused_graph_follows_a_changed_set_of_sequences(kv, request, monkeypatch):
+    """A kept graph is patched, not rebuilt, when another sequence takes a finished one's place:
+    what it reads (each sequence's KV, rows and start) must follow, as a fresh graph's would."""
+    decoder = request.getfixturevalue("decoder" if kv == "float32" else "bf16_decoder")
+    reused = _swap_midway(decoder)
+    monkeypatch.setattr(GGMLStage, "_reuse_key", staticmethod(lambda *a: None))
+    fresh = _swap_midway(decoder)
+    for step, (a, b) in enumerate(zip(reused, fresh)):
+        assert torch.equal(a, b), f"step {step}"
+
+
 def test_rollback_then_decode_recomputes_the_same_logits(decoder):
     kv = SequenceKV(decoder.kv_layout(), 64)
     prompt = torch.tensor(PROMPTS[0])
