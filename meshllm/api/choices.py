@@ -45,7 +45,7 @@ class ChoiceState:
         else:
             content, calls = self.tool_parser.feed(event.text, event.token_id)
             if event.finish_reason is not None:
-                content += self.tool_parser.finish()
+                content += self.tool_parser.finish(cut=event.finish_reason == "length")
             self.delta = (content, calls)
         self.text.append(self.delta[0])
         if event.token_id is not None:

@@ -56,9 +56,11 @@ class ToolCallParser:
     opening), calls (between or inside call objects), closing (hermes: expecting </tool_call>),
     between (hermes: whitespace after a block)."""
 
-    def __init__(self, fmt: ToolFormat, parallel: bool = True):
+    def __init__(self, fmt: ToolFormat, parallel: bool = True, forced: bool = False):
+        """`forced`: a grammar makes the reply calls only (tool_choice required or named)."""
         self.fmt = fmt
         self.parallel = parallel
+        self.forced = forced
         self.content: list[str] = []
         self.calls: list[ParsedCall] = []
         self._held = ""  # text not yet known to be content or call
@@ -81,8 +83,17 @@ class ToolCallParser:
             pass
         return "".join(self.content[before:]), deltas
 
-    def finish(self) -> str:
-        """Content still held at the end (text that never became a call)."""
+    def finish(self, cut: bool = False) -> str:
+        """Content still held at the end (text that never became a call).
+
+        `cut`: the reply stopped at its token limit. Markup it stopped inside is then no content:
+        a call's head before its name was complete (a call with a name is reported with the
+        arguments it got, as OpenAI reports a cut call), or, in a forced reply, part of the
+        opening marker. A reply that ended by itself inside a call's head keeps that text as
+        content: the model chose to stop there, and the text shows what it wrote."""
+        if cut and (self._state != "content" or self.forced):
+            self._held, self._scan = "", None
+            return ""
         rest = self._held if self._state not in ("closing", "between") else ""
         if self._scan is not None and self._scan.call is None:
             rest = self._scan.text + rest

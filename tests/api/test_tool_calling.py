@@ -31,6 +31,7 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "Cur
                                          "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}  # the Responses API's flat form
 
 
 def _check_calls(calls, names=("get_weather",)) -> None:
@@ -104,6 +105,28 @@ def test_smollm2_tool_round_trip(smollm2_fast_server):
                                            temperature=0, max_tokens=40)
     assert final.choices[0].message.content and not final.choices[0].message.tool_calls
     assert final.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_forced_call_cut_by_max_tokens_leaves_no_markup_in_the_content(smollm2_fast_server):
+    """Cut anywhere (inside the opening marker, the call's head, its arguments): finish_reason
+    length, no content, and once the name is written, the call with the arguments it got; the
+    same streamed, and through the Responses API (an incomplete response, no message item)."""
+    client, model = smollm2_fast_server.client(), smollm2_fast_server.backend.model_id
+    for limit in (1, 3, 5, 8, 12, 18):
+        reply = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                               temperature=0, max_tokens=limit)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "length" and not choice.message.content, (limit, choice.message)
+        assert all(c.function.name == "get_weather" for c in choice.message.tool_calls or ()), limit
+        chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=NAMED,
+                                                     temperature=0, max_tokens=limit, stream=True))
+        calls, finish, content = _streamed_calls(chunks)
+        assert finish == "length" and content == "", (limit, content)
+        assert [c["name"] for c in calls] == [c.function.name for c in choice.message.tool_calls or ()], limit
+        response = client.responses.create(model=model, input=ASK[0]["content"], tools=[RESPONSES_WEATHER],
+                                           tool_choice="required", temperature=0, max_output_tokens=limit)
+        assert response.status == "incomplete", limit
+        assert [item.type for item in response.output] == ["function_call"] * len(calls), (limit, response.output)
 
 
 def test_tool_choice_none_and_auto_without_a_call_return_content(smollm2_fast_server):

@@ -91,3 +91,32 @@ def test_a_call_name_with_an_invalid_escape_is_taken_as_written():
     # (a 500, or a stream cut off mid-body), the call's name as the model wrote it.
     parser, _, deltas = _run(LLAMA3, [('{"name": "get\\q\tweather", "parameters": {"a": 1}}', None)])
     assert [(c.name, c.arguments) for c in parser.calls] == [("get\\q\tweather", '{"a": 1}')]
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_reply_cut_inside_a_calls_markup_leaves_no_markup_as_content(forced):
+    """Cut at its token limit at every character of a call: before the call's name is complete no
+    call and no content (the markup was a call's, never text); after it, the named call with the
+    arguments so far. The opening marker's prefix alone is text unless the reply was forced."""
+    for end in range(1, len(CALL)):
+        parser = ToolCallParser(HERMES, forced=forced)
+        content, _ = parser.feed(CALL[:end])
+        content += parser.finish(cut=True)
+        named = end > CALL.index('{"city')  # the name is known once its arguments value begins
+        if end < len("<tool_call>") and not forced:
+            assert content == CALL[:end] and not parser.calls, end  # "<tool" may be text
+        else:
+            assert content == "", (end, content)
+            assert [c.name for c in parser.calls] == (["get_weather"] if named else []), end
+        if named:
+            assert CALL[CALL.index('{"city'):end].startswith(parser.calls[0].arguments)
+
+
+def test_a_reply_that_ends_inside_a_calls_head_keeps_the_text():
+    """Ended by the model (not cut): what it wrote stays visible, as content."""
+    parser = ToolCallParser(HERMES, forced=True)
+    content, _ = parser.feed('<tool_call>\n{"name": "get_')
+    assert content + parser.finish(cut=False) == '{"name": "get_' and not parser.calls
