@@ -121,6 +121,11 @@ class Leader(LeaderFailover, LeaderLifecycle):
         self._inbox.put(message)
 
     # --- any thread --------------------------------------------------------------------------------
+    @property
+    def max_sequences(self) -> int:
+        """Sequences it holds at most, running and queued: a request of more never fits."""
+        return self._config.max_num_seqs + self._config.max_waiting
+
     def submit(self, prompt_ids: list[int], params: SamplingParams,
                on_event: Callable[[GenerationEvent], None], grammar: Matcher | None = None,
                speculative: bool | None = None, max_draft: int | None = None,
@@ -426,6 +431,7 @@ class Leader(LeaderFailover, LeaderLifecycle):
     def _deliver(self, request: Request, token: SampledToken, now: float) -> None:
         seq = request.seq
         text = request.checker.feed(token.token_id)
+        request.unreleased.append(token)
         first = request.first_token_at is None
         self.observer.on_token(first, now - (request.submitted_at if first else request.last_token_at))
         if self._swapped is not None:  # the first token after a failover: KV rebuilt
@@ -441,9 +447,21 @@ class Leader(LeaderFailover, LeaderLifecycle):
         reason = request.checker.finish_reason
         if reason is not None:
             self._finish(request, reason, notify=False)
-        request.on_event(GenerationEvent(seq.seq_id, text, token.token_id, token.logprobs, reason,
-                                         num_prompt_tokens=seq.num_prompt_tokens,
-                                         num_cached_tokens=seq.num_cached))
+        # One event per token, in order, once its text goes out, so its logprobs come with that
+        # text (the last released token's event carries it; text going out always releases one):
+        # a token whose text is held waits; those of a stop string go out at the end without
+        # logprobs, their text being no part of the output.
+        released = request.checker.released
+        going, request.unreleased = request.unreleased[:released], request.unreleased[released:]
+        cut = request.unreleased if reason is not None else []
+        if reason is not None:
+            request.unreleased = []
+        events = [(t, t.logprobs) for t in going] + [(t, None) for t in cut]
+        for i, (t, logprobs) in enumerate(events):
+            request.on_event(GenerationEvent(seq.seq_id, text if i == len(going) - 1 else "", t.token_id, logprobs,
+                                             reason if i == len(events) - 1 else None,
+                                             num_prompt_tokens=seq.num_prompt_tokens,
+                                             num_cached_tokens=seq.num_cached))
 
     def _finish(self, request: Request, reason: str, error: MeshError | None = None,
                 notify: bool = True) -> None:

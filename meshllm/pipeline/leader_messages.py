@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.scheduler import MicroBatch
 from meshllm.engine.sequence import Sequence
-from meshllm.engine.step import StepResult
+from meshllm.engine.step import SampledToken, StepResult
 from meshllm.engine.stopping import StopChecker
 from meshllm.errors import MeshError
 from meshllm.pipeline.events import GenerationEvent
@@ -31,6 +31,8 @@ class Request:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_failovers: int = 0
+    # Tokens whose text the stop checker still holds: their events wait for it (StopChecker.released).
+    unreleased: list[SampledToken] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,3 +121,32 @@ def _unescape(token: str) -> bytes:
     """Undo `\\xNN` escapes of bytes that are part of a character (the prompt holds no backslash)."""
     return b"".join(bytes([int(part[2:], 16)]) if part.startswith("\\x") else part.encode()
                     for part in re.split(r"(\\x[0-9a-f]{2})", token) if part)
+
+
+def test_logprobs_stop_where_a_stop_string_cuts_the_text(smollm2_fast_server):
+    """The tokens that wrote a stop string report no logprobs (their text is no part of the reply):
+    chat and legacy, whole and streamed, with the stop string spread over several tokens."""
+    client = smollm2_fast_server.client()
+    model = smollm2_fast_server.backend.model_id
+    ask = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    free = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=60).choices[0]
+    stop = "10. 10"  # SmolLM2 answers "1. 1\n2. 2\n...": several tokens, digits one by one
+    assert stop in free.message.content, free.message.content
+    reply = client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=60, logprobs=True,
+                                           stop=[stop])
+    text = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and text == free.message.content.split(stop)[0]
+    content = reply.choices[0].logprobs.content
+    assert b"".join(bytes(e.bytes) for e in content) == text.encode()
+    assert len(content) < reply.usage.completion_tokens  # the stop string's tokens were generated
+    chunks = [c for c in client.chat.completions.create(model=model, messages=ask, temperature=0, max_tokens=60,
+                                                        logprobs=True, stop=[stop], stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+    assert [e.bytes for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content] == \
+        [e.bytes for e in content]
+
+    legacy = client.completions.create(model=model, prompt="1, 2, 3, 4, 5, 6, 7,", temperature=0, max_tokens=30,
+                                       logprobs=1, stop=["10, 11"]).choices[0]
+    assert legacy.finish_reason == "stop" and legacy.text.endswith("9, "), legacy.text
+    assert "".join(legacy.logprobs.tokens) == legacy.text
+    assert all(offset < len(legacy.text) for offset in legacy.logprobs.text_offset)

@@ -118,3 +118,56 @@ def test_real_tokenizer_multibyte_text_and_a_stop(aidreams_path):
     assert checker.finish_reason == "stop"
     assert out == tokenizer.decode(ids).split(", then")[0]
     assert "✨" in out
+
+
+def _releases(pieces: list[str], stop: tuple[str, ...], max_tokens: int = 100) -> tuple[list[str], list[int], str | None]:
+    """Deltas and, per feed, how many held tokens it released (StopChecker.released)."""
+    vocab = {i + 1: piece for i, piece in enumerate(pieces)}
+    checker = StopChecker(SamplingParams(stop=stop, max_tokens=max_tokens), [EOS], lambda token: vocab[token])
+    deltas, released = [], []
+    for i in range(len(pieces)):
+        deltas.append(checker.feed(i + 1))
+        released.append(checker.released)
+        if checker.finished:
+            break
+    return deltas, released, checker.finish_reason
+
+
+def test_the_tokens_of_a_stop_string_are_never_released():
+    """Their logprobs must not go out: the text they wrote is not part of the output."""
+    deltas, released, reason = _releases(["I'm", " gl", "ad", " to"], stop=(" glad",))
+    assert deltas == ["I'm", "", ""] and reason == "stop"
+    assert released == [1, 0, 0]  # " gl" was held, then cut with "ad"
+
+
+def test_a_held_token_goes_out_with_its_text():
+    deltas, released, _ = _releases(["a ##", "#", " b"], stop=("###!",))
+    assert deltas == ["a ", "", "### b"]
+    assert released == [1, 0, 2]  # "#" waited for " b", which showed "###" is no stop
+
+
+def test_length_releases_every_held_token():
+    deltas, released, reason = _releases(["x", "S", "T"], stop=("STOP",), max_tokens=3)
+    assert "".join(deltas) == "xST" and reason == "length" and released == [1, 0, 2]
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.text(alphabet="ab!.", max_size=4), min_size=1, max_size=12),
+       stop=st.lists(st.text(alphabet="ab!.", min_size=1, max_size=3), max_size=3).map(tuple),
+       max_tokens=st.integers(1, 14))
+def test_tokens_are_released_when_their_text_goes_out(pieces, stop, max_tokens):
+    """After every feed, each token whose text has begun to go out is released (in order), and no
+    more than those plus one (text that only a released token's held tail wrote takes the oldest
+    held token along); a length finish releases them all."""
+    deltas, released, reason = _releases(pieces, stop, max_tokens)
+    starts = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    emitted = total = 0
+    for i, (delta, n) in enumerate(zip(deltas, released)):
+        emitted += len(delta)
+        total += n
+        fed = i + 1
+        begun = sum(1 for s in starts[:fed] if s < emitted)
+        if reason == "length" and fed == len(deltas):
+            assert total == fed  # the whole text went out, and every token with it
+        else:
+            assert begun <= total <= min(fed, begun + 1), (i, begun, total)
