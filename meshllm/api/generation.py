@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from meshllm.api.prompts import ChoiceRequest
 from meshllm.engine.grammar import GrammarCompiler
 from meshllm.engine.kv_cache import SeqId
-from meshllm.errors import MeshError, RequestTimeout
+from meshllm.errors import BadRequest, MeshError, RequestTimeout
 from meshllm.pipeline.events import GenerationEvent
 from meshllm.pipeline.leader import Leader
 
@@ -47,6 +47,11 @@ class Generation:
     def submit(self) -> None:
         """Queue every choice at the leader (blocks briefly). If one is refused (queue full,
         context overflow), the ones already queued are cancelled and the error propagates."""
+        if len(self.choices) > self.leader.max_sequences:
+            # Refused with a 400, not queue_full's 429: no retry can make room for it.
+            raise BadRequest(f"this request asks for {len(self.choices)} sequences (n choices of each prompt); "
+                             f"this server holds at most {self.leader.max_sequences} at once (--max-batch "
+                             f"running plus --max-queue waiting). Ask for fewer.")
         try:
             for choice in self.choices:
                 matcher = None if choice.grammar is None else self.grammars.matcher(choice.grammar)

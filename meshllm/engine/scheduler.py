@@ -86,7 +86,10 @@ class Scheduler:
                 f"prompt of {seq.num_prompt_tokens} tokens + max_tokens {seq.params.max_tokens} needs "
                 f"{seq.max_total_tokens} tokens of KV cache; the plan holds {self.config.kv_budget_tokens}. "
                 f"Shorten the prompt or lower max_tokens.")
-        if len(self.waiting) >= self.config.max_waiting:
+        # The queue bound counts what waits beyond the running room: a burst of submissions
+        # handled before the next step admits any (the leader drains its inbox first) must not
+        # fill the queue with sequences that are about to start.
+        if len(self.waiting) >= self.config.max_waiting + max(0, self.config.max_num_seqs - len(self.running)):
             raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
         self.waiting.append(seq)
 

@@ -173,8 +173,7 @@ def test_full_queue_answers_429_and_recovers(slow_backend):
 
         holders = [threading.Thread(target=hold_stream) for _ in range(2)]
         try:
-            # One after the other: two submits reaching the leader before it admits the first would
-            # both count as waiting, and the second would be refused instead of held.
+            # One after the other, so that the first is the one running.
             holders[0].start()
             live.wait_for(lambda: live.metric("meshllm_running_sequences") == 1, what="the first to run")
             holders[1].start()
@@ -193,6 +192,13 @@ def test_full_queue_answers_429_and_recovers(slow_backend):
                       and live.metric("meshllm_queue_depth") == 0, what="the held requests to be cancelled")
         assert statuses == [200, 200]
         assert_still_serving(live.url)
+        # Two sequences at once fit (one runs, one waits), however fast they reach the leader.
+        both = post(live.url, COMPLETIONS, {"model": MODEL, "prompt": ["Once", "Upon"], "max_tokens": 2})
+        assert both.status_code == 200 and len(both.json()["choices"]) == 2
+        # More than it can ever hold is no "retry later": a 400 that says how many fit.
+        error = assert_error(post(live.url, COMPLETIONS, {"model": MODEL, "prompt": "Once", "max_tokens": 2, "n": 3}),
+                             400, "bad_request")
+        assert "holds at most 2" in error["message"]
 
 
 def test_no_plan_answers_503(aidreams_files):

@@ -59,11 +59,25 @@ def test_chunk_boundaries_do_not_depend_on_the_batch():
     assert chunks_of(100, 0) == chunks_of(100, 3) == chunks_of(100, 7)
 
 
+def test_the_queue_bound_counts_what_waits_beyond_the_free_running_room():
+    """A burst submitted before any step admits it: as many as may run, plus max_waiting, fit."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_waiting=1, max_batched_tokens=256, prefill_chunk=256,
+                                  prefix_block_size=16))
+    for i in range(3):
+        s.add(seq(i + 1, 10, 5))
+    with pytest.raises(QueueFull):
+        s.add(seq(4, 10, 5))
+    s.next_microbatch()  # two run now: the room left is the queue's
+    assert len(s.running) == 2 and len(s.waiting) == 1
+    with pytest.raises(QueueFull):
+        s.add(seq(5, 10, 5))
+
+
 def test_admission_by_kv_budget_and_bounded_queue():
-    s = Scheduler(SchedulerConfig(kv_budget_tokens=100, max_waiting=2, max_batched_tokens=256,
+    s = Scheduler(SchedulerConfig(kv_budget_tokens=100, max_num_seqs=2, max_waiting=0, max_batched_tokens=256,
                                   prefill_chunk=256, prefix_block_size=16))
     a, b, c = seq(1, 40, 20), seq(2, 30, 20), seq(3, 10, 5)  # a needs 60, b 50: not both at once
-    for x in (a, b):
+    for x in (a, b):  # room for two to run, none to wait
         s.add(x)
     with pytest.raises(QueueFull):
         s.add(c)
