@@ -72,7 +72,7 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
     def states_of(choices: list[ChoiceRequest], body: SamplingFields) -> list[ChoiceState]:
         """One per choice, each reading its text for tool calls when the request has tools to call."""
         reads_calls = isinstance(body, ChatCompletionRequest) and body.calls_tools
-        return [ChoiceState(c, ToolCallParser(model_text.tool_format, body.parallel_tool_calls,
+        return [ChoiceState(c, ToolCallParser(model_text.tool_format, body.parallel_calls,
                                               forced=body.forced_tools is not None)
                             if reads_calls else None) for c in choices]
 

@@ -115,13 +115,13 @@ def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | No
     forced = body.forced_tools
     if forced is not None:
         tools = [t.model_dump(exclude_none=True) for t in forced]
-        return compiler.lark(fmt.call_grammar(tools, body.parallel_tool_calls),
+        return compiler.lark(fmt.call_grammar(tools, body.parallel_calls),
                              f"tool_choice {', '.join(t.function.name for t in forced)}")
     if answer is None:
         return _strict_calls_grammar(model, body)
     if body.calls_tools:
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        return compiler.lark(fmt.call_grammar(tools, body.parallel_tool_calls, answer), f"{what} or a tool call")
+        return compiler.lark(fmt.call_grammar(tools, body.parallel_calls, answer), f"{what} or a tool call")
     return compiler.json_schema(answer, what)
 
 
@@ -133,7 +133,7 @@ def _strict_calls_grammar(model: ModelText, body: ChatCompletionRequest) -> Gram
         return None
     tools = [t.model_dump(exclude_none=True, exclude=None if t.function.strict else {"function": {"parameters"}})
              for t in body.tools]
-    return model.grammars.lark(model.tool_format.text_or_call_grammar(tools, body.parallel_tool_calls),
+    return model.grammars.lark(model.tool_format.text_or_call_grammar(tools, body.parallel_calls),
                                "strict tools")
 
 

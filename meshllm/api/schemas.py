@@ -211,6 +211,12 @@ class ChatCompletionRequest(SamplingFields):
         return bool(self.tools) and self.tool_choice != "none"
 
     @property
+    def parallel_calls(self) -> bool:
+        """Whether the reply may make more than one call: a named tool_choice asks for that call,
+        once (as OpenAI answers it), whatever parallel_tool_calls says."""
+        return self.parallel_tool_calls and not isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
     def forced_tools(self) -> list[ToolDefinition] | None:
         """The tools one of which must be called (tool_choice required or named), else None."""
         if self.tool_choice == "required":

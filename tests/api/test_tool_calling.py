@@ -107,6 +107,19 @@ def test_smollm2_tool_round_trip(smollm2_fast_server):
     assert final.choices[0].finish_reason in ("stop", "length")
 
 
+def test_a_named_tool_choice_makes_that_call_once(smollm2_fast_server):
+    """As OpenAI answers it, whatever parallel_tool_calls says (SmolLM2 repeats the call when it may)."""
+    client, model = smollm2_fast_server.client(), smollm2_fast_server.backend.model_id
+    reply = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=NAMED,
+                                           temperature=0, max_tokens=120)
+    assert [c.function.name for c in reply.choices[0].message.tool_calls] == ["get_weather"]
+    assert reply.choices[0].finish_reason == "tool_calls"
+    response = client.responses.create(model=model, input=ASK[0]["content"], tools=[RESPONSES_WEATHER],
+                                       tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+                                       max_output_tokens=120)
+    assert [(item.type, item.name) for item in response.output] == [("function_call", "get_weather")]
+
+
 def test_a_forced_call_cut_by_max_tokens_leaves_no_markup_in_the_content(smollm2_fast_server):
     """Cut anywhere (inside the opening marker, the call's head, its arguments): finish_reason
     length, no content, and once the name is written, the call with the arguments it got; the
