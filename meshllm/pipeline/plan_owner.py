@@ -323,9 +323,9 @@ class PlanOwner:
         try:
             return plan_for(self.files, fleet, self.options)
         except ShardUnavailable:
-            if self.options.num_stages is None:
-                raise
-            # Fewer nodes than --stages survive: the fewest stages that fit on them.
+            if self.options.num_stages is None or previous is None:
+                raise  # a first plan keeps to --stages: its error says what is missing
+            # Fewer nodes than --stages survive a failure: the fewest stages that fit on them.
             return plan_for(self.files, fleet, replace(self.options, num_stages=None))
 
     def _fallback_local(self, error: ShardUnavailable, started: float) -> Deployment | None:

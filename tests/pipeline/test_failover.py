@@ -405,6 +405,19 @@ def test_no_spare_and_no_fit_fails_clearly_until_a_node_joins(pool, files, refer
         assert status == 200 and body["status"] == "ok" and set(s["node_id"] for s in body["stages"]) <= visible
 
 
+def test_a_first_plan_keeps_to_num_stages(pool, files, reference):
+    """Fewer nodes than --stages: no plan, and /health and requests say why (a clear 503), not a
+    plan of fewer stages: that fallback is for the survivors of a failure (above)."""
+    nodes = pool.take(2)
+    with leader_over(pool, files, set(nodes), num_stages=3) as live:
+        assert live.owner.plan is None
+        status, body = health(live)
+        assert status == 503 and "--stages 3 asks for more stages" in body["reason"], body
+        with pytest.raises(openai.APIStatusError) as refused:
+            live.client().chat.completions.create(model=live.backend.model_id, messages=MESSAGES, max_tokens=4)
+        assert refused.value.status_code == 503 and refused.value.code == "shard_unavailable"
+
+
 def test_fallback_local_serves_on_the_leader_when_no_plan_fits(pool, files, reference):
     """--fallback-local (the spec's fallback_to_local): the fleet loses the capacity for the model
     mid-stream, the model fits in the leader's own memory, so the leader runs it alone and the
