@@ -1,7 +1,7 @@
 """Runs the API app under uvicorn on a background thread, as a node Service (start/stop).
 
-The socket is bound in the constructor, so a taken port fails at once with
-BindFailed and `port` is known before start (port 0 picks a free one).
+The socket is bound before anything else (`listen`, or the constructor), so a taken port
+fails at once with BindFailed and `port` is known before start (port 0 picks a free one).
 """
 
 from __future__ import annotations
@@ -23,17 +23,25 @@ _START_TIMEOUT_S = 30.0
 _STOP_TIMEOUT_S = 10.0
 
 
+def listen(host: str, port: int, port_flag: str = "--api-port") -> socket.socket:
+    """The API's socket, bound: a command binds it first, before it starts nodes or loads weights
+    that a taken port would leave behind. `port_flag` names the command's option in the error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise BindFailed(f"the HTTP API cannot listen on {host}:{port}: {e.strerror}; pick another "
+                         f"{port_flag} or stop what uses it") from None
+    return sock
+
+
 class APIServer:
-    def __init__(self, app: FastAPI, host: str, port: int):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._socket.bind((host, port))
-        except OSError as e:
-            self._socket.close()
-            raise BindFailed(f"the HTTP API cannot listen on {host}:{port}: {e.strerror}; pick another "
-                             f"--api-port or stop what uses it") from None
+    def __init__(self, app: FastAPI, host: str, port: int, sock: socket.socket | None = None):
+        """`sock`: bound by `listen` already (else bound here)."""
+        self._socket = sock if sock is not None else listen(host, port)
         self.host = host
         self.port = self._socket.getsockname()[1]
         # Our own logging config stays in charge: uvicorn logs through the standard loggers.

@@ -21,7 +21,7 @@ from pathlib import Path
 from meshllm.api.app import create_app
 from meshllm.api.cluster_backend import local_cluster_backend
 from meshllm.api.config import API_KEY_ENV, MIB, APIConfig, add_api_guard_arguments, api_key_from
-from meshllm.api.server import APIServer
+from meshllm.api.server import APIServer, listen
 from meshllm.engine.dtypes import add_dtype_argument
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_weights import QUANTIZE_TYPES
@@ -66,11 +66,14 @@ def serving_options(args: argparse.Namespace) -> ServingOptions:
 def run(args: argparse.Namespace) -> int:
     if args.nodes < 1 or args.tp < 1 or args.nodes % args.tp:
         raise SystemExit(f"meshllm demo: --nodes ({args.nodes}) must be a positive multiple of --tp ({args.tp})")
+    if not 0 <= args.port <= 65535:
+        raise SystemExit(f"meshllm demo: --port must be in [0, 65535], got {args.port}")
     try:
         api = APIConfig(host="127.0.0.1", port=args.port, api_key=api_key_from(args.api_key),
                         max_body_bytes=int(args.max_body_mib * MIB))
     except ValueError as e:
         raise SystemExit(f"meshllm demo: {e}") from None
+    sock = listen(api.host, api.port, "--port")  # before any node starts: a taken port fails at once
     if args.speculative is not None:
         SpeculativeChoice.parse(args.speculative)
     files = open_model(args.model or os.environ.get(MODEL_ENV) or None)
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             group = f" (tensor-parallel with {', '.join(w.node_id for w in s.workers)})" if s.workers else ""
             print(f"  stage {i}: {s.node_id} at {s.address}{group} holds layers {s.first_layer}-{s.last_layer - 1}",
                   flush=True)
-        server = APIServer(create_app(backend, api), api.host, api.port)
+        server = APIServer(create_app(backend, api), api.host, api.port, sock)
         server.start()
         print(f"meshllm demo: cluster ready in {time.perf_counter() - started:.1f}s; API at {server.url}/v1",
               flush=True)

@@ -15,7 +15,7 @@ from meshllm.api.app import create_app
 from meshllm.api.cluster_backend import build_cluster_backend
 from meshllm.api.backend import Backend, build_local_backend
 from meshllm.api.config import MIB, APIConfig, add_api_guard_arguments, api_key_from
-from meshllm.api.server import APIServer
+from meshllm.api.server import APIServer, listen
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
 from meshllm.commands.plan import add_tp_argument
@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         config = node_config(args, args.model or default_model_path())
     except ValueError as e:
         raise SystemExit(f"meshllm serve: {e}") from None
+    sock = listen(api.host, api.port)  # a taken port fails before a key, a node or a plan's weights
     key = node_command.resolve_key(args.key_file, config.state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
@@ -156,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     def on_ready(n: Node) -> None:
         # The node gossips first: cluster mode plans over the fleet it sees.
         backend = running["backend"] = build_backend(args, n, key)
-        server = running["server"] = APIServer(create_app(backend, api), api.host, api.port)
+        server = running["server"] = APIServer(create_app(backend, api), api.host, api.port, sock)
         server.start()
         api_host = n.address.rpartition(":")[0] if is_wildcard(api.host) else api.host
         n.card.set_api_address(join_host_port(api_host.strip("[]"), server.port))

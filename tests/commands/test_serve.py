@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -102,3 +103,20 @@ def test_bad_flags_exit_with_a_message(tmp_path, capsys):
         with pytest.raises(SystemExit) as caught:  # refused before any model loads
             main(base + flags)
         assert message in str(caught.value)
+
+
+def test_a_taken_api_port_fails_before_anything_starts(tmp_path, capsys):
+    """serve (and demo, whose flag is --port) bind the API first: a taken port used to surface
+    only after a plan had loaded the model's weights on other nodes of the fleet."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        assert main(["serve", "--state-dir", str(tmp_path / "s"), "--no-discovery", "--port", "0",
+                     "--api-port", str(port)]) != 0
+        assert "cannot listen" in capsys.readouterr().err and not (tmp_path / "s" / "cluster.key").exists()
+        assert main(["demo", "--once", "--port", str(port)]) != 0
+        error = capsys.readouterr().err
+        assert "pick another --port" in error and "--api-port" not in error
+        assert time.monotonic() - started < 20  # no node was started, no model loaded
