@@ -188,10 +188,12 @@ class Node:
 
 
 def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda node: None,
-                        on_stopping: Callable[[], None] = lambda: None) -> None:
+                        on_stopping: Callable[[], None] = lambda: None, parent_pid: int | None = None) -> None:
     """Start `node`, call `on_ready`, and stop cleanly on SIGINT or SIGTERM: `on_stopping` first
     (what was built on the node, such as an API and its leader, goes before the stages it uses),
-    then the node. Call from the main thread (Python delivers signals there)."""
+    then the node. With `parent_pid`, also once that process is no longer this one's parent (it
+    died: SIGKILL gives it no chance to stop its children). Call from the main thread (Python
+    delivers signals there)."""
     stop, ready = threading.Event(), threading.Event()
 
     def on_signal(signum, frame) -> None:
@@ -206,7 +208,9 @@ def run_until_signalled(node: Node, on_ready: Callable[[Node], None] = lambda no
         on_ready(node)
         ready.set()
         while not stop.wait(0.5):  # a timed wait keeps the main thread responsive to signals
-            pass
+            if parent_pid is not None and os.getppid() != parent_pid:
+                log.warning("the process that started this node (pid %d) is gone: stopping", parent_pid)
+                break
         log.info("node %s stopping", node.node_id)
     finally:
         try:

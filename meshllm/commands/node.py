@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", type=float, default=d.ttl_s,
                         help=f"seconds this node's card stays valid without a refresh (default {d.ttl_s})")
     parser.add_argument("--no-discovery", action="store_true", help="turn off mDNS/DNS-SD discovery on the LAN")
+    parser.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                        help="stop when process PID, which started this node, ends (launchers such as "
+                             "`meshllm demo` pass their own, so a killed launcher leaves no nodes behind)")
     parser.add_argument("--state-dir", type=Path, default=None,
                         help=f"folder for the cluster key and probe cache (default {default_state_dir()})")
     add_transport_arguments(parser)
@@ -108,5 +111,5 @@ def run(args: argparse.Namespace) -> int:
     attach_stage_service(node, key)
     attach_proposer_service(node, list(args.draft_model), draft_options(args))
     run_until_signalled(node, on_ready=lambda n: print(f"meshllm node {n.node_id} listening on {n.address}",
-                                                       flush=True))
+                                                       flush=True), parent_pid=args.parent_pid)
     return 0

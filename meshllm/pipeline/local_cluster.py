@@ -132,7 +132,8 @@ class LocalCluster:
         env.update(self.node_env.get(i, {}))
         args = [sys.executable, "-m", "meshllm.cli", "node", "--host", "127.0.0.1", "--port", str(port),
                 "--key-file", str(self.key_file), "--node-id", self.node_ids[i], "--no-discovery",
-                "--state-dir", str(self.state_dir / f"node-{i}"), *self.extra_args, *self.node_args.get(i, ())]
+                "--state-dir", str(self.state_dir / f"node-{i}"), "--parent-pid", str(os.getpid()),
+                *self.extra_args, *self.node_args.get(i, ())]
         for path in self.model_paths:
             args += ["--models", str(path)]
         for peer in self.live_addresses()[-1:]:  # the newest live node: a line of seeds
