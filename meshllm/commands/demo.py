@@ -109,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
         if not args.once:
             _wait_for_ctrl_c()
     finally:
+        if backend is not None:  # before the server: open streams end with an error event (serve.py)
+            backend.close()
         if server is not None:
             server.stop()
-        if backend is not None:
-            backend.close()
         cluster.stop()
         shutil.rmtree(state_dir, ignore_errors=True)  # the demo's throwaway key and node state
     return 0

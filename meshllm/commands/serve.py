@@ -166,10 +166,13 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
 
     def on_stopping() -> None:
-        if "server" in running:
-            running["server"].stop()
+        # The leader first: it ends every running request with a "shutting down" error, which
+        # open streams send as their last event; then the HTTP server, whose connections are done
+        # (the other way round, uvicorn cut the streams off after its grace period, mid-reply).
         if "backend" in running:
             running["backend"].close()
+        if "server" in running:
+            running["server"].stop()
 
     run_until_signalled(node, on_ready=on_ready, on_stopping=on_stopping)
     return 0

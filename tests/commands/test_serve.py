@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 from openai import OpenAI
 
@@ -120,3 +121,29 @@ def test_a_taken_api_port_fails_before_anything_starts(tmp_path, capsys):
         error = capsys.readouterr().err
         assert "pick another --port" in error and "--api-port" not in error
         assert time.monotonic() - started < 20  # no node was started, no model loaded
+
+
+@pytest.mark.slow
+def test_sigterm_ends_an_open_stream_with_an_error_event_not_a_cut_connection(smollm2_gguf_path, tmp_path):
+    command = [sys.executable, "-m", "meshllm.cli", "serve", "--model", str(smollm2_gguf_path), "--port", "0",
+               "--api-port", "0", "--no-discovery", "--state-dir", str(tmp_path / "state"), "--max-context", "1024"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = read_line_matching(process, r"at (http://127\.0\.0\.1:\d+)/v1", 120).group(1)
+        client = OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(model=client.models.list().data[0].id, prompt="Once upon a time",
+                                           max_tokens=1000, stream=True, extra_body={"ignore_eos": True})
+        chunks = 0
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in stream:
+                chunks += 1
+                if chunks == 5:
+                    process.send_signal(signal.SIGTERM)
+        assert chunks < 1000
+        assert process.wait(timeout=30) == 0
+        output = process.stdout.read()
+        assert "Traceback" not in output and "CancelledError" not in output, output[-4000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=10)
