@@ -4,7 +4,12 @@ and exposes `add_arguments(parser)` and `run(args) -> int`."""
 import argparse
 import importlib
 import logging
+import os
 import sys
+
+# gRPC's own log lines (an INFO line per refused TLS handshake, every few seconds while a node with
+# another key retries) say less than the errors meshllm raises for them; before grpc is imported.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from meshllm.engine.host_memory import return_large_frees
 from meshllm.errors import MeshError

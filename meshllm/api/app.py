@@ -119,6 +119,8 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         view = health_view(backend.health_report())
         return JSONResponse(view.model_dump(), status_code=200 if view.status == "ok" else 503)
 
+    app.head("/health", include_in_schema=False)(health)  # monitoring probes use HEAD (a 405 read as "down")
+
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

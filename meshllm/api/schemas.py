@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshllm.engine.sampler import MAX_LOGPROBS
 
@@ -142,11 +142,17 @@ class SamplingFields(GenerationFields):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream_options: StreamOptions | None = None
 
-    @model_validator(mode="after")
-    def _check_stop(self):
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        return self
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop):
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        for text in [stop] if isinstance(stop, str) else stop or ():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # no text a model writes holds one: refused, as in prompts
+                raise ValueError("a stop string is not valid Unicode: it holds a lone UTF-16 surrogate") from None
+        return stop
 
     @property
     def top_k_or_none(self) -> int | None:

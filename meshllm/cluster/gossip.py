@@ -34,7 +34,7 @@ from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.convert import (MAX_CARDS_PER_EXCHANGE, MAX_EXCHANGE_BYTES, card_to_pb,
                                        cards_from_pb)
 from meshllm.transport.protos import cluster_pb2, cluster_pb2_grpc
-from meshllm.transport.tls import TlsMode
+from meshllm.transport.tls import Plaintext, TlsMode
 
 log = logging.getLogger(__name__)
 
@@ -247,7 +247,8 @@ def explain_rpc_error(e: grpc.RpcError) -> str:
     """gRPC's details, plus what to do when the TLS handshake failed."""
     if handshake_failed(e):
         return (f"{e.details()} -- the TLS handshake failed: the peer does not hold this cluster's key (check "
-                f"--key-file), or one side runs with --insecure-plaintext and the other not")
+                f"--key-file), or one side runs with --insecure-plaintext and the other not, or the port is "
+                f"not a meshllm node's (an HTTP API's port is another)")
     return e.details() or ""
 
 
@@ -267,8 +268,12 @@ def fetch_view(address: str, key: bytes, timeout: float = 5.0, *, tls: TlsMode =
             raise AuthError(f"{address} refused the call: {details}. Pass the cluster's key file "
                             f"with --key-file.") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            # A TLS node closes a plaintext connection at once: that is not a node that is down.
+            plaintext = isinstance(tls, Plaintext) and "socket closed" in details.lower()
+            hint = (" It closed the connection: does it run with TLS (the default) while this command runs "
+                    "with --insecure-plaintext?" if plaintext else "")
             raise PeerUnreachable(f"no meshllm node answered at {address} within {timeout:.0f}s ({code.name}: "
-                                  f"{details}). Is `meshllm node` running there? Check --peer host:port.") from None
+                                  f"{details}).{hint} Is `meshllm node` running there? Check --peer host:port.") from None
         raise MeshError(f"{address} failed the Exchange call: {code.name}: {details}") from None
     finally:
         channels.close()

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import torch
 
 from meshllm.errors import MalformedTensor
 from meshllm.transport.protos import common_pb2
+
+# Decoding views the message's immutable bytes on purpose (see from_bytes); torch warns about that
+# once per process, in every stage's log. Only here: elsewhere the warning may point at a real bug.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

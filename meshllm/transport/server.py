@@ -83,7 +83,7 @@ class NodeServer:
             else:
                 self.port = self._server.add_secure_port(bind, credentials)
         except RuntimeError as e:  # grpc raises RuntimeError("Failed to bind to address ...")
-            raise BindFailed(f"cannot listen on {bind}: {e}. Is another node using the port? "
+            raise BindFailed(f"cannot listen on {bind}: {str(e).rstrip('.')}. Is another node using the port? "
                              f"Pick another --port (0 picks a free one).") from e
         if self.port == 0:
             raise BindFailed(f"cannot listen on {bind}. Is another node using the port? "

@@ -188,6 +188,7 @@ def test_text_content_parts_and_health(server):
     assert reply.choices[0].message.content == same.choices[0].message.content
     health = httpx.get(f"{server.url}/health", timeout=10)
     assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["reason"] is None
+    assert httpx.head(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_null_fields_mean_their_defaults(server):

@@ -213,6 +213,7 @@ def test_no_plan_answers_503(aidreams_files):
             live.client().completions.create(model=MODEL, prompt="Hi")
         reply = httpx.get(f"{live.url}/health", timeout=10)
         assert reply.status_code == 503 and reply.json()["status"] == "unavailable"
+        assert httpx.head(f"{live.url}/health", timeout=10).status_code == 503  # monitoring probes use HEAD
         assert "Add a node" in reply.json()["reason"]
         view = httpx.get(f"{live.url}/v1/cluster", timeout=10).json()
         assert view["served"]["ready"] is False and "Add a node" in view["served"]["plan_error"]

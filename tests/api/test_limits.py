@@ -85,6 +85,13 @@ def test_lone_surrogates_are_a_400_json_error(server, path, body):
     assert_still_serving(server.url)
 
 
+def test_a_stop_string_with_a_lone_surrogate_is_refused(server):
+    # It could never match what the model writes: refused like one in the prompt, naming the field.
+    error = assert_error(post(server.url, COMPLETIONS, json.dumps({"model": MODEL, "prompt": "Hi",
+                                                                   "stop": ["end\udc00"]})), 400, "invalid_value")
+    assert "surrogate" in error["message"] and error["param"] == "stop"
+
+
 def test_an_error_quoting_a_surrogate_is_still_json(server):
     # A validation error whose location is a dict key the client chose.
     reply = post(server.url, COMPLETIONS, json.dumps({"model": MODEL, "prompt": "Hi", "logit_bias": {"\ud800": "x"}}))

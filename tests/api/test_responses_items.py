@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from meshllm.api.choices import ChoiceState
+from meshllm.api.prompts import ChoiceRequest
 from meshllm.api.responses_api.output import OutputItems, as_chat_message
+from meshllm.api.responses_api.reply import ResponseRun
 from meshllm.api.responses_api.requests import ResponsesRequest, chat_messages, chat_request, input_items
 from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.tool_parser import CallDelta
-from meshllm.errors import BadRequest, NotFound
+from meshllm.engine.sampler import SamplingParams
+from meshllm.errors import BadRequest, MeshError, NotFound
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
@@ -97,6 +101,7 @@ def test_what_cannot_be_served_is_refused_with_the_reason(fields, says):
     ({"response_format": {"type": "json_object"}}, "use text.format"), ({"prompt": {"id": "p"}}, "prompt"),
     ({"metadata": {"k": "\ud800"}}, "metadata.k is not valid Unicode"),
     ({"user": "\udfff"}, "user is not valid Unicode"), ({"text": {"format": "json"}}, "text.format must be an object"),
+    ({"input": []}, "input is empty"), ({"input": ""}, "input is empty"),
 ])
 def test_what_would_be_lost_fails_validation(fields, says):
     with pytest.raises(ValueError, match=says):
@@ -249,3 +254,11 @@ def test_errors_from_the_chat_machinery_name_this_apis_fields():
     assert in_responses_terms(plain) is plain
     richer = ShardUnavailable("max_tokens", missing_bytes=1, part="x")  # carries more than its message: kept
     assert in_responses_terms(richer) is richer
+
+
+def test_a_failed_response_leaves_the_item_it_cut_short_incomplete():
+    run = ResponseRun(request(), ChoiceState(ChoiceRequest(0, 0, [1, 2], SamplingParams())), [], None, "m")
+    run.output.feed("Once upon", [], [])
+    failed = run.response(error=MeshError("the stage went away"))
+    assert failed["status"] == "failed" and [item["status"] for item in failed["output"]] == ["incomplete"]
+    assert "the stage went away" in failed["error"]["message"]

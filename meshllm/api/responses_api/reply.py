@@ -56,9 +56,13 @@ class ResponseRun:
         b, s = self.body, self.state
         done = status in ("completed", "incomplete")
         prompt_tokens = len(s.request.prompt_ids)
+        output = self.output.items if status != "in_progress" else []
+        if error is not None:  # an item the failure cut short is not in progress any more
+            output = [{**item, "status": "incomplete"} if item.get("status") == "in_progress" else item
+                      for item in output]
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "model": self.model,
-            "output": self.output.items if status != "in_progress" else [],
+            "output": output,
             # OpenAI's codes for a failed response are few; ours goes in the message.
             "error": None if error is None else {"code": "server_error", "message": f"[{error.code}] {error}"},
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

@@ -66,6 +66,8 @@ class ResponsesRequest(GenerationFields):
 
     @model_validator(mode="after")
     def _check(self):
+        if not self.input:  # else chat's "messages should have at least 1 item" would name a field not sent
+            raise ValueError("input is empty: give a text, or at least one item")
         if self.background:
             raise ValueError("background responses are not supported; leave background out and keep the "
                              "connection open (or stream)")
