@@ -159,6 +159,14 @@ class Scheduler:
         # token), whatever else is in the batch: batch-invariant arithmetic needs the same chunks.
         chunk = self.config.prefill_chunk
         end = min(seq.num_tokens, (start // chunk + 1) * chunk)
+        if start < seq.num_prompt_tokens:
+            end = min(end, seq.num_prompt_tokens)  # a prompt computed again ends where it first ended
+        else:
+            # Tokens it generated, computed again (a failover's re-prefill): in as few rows as the
+            # decode steps and verify passes that first computed them, so the few-row kernels give
+            # the KV the same bits as then, and greedy output goes on as it would have (in the
+            # default kernels too; a prefill chunk's GEMM rounds otherwise, README says by how much).
+            end = min(end, start + self.config.max_verify_rows)
         if end - start > budget:
             return None  # waits for a micro-batch with room (prefill_chunk <= max_batched_tokens)
         return Work(seq, start, end - start, num_scored=1 if end == seq.num_tokens else 0, attach=attach)

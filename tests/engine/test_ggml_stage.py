@@ -342,3 +342,32 @@ def test_q4_1_remainder_op_matches_ggmls_own_ops_and_the_torch_path(smollm2_gguf
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * scale)
         # The two paths round activations to 8 bits in different places (see the module docstring).
         torch.testing.assert_close(a, c, rtol=0, atol=1e-3 * scale)
+
+
+def test_generated_tokens_recomputed_in_decode_sized_pieces_get_the_kv_bits_they_had(smollm2_gguf_path):
+    """What a failover's re-prefill relies on (Scheduler._work_for): in the default kernels the
+    prompt in its own chunk, then the generated tokens in pieces of up to 16 rows, write the KV
+    the prefill and one-row decode steps wrote, bit for bit; one chunk across both does not."""
+    files = open_model(smollm2_gguf_path)
+    decoder = load_stage_decoder(files.source, files.config, dtype=torch.bfloat16)
+    if decoder.fast_path is None or decoder.fast_path._batched_ops is None or q8_few_rows_op() is None:
+        pytest.skip("the few-row kernels (AVX-512, VNNI) do not run here: nothing promises these bits")
+    prompt = files.tokenizer.encode("Tell me a story about a robot who learns to paint.")
+    generated = [(7 * i + 11) % 4000 + 3 for i in range(40)]
+    ids = prompt + generated
+
+    def kv_after(pieces: list[int]) -> SequenceKV:
+        kv = SequenceKV(decoder.kv_layout(), len(ids) + 1)
+        start = 0
+        for n in pieces:
+            decoder(torch.tensor(ids[start:start + n]), torch.arange(start, start + n), [SeqSlice(kv, 0, n)],
+                    torch.tensor([n - 1]))
+            start += n
+        return kv
+
+    first = kv_after([len(prompt)] + [1] * len(generated))  # how they were first computed
+    again = kv_after([len(prompt), 16, 16, 8])
+    assert torch.equal(first.k[:, :, :len(ids)], again.k[:, :, :len(ids)])
+    assert torch.equal(first.v[:, :, :len(ids)], again.v[:, :, :len(ids)])
+    across = kv_after([len(ids)])
+    assert not torch.equal(first.k[:, :, :len(ids)], across.k[:, :, :len(ids)])

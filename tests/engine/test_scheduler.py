@@ -193,9 +193,9 @@ def test_catching_up_after_losing_kv_never_samples_a_committed_token_again():
     s.add(x)
     while x.is_prefilling:
         complete(s, s.next_microbatch())
-    for _ in range(9):
+    for _ in range(19):
         complete(s, s.next_microbatch())
-    assert len(x.output_ids) == 10 and x.num_computed == 49
+    assert len(x.output_ids) == 20 and x.num_computed == 59
     x.num_computed = 0
     works = []
     while x.is_prefilling:
@@ -203,7 +203,9 @@ def test_catching_up_after_losing_kv_never_samples_a_committed_token_again():
         works += [(w.start, w.num_tokens, w.num_scored) for w in batch.works]
         for w in batch.works:
             s.on_computed(w)
-    # The same chunk boundaries as the prompt's; only the chunk reaching the last committed token
-    # (position 49) is scored, and what it scores is position 50: the next token, never sampled yet.
-    assert works == [(0, 32, 0), (32, 18, 1)]
-    assert x.num_computed == 50 and len(x.output_ids) == 10
+    # The prompt in its own chunks again (ending at 32 and at its end, 40), then the generated
+    # tokens in decode-sized pieces of at most max_verify_rows (the few-row kernels' bits); only
+    # the piece reaching the last committed token (position 59) is scored, and what it scores is
+    # position 60: the next token, never sampled yet.
+    assert works == [(0, 32, 0), (32, 8, 0), (40, 16, 0), (56, 4, 1)]
+    assert x.num_computed == 60 and len(x.output_ids) == 20

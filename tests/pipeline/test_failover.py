@@ -110,7 +110,8 @@ def files(model_files):
 
 @pytest.fixture(scope="module")
 def pool(pipeline_models, files, tmp_path_factory) -> Iterator[Pool]:
-    local = LocalCluster(4, [pipeline_models["aidreams"]], tmp_path_factory.mktemp("failover"),
+    # llama-gqa too (random weights: near-ties everywhere) for the default kernels' failover test.
+    local = LocalCluster(4, [pipeline_models["aidreams"], pipeline_models["llama-gqa"]], tmp_path_factory.mktemp("failover"),
                          extra_args=("--gossip-interval", "0.3"), threads_per_node=1)
     local.start(timeout_s=120)
     try:
@@ -485,3 +486,25 @@ def test_an_idle_stage_killed_turns_health_degraded_at_once_and_is_replaced(pool
         assert stream_chat(live)[0] == reference()
         print(f"the next request took {time.monotonic() - served_at:.2f} s")
         assert stage_nodes(live) == [n if n != victim else (set(nodes) - set(stages)).pop() for n in stages]
+
+
+def test_kill_9_with_a_spare_keeps_the_stream_identical_in_the_default_kernels(pool, model_files):
+    """Last in this module: the node it kills makes later spawns take ids past node-9, which sort
+    before the others as text (the corrupt-activations test orders stages by them).
+
+    Not batch-invariant (the default): the re-prefill computes the prompt in the chunks it first
+    took and the generated tokens in decode-sized pieces, so the few-row kernels give the KV the
+    bits it had (tests/engine/test_ggml_stage.py checks those bits; here, the stream), and the
+    spare takes the dead stage's layers (stage boundaries round activations to bf16, so the
+    reference is the same plan undisturbed, without a prefix cache: a hit computes the prompt's
+    tail in other kernels). Random weights: near-ties everywhere."""
+    nodes = pool.take(4)
+    scheduler = replace(OPTIONS.scheduler, prefix_cache_blocks=0)
+    with leader_over(pool, model_files["llama-gqa"], set(nodes), num_stages=3, dtype="auto", batch_invariant=False,
+                     scheduler=scheduler) as live:
+        undisturbed, n = stream_chat(live)
+        assert n > KILL_AFTER + 8
+        victim = stage_nodes(live)[1]
+        text, _ = stream_chat(live, on_token=at_token(KILL_AFTER, lambda: kill(pool, victim)))
+        assert failovers(live) == 1
+        assert text == undisturbed
