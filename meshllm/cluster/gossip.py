@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -104,6 +104,7 @@ class PeerError:
 # that does not speak TLS fails in ~0.3 s, and gRPC's reconnect backoff makes later tries instant.)
 MAX_UNANSWERED_PER_ROUND = 8
 MAX_BACKOFF_ROUNDS = 4
+FAREWELL_TIMEOUT_S = 1.0  # what a stopping node waits, at most, for the others to hear it leave
 
 
 class GossipLoop:
@@ -144,11 +145,35 @@ class GossipLoop:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._stopped.is_set():
+            return  # stopped already: its farewell was said
         self._stopped.set()
         if self._thread.ident is not None:  # started
             self._thread.join(timeout=self._timeout_s + 1)
+            self._farewell()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channels.close()
+
+    def _farewell(self) -> None:
+        """Tell every node in the view that this one leaves: its card, expired on arrival, which
+        drops it from their views at once (Registry.merge) instead of after its TTL, so no plan is
+        made on it meanwhile. At most FAREWELL_TIMEOUT_S; a node that misses it lets the TTL run."""
+        own = self._registry.own_card()
+        card = replace(own, announced_at=max(self._clock(), own.announced_at + 1e-3), ttl_seconds=1e-3)
+        request = cluster_pb2.ExchangeRequest(cards=[card_to_pb(card)])
+        with self._errors_lock:
+            receivers = dict(self._receivers)
+        others = [c for c in self._registry.snapshot() if c.node_id != own.node_id]
+
+        def tell(peer: Card) -> None:
+            receiver = receivers.get(peer.grpc_address, peer.node_id)
+            try:
+                cluster_pb2_grpc.ClusterStub(self._channels.get(peer.grpc_address, receiver)).Exchange(
+                    request, timeout=FAREWELL_TIMEOUT_S)
+            except grpc.RpcError as e:
+                log.debug("farewell to %s failed: %s", peer.grpc_address, e.code().name)
+
+        list(self._pool.map(tell, others))
 
     def errors(self) -> dict[str, PeerError]:
         with self._errors_lock:

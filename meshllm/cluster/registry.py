@@ -5,6 +5,10 @@ this node's own card. Per node_id the card with the larger `announced_at`
 wins; expired cards are dropped on merge and on read. Merge is commutative,
 associative and idempotent (tests/cluster/test_registry.py checks it with
 hypothesis), so views converge whatever order exchanges happen in.
+
+A node that stops cleanly sends its card already expired (GossipLoop's farewell): the
+Registry then drops the node at once, not when its last card's TTL runs out, and keeps
+older cards of it, still gossiped by nodes that did not hear the farewell, out.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from meshllm.cluster.card import Card, NodeId
 log = logging.getLogger(__name__)
 
 View = Mapping[NodeId, Card]
+_MAX_FAREWELLS = 1024  # nodes remembered as left; a desk or LAN holds far fewer
 
 
 def _version(card: Card) -> tuple[float, str]:
@@ -62,6 +67,7 @@ class Registry:
         self._own = own
         self._others: dict[NodeId, Card] = {}
         self._twins: set[str] = set()  # addresses of other nodes seen with this node's id (warned once)
+        self._left: dict[NodeId, float] = {}  # node -> announced_at of its farewell: older cards are stale
 
     @property
     def node_id(self) -> NodeId:
@@ -94,8 +100,15 @@ class Registry:
                     self._twins.add(card.grpc_address)
                     log.warning("another node, at %s, uses this node's id %r: start one of them with its "
                                 "own --node-id", card.grpc_address, card.node_id)
-                if card.node_id == self._own.node_id or card.is_expired(now):
+                if card.node_id == self._own.node_id:
                     num_ignored += 1
+                    continue
+                if card.is_expired(now):
+                    dropped = self._farewell(card)
+                    num_updated, num_ignored = num_updated + dropped, num_ignored + 1 - dropped
+                    continue
+                if card.announced_at <= self._left.get(card.node_id, float("-inf")):
+                    num_ignored += 1  # from before its node left
                     continue
                 current = self._others.get(card.node_id)
                 if current is not None and current.is_expired(now):
@@ -110,6 +123,21 @@ class Registry:
                 self._others[card.node_id] = card
             self._drop_expired(now)
         return MergeResult(num_new, num_updated, num_ignored)
+
+    def _farewell(self, card: Card) -> int:
+        """An expired card newer than its node's card here says the node left: drop it and
+        remember when (1), else nothing (0). Idempotent. Caller holds the lock."""
+        current = self._others.get(card.node_id)
+        if (current is not None and newer(current, card) is current) \
+                or card.announced_at <= self._left.get(card.node_id, float("-inf")):
+            return 0
+        if current is not None:
+            del self._others[card.node_id]
+            log.info("node %s left the fleet", card.node_id)
+        self._left[card.node_id] = card.announced_at
+        while len(self._left) > _MAX_FAREWELLS:  # the oldest: a card that old has expired anyway
+            del self._left[min(self._left, key=self._left.get)]
+        return int(current is not None)
 
     def _drop_expired(self, now: float) -> None:
         for node_id in [n for n, c in self._others.items() if c.is_expired(now)]:

@@ -109,6 +109,28 @@ def test_gossip_loop_thread_runs_and_stops(nodes):
     assert time.monotonic() - started < 3
 
 
+def test_a_node_that_stops_leaves_every_view_at_once(nodes):
+    """Its farewell, not its card's 30 s TTL: no plan is made on it meanwhile."""
+    a = nodes("a")
+    b = nodes("b", peers=[a.server.address])
+    c = nodes("c", peers=[a.server.address])
+    b.gossip.start()
+    c.gossip.run_round()  # c hears of b through a
+
+    def until(condition):
+        deadline = time.monotonic() + 5
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert condition()
+
+    until(lambda: a.ids() == b.ids() == c.ids() == {"a", "b", "c"})
+    b.gossip.stop()
+    assert "b" not in a.ids() and "b" not in c.ids()
+    c.gossip.run_round()  # nobody brings b's older card back
+    a.gossip.run_round()
+    assert a.ids() == c.ids() == {"a", "c"}
+
+
 def raw_call(address, key, payload: bytes, receiver: str = "a"):
     with open_channel(address, ChannelConfig("tester", key), receiver=receiver) as channel:
         return channel.unary_unary(EXCHANGE)(payload, timeout=5)

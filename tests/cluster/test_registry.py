@@ -116,3 +116,26 @@ def test_another_node_with_this_nodes_id_is_named_in_a_warning(caplog):
     warnings = [r.getMessage() for r in caplog.records if "uses this node's id" in r.getMessage()]
     assert len(warnings) == 1 and "192.168.1.21:7650" in warnings[0] and "--node-id" in warnings[0]
     assert registry.own_card().grpc_address == "192.168.1.20:7650"  # its own card stays its own
+
+
+def test_a_farewell_drops_its_node_at_once_and_keeps_older_cards_of_it_out():
+    """A node that stops cleanly sends its card expired on arrival (GossipLoop.stop)."""
+    registry = Registry(make_card("self", announced_at=NOW), clock=lambda: NOW)
+    registry.merge([make_card("gone", announced_at=NOW - 5), make_card("stays", announced_at=NOW - 5)])
+    farewell = make_card("gone", announced_at=NOW - 1, ttl=0.001)
+    assert registry.merge([farewell]).num_updated == 1
+    assert [c.node_id for c in registry.snapshot()] == ["self", "stays"]
+    # A third node that missed the farewell still gossips the card from before it: it stays out.
+    assert registry.merge([make_card("gone", announced_at=NOW - 5)]).num_ignored == 1
+    assert registry.merge([farewell]).num_ignored == 1  # heard twice: nothing more to do
+    # The node starts again: its new card is newer than its farewell.
+    assert registry.merge([make_card("gone", announced_at=NOW)]).num_new == 1
+    assert [c.node_id for c in registry.snapshot()] == ["gone", "self", "stays"]
+
+
+def test_an_expired_card_older_than_the_live_one_changes_nothing():
+    registry = Registry(make_card("self", announced_at=NOW), clock=lambda: NOW)
+    registry.merge([make_card("x", announced_at=NOW - 1)])
+    assert registry.merge([make_card("x", announced_at=NOW - 100, ttl=30)]).num_ignored == 1
+    assert [c.node_id for c in registry.snapshot()] == ["self", "x"]
+    assert registry.merge([make_card("x", announced_at=NOW - 0.5)]).num_updated == 1
