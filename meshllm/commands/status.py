@@ -55,7 +55,9 @@ def serving_health(api_address: str | None, timeout_s: float = 2.0) -> dict | No
         except ValueError:
             return {"status": "unavailable", "reason": f"HTTP {e.code}"}
     except (OSError, ValueError) as e:
-        return {"status": "unreachable", "reason": str(e)}
+        # urllib wraps the socket error ("<urlopen error [Errno 111] Connection refused>"): its text.
+        cause = getattr(e, "reason", e)
+        return {"status": "unreachable", "reason": getattr(cause, "strerror", None) or str(cause)}
 
 
 def describe_serving(serving: dict | None) -> str:
