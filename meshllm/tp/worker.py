@@ -65,19 +65,28 @@ class TensorParallelWorker:
                         pass
                     case Shutdown():
                         break
-        except TensorParallelFailed as e:
-            reason = f"rank 0 is gone: {e}"
-            log.warning("tensor-parallel rank %d leaves group %s: %s", self.collective.rank, self.collective.name, e)
-        except MalformedMessage as e:
-            reason = f"command stream out of step: {e}"
-            log.error("tensor-parallel rank %d leaves group %s: %s", self.collective.rank, self.collective.name, e)
         except Exception as e:  # noqa: BLE001 - the rank must leave its group, never hang in it
-            reason = f"{type(e).__name__}: {e}"
-            log.exception("tensor-parallel rank %d failed in group %s", self.collective.rank, self.collective.name)
+            reason = self._reason_to_leave(e)
         finally:
             self.collective.close()
             self.exit_reason = reason
             self._on_exit(reason)
+
+    def _reason_to_leave(self, e: Exception) -> str:
+        rank, group = self.collective.rank, self.collective.name
+        if self.collective.closed:
+            # Closed under this loop, which waited on it: the node is stopping. Not an error (it
+            # logged a traceback for every group at each clean shutdown of a rank-1 node).
+            log.debug("tensor-parallel rank %d leaves group %s as its node stops (%s)", rank, group, e)
+            return "shutdown"
+        if isinstance(e, TensorParallelFailed):
+            log.warning("tensor-parallel rank %d leaves group %s: %s", rank, group, e)
+            return f"rank 0 is gone: {e}"
+        if isinstance(e, MalformedMessage):
+            log.error("tensor-parallel rank %d leaves group %s: %s", rank, group, e)
+            return f"command stream out of step: {e}"
+        log.error("tensor-parallel rank %d failed in group %s", rank, group, exc_info=e)
+        return f"{type(e).__name__}: {e}"
 
     def _apply(self, call) -> None:
         try:

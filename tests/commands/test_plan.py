@@ -160,3 +160,10 @@ def test_peer_plan_by_link_speed_says_why_it_did_not_group(capsys, aidreams_path
 def test_tp_that_cannot_split_the_model_names_the_counts(capsys, aidreams_path):
     rc, _, err = run_plan(capsys, "--model", str(aidreams_path), "--tp", "3")
     assert rc == 2 and "error [tp_unsplittable]" in err and "4 attention heads do not divide by 3" in err
+
+
+def test_a_quantization_tensor_parallel_ranks_cannot_load_is_refused_before_planning(capsys, aidreams_path):
+    rc, _, err = run_plan(capsys, "--model", str(aidreams_path), "--tp", "2", "--quantize", "int4")
+    assert rc == 2 and "--quantize int4 does not run on tensor-parallel stages" in err
+    rc, out, _ = run_plan(capsys, "--model", str(aidreams_path), "--quantize", "int4")  # it never groups then
+    assert rc == 0 and out

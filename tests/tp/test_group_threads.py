@@ -92,6 +92,19 @@ def test_heartbeats_keep_an_idle_worker_then_shutdown_ends_it(store):
         tp.run(step)
 
 
+def test_a_group_closed_under_its_waiting_worker_is_a_quiet_shutdown(store, caplog):
+    """What a rank-1 node's clean stop does: it closes its groups while their workers wait for
+    rank 0. That is no failure: no error, no traceback (each group logged one)."""
+    c0, c1 = _pair(store, "closed-under")
+    worker = TensorParallelWorker(_runner(False), CommandChannel(c1))
+    worker.start()
+    time.sleep(0.3)  # waiting in receive
+    c1.close()
+    assert worker.join(MARGIN_S) and worker.exit_reason == "shutdown"
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "WARNING")], caplog.text
+    c0.close()
+
+
 def test_forming_and_closing_groups_leaks_no_threads_or_sockets(store):
     def cycle(i: int) -> None:
         c0, c1 = _pair(store, f"cycle-{i}")
