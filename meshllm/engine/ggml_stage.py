@@ -432,7 +432,11 @@ class GGMLStage:
             step.close()
         # Where a step's time goes (bench/decode.py reports it): Python building the graph, ggml running it.
         self.last_build_s, self.last_compute_s = built - started, time.perf_counter() - built
-        return out if self.has_head else out.to(self.dtype)
+        # Hidden states leave in float32, as the graph holds them between layers: a stage boundary
+        # then rounds nothing, so a pipeline computes what one process does, bit for bit, wherever
+        # its boundaries fall (bf16 here cost that for half the bytes of an activation message,
+        # which llama.cpp's RPC sends in float32 too).
+        return out
 
     def _batched(self, slices: list[SeqSlice]) -> bool:
         """Whether a step's attention takes the batched form (ATTENTION_FEW_ROWS_MAX says why)."""

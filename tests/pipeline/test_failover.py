@@ -494,9 +494,8 @@ def test_kill_9_with_a_spare_keeps_the_stream_identical_in_the_default_kernels(p
 
     Not batch-invariant (the default): the re-prefill computes the prompt in the chunks it first
     took and the generated tokens in decode-sized pieces, so the few-row kernels give the KV the
-    bits it had (tests/engine/test_ggml_stage.py checks those bits; here, the stream), and the
-    spare takes the dead stage's layers (stage boundaries round activations to bf16, so the
-    reference is the same plan undisturbed, without a prefix cache: a hit computes the prompt's
+    bits it had (tests/engine/test_ggml_stage.py checks those bits; here, the stream). The
+    reference is the same plan undisturbed, without a prefix cache (a hit computes the prompt's
     tail in other kernels). Random weights: near-ties everywhere."""
     nodes = pool.take(4)
     scheduler = replace(OPTIONS.scheduler, prefix_cache_blocks=0)
