@@ -52,15 +52,18 @@ class FaultyObserver(MetricsObserver):
 
 class FlakyPipeline(LocalPipeline):
     """The real in-process stage, whose submit raises once: a fault while scheduling, where the
-    leader cannot tell which requests are affected."""
+    leader cannot tell which requests are affected. On the `fail_on`-th submit, or on the first
+    step of `fail_at_seqs` sequences (steps run on the leader's thread, at once: a count of
+    submits races with requests still being submitted)."""
 
-    def __init__(self, runners, fail_on: int):
+    def __init__(self, runners, fail_on: int = 0, fail_at_seqs: int = 0):
         super().__init__(runners)
-        self.fail_on, self.num_submits = fail_on, 0
+        self.fail_on, self.fail_at_seqs, self.num_submits, self.failed = fail_on, fail_at_seqs, 0, False
 
     def submit(self, step):
         self.num_submits += 1
-        if self.num_submits == self.fail_on:
+        if not self.failed and (self.num_submits == self.fail_on or 0 < self.fail_at_seqs == len(step.seqs)):
+            self.failed = True
             raise RuntimeError("transport bug")
         return super().submit(step)
 
@@ -108,7 +111,7 @@ def test_a_fault_fails_only_the_requests_it_touched_and_the_loop_keeps_serving(f
 
 def test_a_fault_while_scheduling_fails_every_request_frees_their_kv_and_serving_goes_on(files, decoder):
     runner = StageRunner(decoder)
-    leader = leader_with(files, decoder, pipeline=FlakyPipeline([runner], fail_on=4))
+    leader = leader_with(files, decoder, pipeline=FlakyPipeline([runner], fail_at_seqs=3))  # all three running
     prompt = files.tokenizer.encode("Once upon a time")
     try:
         streams = [queue.Queue() for _ in range(3)]
