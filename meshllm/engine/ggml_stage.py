@@ -161,7 +161,7 @@ class GGMLStage:
         self.rt, self.g = rt, rt.lib
         # Not the decoder itself: it holds this object (decoder.fast_path), and a reference cycle
         # would keep the ggml buffers alive past Unload until the cycle collector happens to run.
-        self.has_head, self.dtype = decoder.has_head, decoder.dtype
+        self.has_head = decoder.has_head
         c = self.config = decoder.config
         self.q_size, self.kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         self._ctx = _WeightContext(rt, max_tensors=16 * len(decoder.layers) + 8)

@@ -76,7 +76,7 @@ NO_INPUTS = RowInputs()
 
 
 def needs_processing(params: Sequence[SamplingParams], rows: Sequence[RowInputs]) -> bool:
-    return any(r.allowed is not None for r in rows) or any(p.logit_bias or p.penalises for p in params)
+    return any(r.allowed is not None for r in rows) or any(p.adjusts_logits for p in params)
 
 
 def process_logits(logits: Tensor, params: Sequence[SamplingParams], rows: Sequence[RowInputs]) -> Tensor:

@@ -92,6 +92,11 @@ class SamplingParams:
                 raise BadRequest(f"logit_bias of token {token_id} must be in [-100, 100], got {bias}")
 
     @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias or a penalty changes its logits before a token is picked."""
+        return bool(self.logit_bias) or self.penalises
+
+    @property
     def penalises(self) -> bool:
         """Whether the sequence's history shapes its logits (the leader then ships its counts)."""
         return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -130,7 +130,7 @@ class StageRunner:
             vocab = self.decoder.config.vocab_size
             if n <= 64:  # a decode step's few ids: plain Python beats any array op's dispatch
                 ids = x.tolist()
-                low, high = (min(ids), max(ids)) if n else (0, 0)
+                low, high = min(ids), max(ids)
             else:
                 ids = x.numpy()
                 low, high = ids.min(), ids.max()

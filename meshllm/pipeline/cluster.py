@@ -59,16 +59,9 @@ class ServingOptions:
         try:
             # aliases (bf16, fp32, ...) accepted; "auto" is the default for the mode
             object.__setattr__(self, "dtype", dtype_name(self.dtype, self.batch_invariant))
-        except BadRequest as error:
-            raise ValueError(str(error)) from None
-        try:
             groups_allowed(self.tensor_parallel, self.quantization)
         except BadRequest as error:
             raise ValueError(str(error)) from None
-
-    @property
-    def groups_allowed(self) -> int | None:
-        return groups_allowed(self.tensor_parallel, self.quantization)
 
     def step_limits(self, max_context: int) -> StepLimits:
         """What the stages accept per step from a leader with these options (sent when loading)."""
@@ -139,7 +132,8 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
                                                            options.quantization, options.batch_invariant),
                             form=WeightForm(options.dtype, options.quantization or "", options.batch_invariant),
                             prefix_cache_tokens=options.scheduler.prefix_cache_blocks
-                            * options.scheduler.prefix_block_size, tensor_parallel=options.groups_allowed)
+                            * options.scheduler.prefix_block_size,
+                            tensor_parallel=groups_allowed(options.tensor_parallel, options.quantization))
 
 
 def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:

@@ -76,7 +76,7 @@ def choose_tokens(logits: Tensor, works: Sequence[SeqWork]) -> list[SampledToken
 def _argmax_only(w: SeqWork) -> bool:
     """Whether w's rows pick their argmax and report nothing else (sample() would do no more)."""
     p = w.sampling
-    return p.greedy and p.logprobs is None and not p.logit_bias and not p.penalises and not w.allowed
+    return p.greedy and p.logprobs is None and not p.adjusts_logits and not w.allowed
 
 
 def _accepted(works: Sequence[SeqWork], ids: list[int], logprobs) -> list[SampledToken]:
