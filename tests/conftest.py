@@ -26,6 +26,13 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(sliding_window=5)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(num_key_value_heads=1)),
+    # Fused qkv_proj / gate_up_proj; a window smaller than the test sequences, as Mistral's.
+    "phi3": ("Phi3Config", dict(sliding_window=5)),
+    # LongRoPE (Phi-3.5): short factors up to the original context, cos/sin scaled by
+    # sqrt(1 + ln 8 / ln 32); the test sequences stay inside the original 32 positions.
+    "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=32, rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.35 * i for i in range(8)],
+        long_factor=[2.0 + i for i in range(8)]))),
 }
 
 

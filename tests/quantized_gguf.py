@@ -1,4 +1,4 @@
-"""Tiny random Llama models written as GGUF files of one quant type, for quantized-path tests.
+"""Tiny random Llama (and Phi-3) models written as GGUF files of one quant type, for quantized-path tests.
 
 The vocabulary (and the tokenizer metadata, copied verbatim) is the SmolLM2 demo GGUF's, so
 `open_model` reads the file like any real one; the layers are random and small, 256 wide so
@@ -45,12 +45,16 @@ def copy_tokenizer(meta: dict, writer: GGUFWriter) -> None:
 
 
 def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
-                          seed: int = 0, embedding_type: GGML = GGML.Q8_0, head_type: GGML | None = None) -> Path:
+                          seed: int = 0, embedding_type: GGML = GGML.Q8_0, head_type: GGML | None = None,
+                          arch: str = "llama", sliding_window: int = 0) -> Path:
     """`embedding_type` Q8_0 or BF16; `head_type` given: an LM head of its own (output.weight) in
-    that type, else the head is tied to the embedding."""
+    that type, else the head is tied to the embedding. `arch` "phi3": the same computation as
+    llama.cpp writes Phi-3 and Phi-4 (fused attn_qkv and gate-up ffn_up, rows not permuted), with
+    `sliding_window` (0: none, as Phi-4)."""
+    assert arch in ("llama", "phi3") and (arch == "phi3" or not sliding_window)
     meta = GGUFFile.open(tokenizer_gguf).metadata
     vocab = len(meta["tokenizer.ggml.tokens"])
-    w = GGUFWriter(out, "llama")
+    w = GGUFWriter(out, arch)
     w.add_block_count(num_layers)
     w.add_context_length(512)
     w.add_embedding_length(HIDDEN)
@@ -61,6 +65,8 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(10000.0)
+    if arch == "phi3":
+        w.add_sliding_window(sliding_window)
     copy_tokenizer(meta, w)
     g = torch.Generator().manual_seed(seed)
 
@@ -85,12 +91,20 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
     for i in range(num_layers):
         q, k = matrix(HEADS * HEAD_DIM, HIDDEN), matrix(KV_HEADS * HEAD_DIM, HIDDEN)
-        add_blocks(f"blk.{i}.attn_q.weight", torch.from_numpy(_permute(q.numpy(), HEADS)), ggml_type)
-        add_blocks(f"blk.{i}.attn_k.weight", torch.from_numpy(_permute(k.numpy(), KV_HEADS)), ggml_type)
-        add_blocks(f"blk.{i}.attn_v.weight", matrix(KV_HEADS * HEAD_DIM, HIDDEN), ggml_type)
+        v = matrix(KV_HEADS * HEAD_DIM, HIDDEN)
+        if arch == "phi3":
+            add_blocks(f"blk.{i}.attn_qkv.weight", torch.cat([q, k, v]), ggml_type)
+        else:
+            add_blocks(f"blk.{i}.attn_q.weight", torch.from_numpy(_permute(q.numpy(), HEADS)), ggml_type)
+            add_blocks(f"blk.{i}.attn_k.weight", torch.from_numpy(_permute(k.numpy(), KV_HEADS)), ggml_type)
+            add_blocks(f"blk.{i}.attn_v.weight", v, ggml_type)
         add_blocks(f"blk.{i}.attn_output.weight", matrix(HIDDEN, HEADS * HEAD_DIM), ggml_type)
-        add_blocks(f"blk.{i}.ffn_gate.weight", matrix(INTERMEDIATE, HIDDEN), ggml_type)
-        add_blocks(f"blk.{i}.ffn_up.weight", matrix(INTERMEDIATE, HIDDEN), ggml_type)
+        gate, up = matrix(INTERMEDIATE, HIDDEN), matrix(INTERMEDIATE, HIDDEN)
+        if arch == "phi3":
+            add_blocks(f"blk.{i}.ffn_up.weight", torch.cat([gate, up]), ggml_type)
+        else:
+            add_blocks(f"blk.{i}.ffn_gate.weight", gate, ggml_type)
+            add_blocks(f"blk.{i}.ffn_up.weight", up, ggml_type)
         add_blocks(f"blk.{i}.ffn_down.weight", matrix(HIDDEN, INTERMEDIATE), ggml_type)
         w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * torch.randn(HIDDEN, generator=g)).numpy())
         w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * torch.randn(HIDDEN, generator=g)).numpy())

@@ -141,9 +141,6 @@ class _WeightContext:
 
 def supports(decoder: Decoder) -> str | None:
     """None when GGMLStage can run this decoder, else why not (the torch path runs it)."""
-    c = decoder.config
-    if c.sliding_window is not None:
-        return "sliding-window attention"
     if decoder.dtype not in _DTYPES:
         return f"dtype {decoder.dtype}"
     linears = [m for layer in decoder.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
@@ -194,9 +191,9 @@ class GGMLStage:
             self.embedding = e.table.tensor if isinstance(e, QuantizedEmbedding) else self._ctx.wrap(e.weight)
             self.embedding_q8_0x8 = isinstance(e, QuantizedEmbedding) and e.table.layout == "q8_0x8"
         # ggml's NEOX rotary (HF's rotate_half) computes theta_i = pos * base^(-2i/d) / factor_i:
-        # the factors carry llama3's frequency scaling.
+        # the factors carry llama3's frequency scaling, or LongRoPE's as they are.
         base = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
-        factors = base / _inv_freq(c)
+        factors = base / _inv_freq(c) if c.rope_factors is None else torch.tensor(c.rope_factors)
         # Memory for a step's intermediate tensors, reused (and grown when needed) step after step;
         # the cached decode graph has its own, so a prefill step never moves its tensors.
         self._allocator = self.g.ggml_gallocr_new(rt.cpu_buffer_type)
@@ -334,8 +331,9 @@ class GGMLStage:
         if w["q_norm"] is not None:
             q = self._norm(s, q, w["q_norm"])
             k = self._norm(s, k, w["k_norm"])
+        # attn_factor scales cos and sin (LongRoPE's attention factor; 1 for other models)
         rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, hd, g.GGML_ROPE_TYPE_NEOX, 0,  # noqa: E731
-                                         c.rope_theta, 1.0, 0.0, 1.0, 0.0, 0.0)
+                                         c.rope_theta, 1.0, 0.0, c.rope_attention_factor, 0.0, 0.0)
         q, k = rope(q), rope(k)
         if table is not None:  # the batched form (ATTENTION_FEW_ROWS_MAX says why)
             write_op, attend_op = self._batched_ops
@@ -350,7 +348,7 @@ class GGMLStage:
         outs = []
         for seq, (k_cache, v_cache), mask in zip(slices, s.kv[layer], masks):
             t, start = seq.num_tokens, seq.start
-            end = start + t
+            end, first = start + t, _window_start(c.sliding_window, start)
             elt = seq.kv.k.element_size()
             row_nb, head_nb = hd * elt, seq.kv.capacity * hd * elt
             for new, cache in ((k, k_cache), (v, v_cache)):
@@ -364,10 +362,13 @@ class GGMLStage:
                 g.ggml_build_forward_expand(graph, write)
                 s.writes.append((dst, write, cache.contents.data, row_nb))
             q_seq = g.ggml_view_3d(ctx, q, hd, heads, t, q.contents.nb[1], q.contents.nb[2], seq.row * q.contents.nb[2])
-            keys = g.ggml_view_3d(ctx, k_cache, hd, end, kv_heads, row_nb, head_nb, 0)
-            values = g.ggml_view_3d(ctx, v_cache, hd, end, kv_heads, row_nb, head_nb, 0)
-            s.reads.append((keys, values))
-            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16:
+            # Keys [first, end): with a sliding window, from the first one the chunk's first row sees
+            keys = g.ggml_view_3d(ctx, k_cache, hd, end - first, kv_heads, row_nb, head_nb, first * row_nb)
+            values = g.ggml_view_3d(ctx, v_cache, hd, end - first, kv_heads, row_nb, head_nb, first * row_nb)
+            s.reads.append((keys, values, k_cache.contents.data, v_cache.contents.data, row_nb))
+            # The op sees every key up to a row's own: with a window, right for one row only.
+            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16 \
+                    and (t == 1 or c.sliding_window is None):
                 args = (ctypes.POINTER(type(q_seq.contents)) * 3)(q_seq, keys, values)
                 outs.append(g.ggml_custom_4d(ctx, 0, hd, heads, t, 1, args, 3, self._attention_op, -1, None))
                 continue
@@ -440,7 +441,7 @@ class GGMLStage:
 
     def _batched(self, slices: list[SeqSlice]) -> bool:
         """Whether a step's attention takes the batched form (ATTENTION_FEW_ROWS_MAX says why)."""
-        return self._batched_ops is not None and all(
+        return self._batched_ops is not None and self.config.sliding_window is None and all(
             s.num_tokens <= ATTENTION_FEW_ROWS_MAX and s.kv.k.dtype == torch.bfloat16 for s in slices)
 
     def _reuse_key(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
@@ -470,7 +471,7 @@ class GGMLStage:
         max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
         step = _Step(key, s, None, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
-                     else self._allocator)
+                     else self._allocator, self.config.sliding_window)
         try:
             return self._build_into(step, x, slices, logit_rows)
         except BaseException:
@@ -524,7 +525,8 @@ class GGMLStage:
 
     @staticmethod
     def _mask(s: GraphScope, step: _Step, seq: SeqSlice):
-        """f16 [t, end] additive causal mask, or None when every key is visible (a decode row).
+        """f16 [t, end - first] additive causal mask (keys from the window's first, _window_start),
+        or None when every key is visible (a decode row).
 
         Its memory holds [t, capacity] so a reused graph can grow `end` in place (_Step.patch)."""
         t = seq.num_tokens
@@ -533,9 +535,10 @@ class GGMLStage:
             return None
         room = seq.kv.capacity if step.key is not None else seq.start + t
         buffer = s.keep(torch.empty(t * room, dtype=torch.float16))
-        mask = s.wrap(buffer[: t * (seq.start + t)].view(t, seq.start + t))
+        width = seq.start + t - _window_start(step.window, seq.start)
+        mask = s.wrap(buffer[: t * width].view(t, width))
         step.masks.append((mask, buffer))
-        _write_mask(mask, buffer, seq.start, t)
+        _write_mask(mask, buffer, seq.start, t, step.window)
         return mask
 
     def __del__(self):
@@ -545,24 +548,37 @@ class GGMLStage:
             self._allocator = None
 
 
-def _write_mask(mask, buffer: Tensor, start: int, t: int) -> None:
-    """Row i of the [t, start + t] mask: keys up to position start + i visible, later ones -inf.
-    Contiguous at its current length (ne and nb set to match), in `buffer`'s memory."""
-    end = start + t
-    view = buffer[: t * end].view(t, end)
+def _window_start(window: int | None, start: int) -> int:
+    """The first key position a chunk starting at `start` attends to: 0, or with a sliding window
+    the first the chunk's first row sees (a row at p sees keys after p - window, as transformers)."""
+    return 0 if window is None else max(0, start - window + 1)
+
+
+def _write_mask(mask, buffer: Tensor, start: int, t: int, window: int | None) -> None:
+    """Row i of the [t, end - first] mask over keys [first, end): keys up to position start + i
+    visible (and, with a window, after start + i - window), others -inf. Contiguous at its current
+    length (ne and nb set to match), in `buffer`'s memory."""
+    end, first = start + t, _window_start(window, start)
+    width = end - first
+    view = buffer[: t * width].view(t, width)
     view.zero_()
-    view.masked_fill_(torch.arange(end).unsqueeze(0) > torch.arange(start, end).unsqueeze(1), float("-inf"))
+    keys, queries = torch.arange(first, end).unsqueeze(0), torch.arange(start, end).unsqueeze(1)
+    hidden = keys > queries
+    if window is not None:
+        hidden |= keys <= queries - window
+    view.masked_fill_(hidden, float("-inf"))
     m = mask.contents
-    m.ne[0] = end
-    m.nb[1] = end * 2
-    m.nb[2] = m.nb[3] = t * end * 2
+    m.ne[0] = width
+    m.nb[1] = width * 2
+    m.nb[2] = m.nb[3] = t * width * 2
 
 
 class _Step:
     """One built graph and where a new step's values go into it."""
 
-    def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
+    def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator, window: int | None):
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
+        self.window = window  # the model's sliding window: which keys a step's attention reads
         self.ids = self.hidden = self.rows = self.pos = self.out = self.kv_anchor = None
         self.table: Tensor | None = None  # the batched form's per-layer sequence table
         self.table_layout: list | None = None  # what the table was last filled for, but the starts
@@ -597,14 +613,15 @@ class _Step:
             address = base + slices[(i // 2) % num_seqs].start * row_nb
             dst.contents.data = address
             write.contents.data = address
-        for i, (keys, values) in enumerate(self.scope.reads):
+        for i, (keys, values, k_base, v_base, row_nb) in enumerate(self.scope.reads):
             seq = slices[i % num_seqs]
-            end = seq.start + seq.num_tokens
-            keys.contents.ne[1] = end
-            values.contents.ne[1] = end
+            first = _window_start(self.window, seq.start)
+            keys.contents.ne[1] = values.contents.ne[1] = seq.start + seq.num_tokens - first
+            if self.window is not None:
+                keys.contents.data, values.contents.data = k_base + first * row_nb, v_base + first * row_nb
         for entry, seq in zip(self.masks, slices):
             if entry is not None:
-                _write_mask(entry[0], entry[1], seq.start, seq.num_tokens)
+                _write_mask(entry[0], entry[1], seq.start, seq.num_tokens, self.window)
 
     def run(self, out: Tensor) -> None:
         if out.numel():

@@ -1,12 +1,14 @@
 """Model configuration for the Llama family, parsed from a Hugging Face config.json.
 
-One frozen dataclass; the variants (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM)
+One frozen dataclass; the variants (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM, Phi-3/4)
 are switches on it. Field names keep their config.json names.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,12 +20,16 @@ SUPPORTED_MODEL_TYPES = {
     "mistral": {},
     "qwen2": {"attention_bias": True},
     "qwen3": {"qk_norm": True},
+    # Phi-3 and Phi-4 are Llama computed from fused q/k/v and gate/up tensors (the sources split
+    # them, model/fused.py), with Mistral's sliding window when the config sets one.
+    "phi3": {},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 
 
@@ -54,7 +60,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 adds a bias on q, k and v
     qk_norm: bool = False  # Qwen3 normalises q and k per head
-    sliding_window: int | None = None  # Mistral; None = full attention
+    sliding_window: int | None = None  # Mistral, Phi-3; None = full attention
+    # LongRoPE (Phi-3.5, Phi-3 128k): each rotary frequency divided by its factor, cos and sin
+    # multiplied by the attention factor. None and 1.0 for every other model.
+    rope_factors: tuple[float, ...] | None = None
+    rope_attention_factor: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -71,6 +81,9 @@ class ModelConfig:
             raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelLoadError(f"config field sliding_window must be positive or null, got {self.sliding_window}")
+        if self.rope_factors is not None and len(self.rope_factors) != self.head_dim // 2:
+            raise ModelLoadError(f"rope short_factor has {len(self.rope_factors)} entries; head_dim "
+                                 f"{self.head_dim} rotates {self.head_dim // 2} frequencies")
 
     @property
     def num_parameters(self) -> int:
@@ -109,7 +122,18 @@ class ModelConfig:
             eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             head_dim = d.get("head_dim") or hidden // heads
             rope_theta, rope_scaling = _parse_rope(d, origin)
-            sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type == "mistral") else None
+            long_rope = _long_rope(d)
+            max_positions = int(d.get("max_position_embeddings") or 2048)
+            if long_rope is not None:
+                # The short factors hold up to the original context; past it transformers switches
+                # every position to the long factors (and llama.cpp does for a context that long).
+                # One set of factors for a sequence's whole life keeps its cached keys valid, so
+                # the context stops at the original length.
+                max_positions = min(max_positions, long_rope[2])
+            sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type in ("mistral", "phi3")) \
+                else None
+            if sliding and int(sliding) >= max_positions:
+                sliding = None  # a window as long as the context hides nothing (Phi-3.5's is 262144)
             return cls(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -119,7 +143,7 @@ class ModelConfig:
                 num_attention_heads=heads,
                 num_key_value_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
-                max_position_embeddings=int(d.get("max_position_embeddings") or 2048),
+                max_position_embeddings=max_positions,
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
@@ -127,6 +151,8 @@ class ModelConfig:
                 attention_bias=bool(d.get("attention_bias", switches.get("attention_bias", False))),
                 qk_norm=switches.get("qk_norm", False),
                 sliding_window=int(sliding) if sliding else None,
+                rope_factors=None if long_rope is None else long_rope[0],
+                rope_attention_factor=1.0 if long_rope is None else long_rope[1],
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
             )
@@ -202,10 +228,11 @@ def _parse_rope(d: dict, origin: str) -> tuple[float, RopeScaling | None]:
         raise ModelLoadError(f"rope_parameters / rope_scaling must be an object, got {raw!r}")
     rope_theta = float(raw.get("rope_theta") or d.get("rope_theta") or 10000.0)
     rope_type = raw.get("rope_type", raw.get("type"))
-    if rope_type in (None, "default"):
+    if rope_type in (None, "default", *_LONG_ROPE_TYPES):
         return rope_theta, None
     if rope_type != "llama3":
-        raise UnsupportedArchitecture(f"rope scaling type {rope_type!r} is not supported (supported: llama3)")
+        raise UnsupportedArchitecture(f"rope scaling type {rope_type!r} is not supported (supported: llama3, "
+                                      f"longrope)")
     try:
         scaling = RopeScaling(
             factor=float(raw["factor"]),
@@ -217,3 +244,34 @@ def _parse_rope(d: dict, origin: str) -> tuple[float, RopeScaling | None]:
     except KeyError as e:
         raise ModelLoadError(f"llama3 rope scaling lacks required field {e.args[0]!r}") from None
     return rope_theta, scaling
+
+
+_LONG_ROPE_TYPES = ("longrope", "su")  # "su": Phi-3's first name for it
+
+
+def _long_rope(d: dict) -> tuple[tuple[float, ...], float, int] | None:
+    """(short factors, attention factor, original context) of a LongRoPE config, else None.
+
+    As transformers computes them (modeling_rope_utils._compute_longrope_parameters): the
+    attention factor is sqrt(1 + ln(s) / ln(original)) for s = max_position_embeddings / original,
+    unless the config gives it.
+    """
+    raw = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if raw.get("rope_type", raw.get("type")) not in _LONG_ROPE_TYPES:
+        return None
+    try:
+        short = tuple(float(f) for f in raw["short_factor"])
+        original = int(raw.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
+    except KeyError as e:
+        raise ModelLoadError(f"longrope scaling lacks required field {e.args[0]!r}") from None
+    if original <= 0 or not all(f > 0 for f in short):
+        raise ModelLoadError("longrope needs a positive original_max_position_embeddings and "
+                             "positive short_factor entries")
+    factor = raw.get("factor") or int(d.get("max_position_embeddings") or original) / original
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    # Rounded to float32, as every consumer computes with them and a GGUF stores them: a
+    # folder and its GGUF conversion then have equal configs.
+    short, (attention,) = tuple(array("f", short).tolist()), array("f", [attention]).tolist()
+    return short, attention, original

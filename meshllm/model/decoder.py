@@ -57,11 +57,12 @@ class RMSNorm(nn.Module):
 
 
 class Rotary:
-    """cos/sin tables indexed by absolute position; llama3 frequency scaling."""
+    """cos/sin tables indexed by absolute position; llama3 and LongRoPE frequency scaling."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         self.dtype = dtype
         self.inv_freq = _inv_freq(config)
+        self.attention_factor = config.rope_attention_factor
         self.cos = self.sin = torch.empty(0, config.head_dim, dtype=dtype)
         self._grow(max(config.max_position_embeddings, 1))
 
@@ -69,7 +70,10 @@ class Rotary:
         t = torch.arange(num_positions, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_factor != 1.0:  # LongRoPE scales cos and sin (transformers' attention_scaling)
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
 
     def __call__(self, positions: Tensor, checked: bool = True) -> tuple[Tensor, Tensor]:
         # checked=False: the caller made sure of the tables (ensure) and this must not read the
@@ -106,7 +110,10 @@ class Rotary:
 
 def _inv_freq(config: ModelConfig) -> Tensor:
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    powers = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    if config.rope_factors is not None:  # LongRoPE, in transformers' order of operations
+        return 1.0 / (torch.tensor(config.rope_factors, dtype=torch.float32) * powers)
+    inv_freq = 1.0 / powers
     s = config.rope_scaling
     if s is None:
         return inv_freq

@@ -26,6 +26,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 from meshllm.errors import CorruptWeights, ModelLoadError, TensorParallelUnsplittable, UnsupportedArchitecture
 from meshllm.model.config import ModelConfig, RopeScaling
+from meshllm.model.fused import split_fused
 from meshllm.model.tensor_slice import TensorSlice
 from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
@@ -34,7 +35,7 @@ _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: tor
 _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q3_K,
                 GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
 _PERMUTED_QK_ARCHITECTURES = {"llama"}  # its converter interleaves q/k rows for ggml's rope
 
 # metadata value type id -> struct format of one scalar
@@ -252,6 +253,7 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v (model/fused.py splits it)
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -273,12 +275,12 @@ class GGUFSource:
     def __init__(self, path: str | Path | GGUFFile):
         self.file = path if isinstance(path, GGUFFile) else GGUFFile.open(path)
         self.path = self.file.path
-        self._by_hf_name = {hf: info for info in self.file.tensors.values()
-                            if (hf := hf_name(info.name)) is not None}
         try:
             self._config = ModelConfig.from_dict(config_dict(self.file))
         except (TypeError, ValueError) as e:  # a metadata value of the wrong type
             raise CorruptWeights(f"{self.path} has malformed GGUF metadata: {e}") from None
+        self._by_hf_name = _split_fused(self.path, self._config, {
+            hf: info for info in self.file.tensors.values() if (hf := hf_name(info.name)) is not None})
         self._bytes_read = 0
 
     def config(self) -> ModelConfig:
@@ -423,6 +425,27 @@ class GGUFSource:
         return value
 
 
+def _split_fused(path: Path, config: ModelConfig, by_hf_name: dict[str, GGUFTensorInfo]) -> dict[str, GGUFTensorInfo]:
+    """Fused tensors replaced by a tensor info per part: its rows' bytes, where they lie in the file."""
+    for name in [n for n in by_hf_name if n.endswith(".mlp.up_proj.weight")]:
+        # llama.cpp writes Phi-3's gate_up_proj as ffn_up with no ffn_gate; its swiglu halves it.
+        if name.replace(".up_proj.", ".gate_proj.") not in by_hf_name:
+            by_hf_name[name.replace(".up_proj.", ".gate_up_proj.")] = by_hf_name.pop(name)
+    try:
+        parts = split_fused(config, {name: info.shape for name, info in by_hf_name.items()})
+    except ModelLoadError as e:
+        raise CorruptWeights(f"{path}: {e}") from None
+    for name, part in parts.items():
+        info = by_hf_name[part.fused]
+        row_bytes = info.num_bytes // info.shape[0]
+        by_hf_name[name] = GGUFTensorInfo(f"{info.name}[{part.start}:{part.stop}]", (part.stop - part.start,
+                                          *info.shape[1:]), info.ggml_type, info.offset + part.start * row_bytes,
+                                          (part.stop - part.start) * row_bytes)
+    for fused in {part.fused for part in parts.values()}:
+        del by_hf_name[fused]
+    return by_hf_name
+
+
 def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     # llama.cpp stores each head's rows as interleaved (x0, x1) rotary pairs; HF keeps the first
     # halves then the second halves. Same as transformers' reverse_permute_weights.
@@ -482,14 +505,28 @@ def config_dict(file: GGUFFile) -> dict:
         "rope_theta": rope_theta,
         "rope_scaling": _rope_scaling(file, arch, head_dim, rope_theta),
         "tie_word_embeddings": "output.weight" not in file.tensors,
-        "attention_bias": "blk.0.attn_q.bias" in file.tensors,
-        "use_sliding_window": False,  # GGUF carries no sliding window for these architectures
+        "attention_bias": "blk.0.attn_q.bias" in file.tensors or "blk.0.attn_qkv.bias" in file.tensors,
+        # Of these architectures only Phi-3 records one (0 for none: Phi-4). llama.cpp runs Phi-3
+        # with full attention, transformers with the window; we follow transformers.
+        "use_sliding_window": bool(meta.get(f"{arch}.attention.sliding_window", 0)) and arch == "phi3",
+        "sliding_window": int(meta.get(f"{arch}.attention.sliding_window", 0) or 0) or None,
         "bos_token_id": int(tokens_meta["bos_token_id"]) if "bos_token_id" in tokens_meta else None,
         "eos_token_id": sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
     }
 
 
 def _rope_scaling(file: GGUFFile, arch: str, head_dim: int, rope_theta: float) -> dict | None:
+    short = file.tensors.get("rope_factors_short.weight")
+    if short is not None:
+        # LongRoPE (Phi-3.5, Phi-3 128k): llama.cpp's converter stores both factor sets, the
+        # original context and the attention factor it computed as transformers does.
+        meta = file.metadata
+        if f"{arch}.rope.scaling.original_context_length" not in meta:
+            raise CorruptWeights(f"{file.path} has rope_factors_short but no "
+                                 f"{arch}.rope.scaling.original_context_length")
+        return {"rope_type": "longrope", "short_factor": dequantize(file, short, torch.float64).tolist(),
+                "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+                "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}  # None: computed
     scaling_type = file.metadata.get(f"{arch}.rope.scaling.type")
     if scaling_type not in (None, "none"):
         # ModelConfig rejects what the decoder cannot run, with a message naming the type.

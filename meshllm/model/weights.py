@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from meshllm.errors import CorruptWeights, ModelLoadError
 from meshllm.model.config import ModelConfig
+from meshllm.model.fused import split_fused, visible_names
 from meshllm.model.tensor_slice import TensorSlice
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -69,19 +70,26 @@ class SafetensorsSource:
             raise ModelLoadError(f"model folder {self.path} does not exist")
         self._config = ModelConfig.from_folder(self.path)
         self._entries = _index(self.path)
+        try:
+            self._parts = split_fused(self._config, {n: e.shape for n, e in self._entries.items()})
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{self.path}: {e}") from None
         self._bytes_read = 0
 
     def config(self) -> ModelConfig:
         return self._config
 
     def tensor_names(self) -> list[str]:
-        return sorted(self._entries)
+        return visible_names(self._entries.keys(), self._parts)
 
     def num_bytes_read(self) -> int:
         return self._bytes_read
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: entry.shape for name, entry in self._entries.items()}
+        shapes = {name: entry.shape for name, entry in self._entries.items()}
+        for name, part in self._parts.items():
+            shapes[name] = (part.stop - part.start, *shapes[part.fused][1:])
+        return {name: shapes[name] for name in self.tensor_names()}
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return self._read({name: None for name in names}, dtype)
@@ -92,32 +100,51 @@ class SafetensorsSource:
 
     def _read(self, parts: Mapping[str, TensorSlice | None], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Each named tensor whole (None) or its slice, one open per file."""
+        shapes = self.tensor_shapes()
         by_file: dict[Path, list[str]] = {}
         for name, s in parts.items():
-            entry = self._entries.get(name)
-            if entry is None:
+            if name not in shapes:
                 raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
-            if s is not None and (s.dim >= len(entry.shape) or s.stop > entry.shape[s.dim]):
-                raise ModelLoadError(f"{entry.file}: tensor {name!r} has shape {list(entry.shape)}; cannot take "
+            if s is not None and (s.dim >= len(shapes[name]) or s.stop > shapes[name][s.dim]):
+                raise ModelLoadError(f"{self.path}: tensor {name!r} has shape {list(shapes[name])}; cannot take "
                                      f"[{s.start}, {s.stop}) of dimension {s.dim} (the checkpoint does not match "
                                      f"its config)")
-            by_file.setdefault(entry.file, []).append(name)
+            by_file.setdefault(self._entries[self._stored(name)].file, []).append(name)
         out = {}
         for file, file_names in by_file.items():
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in file_names:
-                        s, entry = parts[name], self._entries[name]
-                        if s is None:
-                            out[name] = f.get_tensor(name).to(dtype)
-                            self._bytes_read += entry.end - entry.begin
-                            continue
-                        view = f.get_slice(name)
-                        out[name] = (view[s.start:s.stop] if s.dim == 0 else view[:, s.start:s.stop]).to(dtype)
-                        self._bytes_read += (entry.end - entry.begin) * (s.stop - s.start) // entry.shape[s.dim]
+                        stored, rows, cols = self._region(name, parts[name])
+                        entry = self._entries[stored]
+                        if rows is None and cols is None:
+                            out[name] = f.get_tensor(stored).to(dtype)
+                        else:
+                            view = f.get_slice(stored)
+                            rows = rows or (0, entry.shape[0])
+                            out[name] = (view[rows[0]:rows[1]] if cols is None else
+                                         view[rows[0]:rows[1], cols[0]:cols[1]]).to(dtype)
+                        self._bytes_read += (entry.end - entry.begin) * out[name].numel() // math.prod(entry.shape)
             except SafetensorError as e:
                 raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
         return out
+
+    def _stored(self, name: str) -> str:
+        part = self._parts.get(name)
+        return name if part is None else part.fused
+
+    def _region(self, name: str, s: TensorSlice | None) -> tuple[str, tuple[int, int] | None, tuple[int, int] | None]:
+        """The stored tensor a read of `name` (or its slice) takes, and its (rows, cols) ranges; None for all."""
+        part = self._parts.get(name)
+        if part is None:
+            if s is None:
+                return name, None, None
+            return (name, (s.start, s.stop), None) if s.dim == 0 else (name, None, (s.start, s.stop))
+        if s is None:
+            return part.fused, (part.start, part.stop), None
+        if s.dim == 0:
+            return part.fused, (part.start + s.start, part.start + s.stop), None
+        return part.fused, (part.start, part.stop), (s.start, s.stop)
 
     def fingerprint(self) -> str:
         files = sorted({e.file for e in self._entries.values()})

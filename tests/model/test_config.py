@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from array import array
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ def _folder_with(tmp_path, text: str):
     ("mistral", dict(model_type="mistral", sliding_window=5, attention_bias=False)),
     ("qwen2", dict(model_type="qwen2", attention_bias=True, qk_norm=False, sliding_window=None)),
     ("qwen3", dict(model_type="qwen3", attention_bias=False, qk_norm=True, num_key_value_heads=1)),
+    ("phi3", dict(model_type="phi3", sliding_window=5, rope_factors=None, max_position_embeddings=256)),
 ])
 def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, expect):
     config = ModelConfig.from_folder(tiny_model_dir(variant))
@@ -39,7 +42,7 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
         assert getattr(config, key) == value, key
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts.
     folder = tiny_model_dir(variant)
@@ -60,6 +63,28 @@ def test_transformers_4_and_5_rope_layouts_parse_the_same():
     assert v5.rope_theta == 500000.0 and v5.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
     plain = ModelConfig.from_dict({**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
     assert plain.rope_theta == 1e6 and plain.rope_scaling is None
+
+
+def test_longrope_runs_its_short_factors_within_the_original_context(tiny_model_dir):
+    config = ModelConfig.from_folder(tiny_model_dir("phi3-longrope"))  # 256 positions, 32 original
+    assert config.max_position_embeddings == 32  # past it the long factors would apply to every position
+    assert config.rope_factors == tuple(array("f", [1.0 + 0.35 * i for i in range(8)]))
+    assert config.rope_attention_factor == pytest.approx(math.sqrt(1 + math.log(256 / 32) / math.log(32)))
+    assert config.rope_scaling is None
+
+
+def test_phi3_windows_and_the_longrope_attention_factor_from_config_json():
+    phi = {**LLAMA, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": 4096}
+    assert ModelConfig.from_dict({**phi, "sliding_window": 2047}).sliding_window == 2047  # Phi-3 mini 4k
+    assert ModelConfig.from_dict({**phi, "sliding_window": None}).sliding_window is None  # Phi-4
+    # Phi-3.5 mini: a 262144 window over 4096 positions hides nothing (ggml's path runs no window then)
+    long = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    phi35 = ModelConfig.from_dict({**phi, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+                                   "sliding_window": 262144, "rope_scaling": long})
+    assert phi35.sliding_window is None and phi35.max_position_embeddings == 4096
+    given = ModelConfig.from_dict({**phi, "original_max_position_embeddings": 1024,
+                                   "rope_scaling": {**long, "attention_factor": 1.5}})
+    assert given.rope_attention_factor == 1.5
 
 
 def test_defaults_and_fallbacks():
@@ -105,6 +130,11 @@ def test_unsupported_architectures_are_refused_by_name(tmp_path, change, words):
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, ["low_freq_factor"]),
     ({"rope_scaling": [1, 2]}, ["rope_parameters"]),
     ({"sliding_window": -4, "model_type": "mistral"}, ["sliding_window"]),
+    ({"rope_scaling": {"rope_type": "longrope", "long_factor": [1.0] * 8}, "original_max_position_embeddings": 64},
+     ["longrope", "short_factor"]),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3}, "original_max_position_embeddings": 64},
+     ["short_factor has 3", "8 frequencies"]),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8}}, ["original_max_position_embeddings"]),
 ])
 def test_malformed_configs_name_the_field(tmp_path, change, words):
     d = {**LLAMA, **change}

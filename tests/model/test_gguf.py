@@ -48,12 +48,14 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray | None = None) -> Path:
-    """Convert a HF safetensors folder to an F32 GGUF as llama.cpp would (metadata, names, q/k permutation)."""
+    """Convert a HF safetensors folder to an F32 GGUF as llama.cpp would (metadata, names, q/k
+    permutation; for phi3 fused attn_qkv and gate-up ffn_up, the sliding window and LongRoPE)."""
     source = SafetensorsSource(folder)
     cfg = source.config()
+    hf = json.loads((folder / "config.json").read_text())
     w = GGUFWriter(out, arch)
     w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
+    w.add_context_length(int(hf["max_position_embeddings"]))
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
@@ -64,7 +66,22 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    for name, tensor in source.read(source.tensor_names(), torch.float32).items():
+    tensors = source.read(source.tensor_names(), torch.float32)
+    if arch == "phi3":  # conversion/phi.py Phi3MiniModel
+        w.add_sliding_window(cfg.sliding_window or 0)
+        rope = hf.get("rope_parameters") or {}
+        if rope.get("rope_type") == "longrope":
+            w.add_rope_scaling_orig_ctx_len(int(hf["original_max_position_embeddings"]))
+            w.add_rope_scaling_attn_factors(cfg.rope_attention_factor)
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        for i in range(cfg.num_hidden_layers):
+            layer = f"model.layers.{i}"
+            qkv = [tensors.pop(f"{layer}.self_attn.{p}_proj.weight") for p in "qkv"]
+            gate_up = [tensors.pop(f"{layer}.mlp.{p}_proj.weight") for p in ("gate", "up")]
+            w.add_tensor(f"blk.{i}.attn_qkv.weight", torch.cat(qkv).numpy())
+            w.add_tensor(f"blk.{i}.ffn_up.weight", torch.cat(gate_up).numpy())
+    for name, tensor in tensors.items():
         array = tensor.numpy()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             array = _llama_cpp_permute(array, cfg.num_attention_heads if ".q_proj." in name
@@ -235,7 +252,8 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
-                                          ("qwen3", "qwen3"), ("llama3", "llama")])
+                                          ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
+                                          ("phi3-longrope", "phi3")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
     folder = tiny_model_dir(variant, **overrides)
@@ -245,7 +263,8 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
     ours, theirs = gguf.config(), hf.config()
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
-                  "tie_word_embeddings", "attention_bias", "qk_norm", "bos_token_id"):
+                  "tie_word_embeddings", "attention_bias", "qk_norm", "bos_token_id", "sliding_window",
+                  "max_position_embeddings", "rope_factors", "rope_attention_factor"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())

@@ -11,6 +11,7 @@ import pytest
 from gguf.constants import GGMLQuantizationType as GGML
 
 from meshllm.engine.ggml_lib import runtime
+from meshllm.engine.ggml_stage import GGMLStage
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.scheduler import SchedulerConfig
 from meshllm.engine.stage_weights import load_stage_decoder
@@ -23,6 +24,9 @@ from tests.quantized_gguf import write_quantized_llama
 pytestmark = pytest.mark.slow
 
 TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
+# Phi-3 as llama.cpp writes it (fused q/k/v and gate/up): as Phi-4 (no window), and with a window
+# the prompts and replies cross, on ggml's path.
+PHI3 = {"phi3-Q4_K": (GGML.Q4_K, 0), "phi3-window-Q8_0": (GGML.Q8_0, 5)}
 OPTIONS = ServingOptions(context_length=256, max_batch=4, dtype="float32",
                          scheduler=SchedulerConfig(max_batched_tokens=64, prefill_chunk=32))
 PROMPTS = ["Once upon a time", "The capital of France is"]
@@ -34,7 +38,11 @@ def models(smollm2_gguf_path, tmp_path_factory):
     if rt is None:
         pytest.skip("ggml is not built here (install.sh builds it); quantized weights are dequantized instead")
     folder = tmp_path_factory.mktemp("quantized")
-    return {t: write_quantized_llama(rt, smollm2_gguf_path, folder / f"tiny-{t.name}.gguf", t) for t in TYPES}
+    models = {t: write_quantized_llama(rt, smollm2_gguf_path, folder / f"tiny-{t.name}.gguf", t) for t in TYPES}
+    for name, (ggml_type, window) in PHI3.items():
+        models[name] = write_quantized_llama(rt, smollm2_gguf_path, folder / f"tiny-{name}.gguf", ggml_type,
+                                             arch="phi3", sliding_window=window)
+    return models
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +63,17 @@ def _tokens(leader, ids, params) -> list[int]:
         leader.close()
 
 
-@pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
-def test_two_stage_pipeline_matches_one_process(two_nodes, models, ggml_type):
-    files = open_model(models[ggml_type])
+@pytest.mark.parametrize("model", [*TYPES, *PHI3], ids=lambda t: getattr(t, "name", t))
+def test_two_stage_pipeline_matches_one_process(two_nodes, models, model):
+    files = open_model(models[model])
+    ggml_type = PHI3[model][0] if model in PHI3 else model
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     decoder = load_stage_decoder(files.source, files.config)
     assert decoder.layers[0].mlp.down_proj.weight_types == [ggml_type.name]  # held quantized, not dequantized
+    assert decoder.layers[0].self_attn.qkv_proj.weight_types == [ggml_type.name]
+    assert isinstance(decoder.fast_path, GGMLStage)
     for prompt in PROMPTS:
         ids = files.tokenizer.encode(prompt)
         expected = _tokens(local_leader(files, OPTIONS), ids, params)
         got = _tokens(two_nodes.leader(files, [(0, 1), (1, 3)], OPTIONS), ids, params)
-        assert got == expected, (ggml_type.name, prompt)
+        assert got == expected, (model, prompt)
