@@ -33,6 +33,14 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=32, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.35 * i for i in range(8)],
         long_factor=[2.0 + i for i in range(8)]))),
+    # Four norms a layer (scaling by 1 + w), GELU, a scaled embedding, queries scaled by 24 ** -0.5
+    # (not head_dim's 16), and both kinds of layer: windowed ones with their own rope base, and
+    # full ones with linear rope scaling.
+    "gemma3": ("Gemma3TextConfig", dict(
+        sliding_window=5, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
 }
 
 

@@ -50,8 +50,9 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     """`embedding_type` Q8_0 or BF16; `head_type` given: an LM head of its own (output.weight) in
     that type, else the head is tied to the embedding. `arch` "phi3": the same computation as
     llama.cpp writes Phi-3 and Phi-4 (fused attn_qkv and gate-up ffn_up, rows not permuted), with
-    `sliding_window` (0: none, as Phi-4)."""
-    assert arch in ("llama", "phi3") and (arch == "phi3" or not sliding_window)
+    `sliding_window` (0: none, as Phi-4). "gemma3": Gemma 3's layers (four norms stored as 1 + w,
+    q/k norms, GELU), every third a full-attention layer, the others windowed by `sliding_window`."""
+    assert arch in ("llama", "phi3", "gemma3") and (arch != "llama" or not sliding_window)
     meta = GGUFFile.open(tokenizer_gguf).metadata
     vocab = len(meta["tokenizer.ggml.tokens"])
     w = GGUFWriter(out, arch)
@@ -64,9 +65,12 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     w.add_key_length(HEAD_DIM)
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)  # Gemma 3's full layers'; its windowed ones 10000
     if arch == "phi3":
         w.add_sliding_window(sliding_window)
+    if arch == "gemma3":
+        w.add_sliding_window(sliding_window)
+        w.add_sliding_window_pattern(3)
     copy_tokenizer(meta, w)
     g = torch.Generator().manual_seed(seed)
 
@@ -94,6 +98,12 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
         v = matrix(KV_HEADS * HEAD_DIM, HIDDEN)
         if arch == "phi3":
             add_blocks(f"blk.{i}.attn_qkv.weight", torch.cat([q, k, v]), ggml_type)
+        elif arch == "gemma3":
+            for name, weight in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
+                add_blocks(f"blk.{i}.{name}.weight", weight, ggml_type)
+            for name, size in (("attn_q_norm", HEAD_DIM), ("attn_k_norm", HEAD_DIM), ("post_attention_norm", HIDDEN),
+                               ("post_ffw_norm", HIDDEN)):
+                w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * torch.randn(size, generator=g)).numpy())
         else:
             add_blocks(f"blk.{i}.attn_q.weight", torch.from_numpy(_permute(q.numpy(), HEADS)), ggml_type)
             add_blocks(f"blk.{i}.attn_k.weight", torch.from_numpy(_permute(k.numpy(), KV_HEADS)), ggml_type)

@@ -84,7 +84,9 @@ class GraphedDecode:
         self.window = decoder.config.sliding_window
         self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, StaticStep]] = OrderedDict()
         self.stream = torch.cuda.Stream(decoder.device)
-        self.enabled = True
+        # A static step has one mask for every layer: Gemma 3's layers differ in window, so its
+        # decode steps run ungraphed (the eager path handles each layer's own).
+        self.enabled = decoder.config.sliding_layers is None
         self._last_key: tuple | None = None
         # Plans on one node share a stage's weights, each with its own compute lock
         # (pipeline/loaded_stages.py): their steps may arrive here at once.

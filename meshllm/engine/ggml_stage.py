@@ -164,14 +164,19 @@ class GGMLStage:
         self._ctx = _WeightContext(rt, max_tensors=16 * len(decoder.layers) + 8)
         wrap_f32 = lambda t: self._ctx.wrap(self._ctx.keep(t.detach().float().contiguous()))  # noqa: E731
         self.layers = []
-        for layer in decoder.layers:
+        wrap_norm = lambda norm: None if norm is None else wrap_f32(norm.weight)  # noqa: E731
+        for index, layer in enumerate(decoder.layers, start=decoder.first_layer):
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(dict(
                 attn_norm=wrap_f32(layer.input_layernorm.weight), mlp_norm=wrap_f32(layer.post_attention_layernorm.weight),
                 qkv=_Weights(self._ctx, attn.qkv_proj), o=_Weights(self._ctx, attn.o_proj),
                 gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj),
-                q_norm=None if attn.q_norm is None else wrap_f32(attn.q_norm.weight),
-                k_norm=None if attn.k_norm is None else wrap_f32(attn.k_norm.weight)))
+                q_norm=wrap_norm(attn.q_norm), k_norm=wrap_norm(attn.k_norm),
+                # Gemma 3: norms on the attention's and the MLP's outputs, and per-layer windows and rotary
+                attn_out_norm=wrap_norm(layer.attn_out_norm), mlp_out_norm=wrap_norm(layer.mlp_out_norm),
+                window=c.layer_window(index), rope=c.layer_rope(index)))
+        # Attention ops scale scores by head_dim ** -0.5: another scale (Gemma's) goes on the queries.
+        self.query_scale = 1.0 if c.attention_scale is None else c.attention_scale * math.sqrt(c.head_dim)
         self._q8_0x8_ops = q8_0x8_ops()
         if decoder.has_head:
             head = decoder.lm_head
@@ -331,10 +336,14 @@ class GGMLStage:
         if w["q_norm"] is not None:
             q = self._norm(s, q, w["q_norm"])
             k = self._norm(s, k, w["k_norm"])
-        # attn_factor scales cos and sin (LongRoPE's attention factor; 1 for other models)
+        # The layer's base and linear factor (Gemma 3's differ by layer); attn_factor scales cos and
+        # sin (LongRoPE's attention factor; 1 for other models)
+        theta, linear = w["rope"]
         rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, hd, g.GGML_ROPE_TYPE_NEOX, 0,  # noqa: E731
-                                         c.rope_theta, 1.0, 0.0, c.rope_attention_factor, 0.0, 0.0)
+                                         theta, 1.0 / linear, 0.0, c.rope_attention_factor, 0.0, 0.0)
         q, k = rope(q), rope(k)
+        if self.query_scale != 1.0:
+            q = g.ggml_scale(ctx, q, self.query_scale)
         if table is not None:  # the batched form (ATTENTION_FEW_ROWS_MAX says why)
             write_op, attend_op = self._batched_ops
             row = ctypes.c_void_p(table[layer].data_ptr())
@@ -346,9 +355,10 @@ class GGMLStage:
             (o, _, _), = self._linear(s, w["o"], g.ggml_reshape_2d(ctx, attn, self.q_size, n))
             return o
         outs = []
+        window = w["window"]
         for seq, (k_cache, v_cache), mask in zip(slices, s.kv[layer], masks):
             t, start = seq.num_tokens, seq.start
-            end, first = start + t, _window_start(c.sliding_window, start)
+            end, first = start + t, _window_start(window, start)
             elt = seq.kv.k.element_size()
             row_nb, head_nb = hd * elt, seq.kv.capacity * hd * elt
             for new, cache in ((k, k_cache), (v, v_cache)):
@@ -365,10 +375,10 @@ class GGMLStage:
             # Keys [first, end): with a sliding window, from the first one the chunk's first row sees
             keys = g.ggml_view_3d(ctx, k_cache, hd, end - first, kv_heads, row_nb, head_nb, first * row_nb)
             values = g.ggml_view_3d(ctx, v_cache, hd, end - first, kv_heads, row_nb, head_nb, first * row_nb)
-            s.reads.append((keys, values, k_cache.contents.data, v_cache.contents.data, row_nb))
+            s.reads.append((keys, values, k_cache.contents.data, v_cache.contents.data, row_nb, window))
             # The op sees every key up to a row's own: with a window, right for one row only.
             if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16 \
-                    and (t == 1 or c.sliding_window is None):
+                    and (t == 1 or window is None):
                 args = (ctypes.POINTER(type(q_seq.contents)) * 3)(q_seq, keys, values)
                 outs.append(g.ggml_custom_4d(ctx, 0, hd, heads, t, 1, args, 3, self._attention_op, -1, None))
                 continue
@@ -393,7 +403,9 @@ class GGMLStage:
         gate_up = self._linear(s, w["gate_up"], x)
         gate = self._rows(s, gate_up, 0, i, (i, n))
         up = self._rows(s, gate_up, i, i, (i, n))
-        (down, _, _), = self._linear(s, w["down"], s.g.ggml_swiglu_split(s.ctx, gate, up))
+        # ggml's GELU is the tanh approximation (transformers' gelu_pytorch_tanh), as llama.cpp runs Gemma
+        glu = s.g.ggml_geglu_split if self.config.hidden_act == "gelu_tanh" else s.g.ggml_swiglu_split
+        (down, _, _), = self._linear(s, w["down"], glu(s.ctx, gate, up))
         return down
 
     # --- one step ------------------------------------------------------------------------------
@@ -471,7 +483,7 @@ class GGMLStage:
         max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
         step = _Step(key, s, None, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
-                     else self._allocator, self.config.sliding_window)
+                     else self._allocator)
         try:
             return self._build_into(step, x, slices, logit_rows)
         except BaseException:
@@ -487,9 +499,11 @@ class GGMLStage:
         pos = s.wrap(step.pos)
         if self._batched(slices):
             step.table = torch.zeros(len(self.layers), 1 + _TABLE_FIELDS * n, dtype=torch.int64)
-            masks = [None] * len(slices)
+            masks = {w["window"]: [None] * len(slices) for w in self.layers}
         else:
-            masks = [self._mask(s, step, seq) for seq in slices]
+            # per window the layers attend with (Gemma 3's layers have two): each slice's mask
+            masks = {window: [self._mask(s, step, seq, index, window) for index, seq in enumerate(slices)]
+                     for window in dict.fromkeys(w["window"] for w in self.layers)}
             # A kept graph does not hold its sequences' KV alive: a finished sequence's KV is freed
             # at once, not when a later step drops the graph (_drop_stale, before any reuse).
             keep = step.key is None
@@ -501,13 +515,17 @@ class GGMLStage:
                 h = custom_op(s, self._q8_0x8_ops[1], (c.hidden_size, n), self.embedding, s.wrap(step.ids))
             else:
                 h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
+            if c.embedding_scale != 1.0:  # Gemma
+                h = g.ggml_scale(ctx, h, c.embedding_scale)
         else:
             step.hidden = torch.zeros(n, c.hidden_size, dtype=torch.float32)
             h = s.wrap(step.hidden)
         for i, w in enumerate(self.layers):
-            h = g.ggml_add(ctx, h, self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos,
-                                                   slices, masks, n, step.table))
-            h = g.ggml_add(ctx, h, self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n))
+            attn = self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos, slices,
+                                   masks.get(w["window"]), n, step.table)
+            h = g.ggml_add(ctx, h, attn if w["attn_out_norm"] is None else self._norm(s, attn, w["attn_out_norm"]))
+            mlp = self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n)
+            h = g.ggml_add(ctx, h, mlp if w["mlp_out_norm"] is None else self._norm(s, mlp, w["mlp_out_norm"]))
         step.out_shape = (n, c.hidden_size)
         if self.has_head:
             if logit_rows is not None:
@@ -524,21 +542,20 @@ class GGMLStage:
         return step
 
     @staticmethod
-    def _mask(s: GraphScope, step: _Step, seq: SeqSlice):
+    def _mask(s: GraphScope, step: _Step, seq: SeqSlice, index: int, window: int | None):
         """f16 [t, end - first] additive causal mask (keys from the window's first, _window_start),
         or None when every key is visible (a decode row).
 
         Its memory holds [t, capacity] so a reused graph can grow `end` in place (_Step.patch)."""
         t = seq.num_tokens
         if t == 1:
-            step.masks.append(None)
             return None
         room = seq.kv.capacity if step.key is not None else seq.start + t
         buffer = s.keep(torch.empty(t * room, dtype=torch.float16))
-        width = seq.start + t - _window_start(step.window, seq.start)
+        width = seq.start + t - _window_start(window, seq.start)
         mask = s.wrap(buffer[: t * width].view(t, width))
-        step.masks.append((mask, buffer))
-        _write_mask(mask, buffer, seq.start, t, step.window)
+        step.masks.append((mask, buffer, index, window))
+        _write_mask(mask, buffer, seq.start, t, window)
         return mask
 
     def __del__(self):
@@ -576,13 +593,13 @@ def _write_mask(mask, buffer: Tensor, start: int, t: int, window: int | None) ->
 class _Step:
     """One built graph and where a new step's values go into it."""
 
-    def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator, window: int | None):
+    def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
-        self.window = window  # the model's sliding window: which keys a step's attention reads
         self.ids = self.hidden = self.rows = self.pos = self.out = self.kv_anchor = None
         self.table: Tensor | None = None  # the batched form's per-layer sequence table
         self.table_layout: list | None = None  # what the table was last filled for, but the starts
-        self.masks: list[tuple[object, Tensor] | None] = []  # per slice: (ggml mask, its memory)
+        # (ggml mask, its memory, the index of its slice, its window) of every multi-row slice
+        self.masks: list[tuple[object, Tensor, int, int | None]] = []
         self.kvs: list[weakref.ref] = []  # a kept graph's sequences' SequenceKV
         self.out_shape: tuple[int, int] = (0, 0)
         self._allocated = False
@@ -613,15 +630,14 @@ class _Step:
             address = base + slices[(i // 2) % num_seqs].start * row_nb
             dst.contents.data = address
             write.contents.data = address
-        for i, (keys, values, k_base, v_base, row_nb) in enumerate(self.scope.reads):
+        for i, (keys, values, k_base, v_base, row_nb, window) in enumerate(self.scope.reads):
             seq = slices[i % num_seqs]
-            first = _window_start(self.window, seq.start)
+            first = _window_start(window, seq.start)
             keys.contents.ne[1] = values.contents.ne[1] = seq.start + seq.num_tokens - first
-            if self.window is not None:
+            if window is not None:
                 keys.contents.data, values.contents.data = k_base + first * row_nb, v_base + first * row_nb
-        for entry, seq in zip(self.masks, slices):
-            if entry is not None:
-                _write_mask(entry[0], entry[1], seq.start, seq.num_tokens, self.window)
+        for mask, buffer, index, window in self.masks:
+            _write_mask(mask, buffer, slices[index].start, slices[index].num_tokens, window)
 
     def run(self, out: Tensor) -> None:
         if out.numel():

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshllm.errors import ModelLoadError, UnsupportedArchitecture
+from meshllm.model import gemma
 
 # model_type -> switches that differ from plain Llama.
 SUPPORTED_MODEL_TYPES = {
@@ -23,6 +24,8 @@ SUPPORTED_MODEL_TYPES = {
     # Phi-3 and Phi-4 are Llama computed from fused q/k/v and gate/up tensors (the sources split
     # them, model/fused.py), with Mistral's sliding window when the config sets one.
     "phi3": {},
+    # Gemma 3's text model: see model/gemma.py for what sets it apart.
+    "gemma3_text": {},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -30,6 +33,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 
 
@@ -65,6 +69,15 @@ class ModelConfig:
     # multiplied by the attention factor. None and 1.0 for every other model.
     rope_factors: tuple[float, ...] | None = None
     rope_attention_factor: float = 1.0
+    # Gemma 3 (model/gemma.py); the defaults are every other family's.
+    hidden_act: str = "silu"  # or "gelu_tanh": the MLP's gate
+    embedding_scale: float = 1.0  # the embedding lookup times this
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too
+    norm_weight_offset: float = 0.0  # added to norm weights at load (Gemma stores w of a 1 + w norm)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    sliding_layers: tuple[bool, ...] | None = None  # the layers sliding_window applies to; None: all
+    local_rope_theta: float | None = None  # the sliding layers' rope base; None: rope_theta
+    rope_linear_factor: float = 1.0  # positions of the other layers divided by it (rope "linear")
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -81,6 +94,8 @@ class ModelConfig:
             raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelLoadError(f"config field sliding_window must be positive or null, got {self.sliding_window}")
+        if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
+            raise ModelLoadError(f"{len(self.sliding_layers)} layer types for {self.num_hidden_layers} layers")
         if self.rope_factors is not None and len(self.rope_factors) != self.head_dim // 2:
             raise ModelLoadError(f"rope short_factor has {len(self.rope_factors)} entries; head_dim "
                                  f"{self.head_dim} rotates {self.head_dim // 2} frequencies")
@@ -91,13 +106,23 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_hidden_layers * self.layer_parameters() + h + head
 
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer` (0-based in the whole model), or None for full attention."""
+        return None if self.sliding_layers is not None and not self.sliding_layers[layer] else self.sliding_window
+
+    def layer_rope(self, layer: int) -> tuple[float, float]:
+        """(rope base, linear factor) of `layer`: Gemma 3's sliding layers have their own."""
+        if self.local_rope_theta is not None and self.sliding_layers is not None and self.sliding_layers[layer]:
+            return self.local_rope_theta, 1.0
+        return self.rope_theta, self.rope_linear_factor
+
     def layer_parameters(self) -> int:
         """Parameters of one decoder layer (all layers are the same size)."""
         h, i = self.hidden_size, self.intermediate_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         bias = (q + 2 * kv) if self.attention_bias else 0
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         return h * (q + 2 * kv) + q * h + 3 * h * i + bias + norms
 
     def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
@@ -121,7 +146,7 @@ class ModelConfig:
             eos = d.get("eos_token_id")
             eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             head_dim = d.get("head_dim") or hidden // heads
-            rope_theta, rope_scaling = _parse_rope(d, origin)
+            rope_theta, rope_scaling = _parse_rope(d, origin) if model_type not in gemma.MODEL_TYPES else (0.0, None)
             long_rope = _long_rope(d)
             max_positions = int(d.get("max_position_embeddings") or 2048)
             if long_rope is not None:
@@ -134,7 +159,10 @@ class ModelConfig:
                 else None
             if sliding and int(sliding) >= max_positions:
                 sliding = None  # a window as long as the context hides nothing (Phi-3.5's is 262144)
-            return cls(
+            # Gemma's switches replace the generic ones they overlap (rope, window, norms)
+            family = gemma.gemma_fields(d, int(d["num_hidden_layers"]), origin) \
+                if model_type in gemma.MODEL_TYPES else {}
+            fields = dict(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
@@ -156,6 +184,7 @@ class ModelConfig:
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
             )
+            return cls(**{**fields, **family})
         except KeyError as e:
             raise ModelLoadError(f"{origin} lacks required field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -192,11 +221,11 @@ def _model_type(d: dict, origin: str) -> str:
 def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
     # Each of these changes the computation; running without it would give silently wrong logits.
     act = d.get("hidden_act", "silu")
-    if act != "silu":
+    if act != "silu" and model_type not in gemma.MODEL_TYPES:  # Gemma's is checked in model/gemma.py
         raise UnsupportedArchitecture(f"{origin}: hidden_act {act!r} is not supported (meshllm runs silu MLPs)")
     if d.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{origin}: mlp_bias=true is not supported (meshllm runs bias-free MLPs)")
-    if model_type in ("llama", "qwen3") and d.get("attention_bias"):
+    if model_type in ("llama", "qwen3", *gemma.MODEL_TYPES) and d.get("attention_bias"):
         # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
         raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
                                       f"is not supported")

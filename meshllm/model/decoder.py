@@ -59,9 +59,9 @@ class RMSNorm(nn.Module):
 class Rotary:
     """cos/sin tables indexed by absolute position; llama3 and LongRoPE frequency scaling."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, theta: float | None = None, linear: float = 1.0):
         self.dtype = dtype
-        self.inv_freq = _inv_freq(config)
+        self.inv_freq = _inv_freq(config, theta, linear)
         self.attention_factor = config.rope_attention_factor
         self.cos = self.sin = torch.empty(0, config.head_dim, dtype=dtype)
         self._grow(max(config.max_position_embeddings, 1))
@@ -108,12 +108,15 @@ class Rotary:
         return rot
 
 
-def _inv_freq(config: ModelConfig) -> Tensor:
+def _inv_freq(config: ModelConfig, theta: float | None = None, linear: float = 1.0) -> Tensor:
+    """Rotary frequencies of the model, or of a base `theta` and linear factor (a Gemma 3 layer's)."""
     dim = config.head_dim
-    powers = config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    powers = (config.rope_theta if theta is None else theta) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if config.rope_factors is not None:  # LongRoPE, in transformers' order of operations
         return 1.0 / (torch.tensor(config.rope_factors, dtype=torch.float32) * powers)
     inv_freq = 1.0 / powers
+    if linear != 1.0:  # transformers' "linear" rope: every frequency divided by the factor
+        return inv_freq / linear
     s = config.rope_scaling
     if s is None:
         return inv_freq
@@ -130,14 +133,15 @@ def _inv_freq(config: ModelConfig) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.sliding_window = config.sliding_window
+        self.sliding_window = config.layer_window(layer)
+        self.scale = config.attention_scale  # None: torch's default, head_dim ** -0.5
         h = config.hidden_size
         # q, k and v fused into one matmul: one weight read, one dispatch.
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype)
@@ -181,14 +185,14 @@ class Attention(nn.Module):
         if t == 1 and not windowed:
             # Decode: fold the query heads of a group into the query axis; every key is visible.
             qg = q.view(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values)
+            out = F.scaled_dot_product_attention(qg, keys, values, scale=self.scale)
             return out.reshape(1, self.num_heads, self.head_dim)  # CUDA's kernels may return it strided
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, t, dim]
         if start == 0 and not windowed:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True)
+            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True, scale=self.scale)
         else:
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._mask(start, t, q.device),
-                                                 enable_gqa=True)
+                                                 enable_gqa=True, scale=self.scale)
         return out[0].transpose(0, 1)
 
     def _attend_static(self, q: Tensor, k: Tensor, v: Tensor, s: StaticSlice, layer: int) -> Tensor:
@@ -197,7 +201,7 @@ class Attention(nn.Module):
         keys.index_copy_(1, s.at, k.transpose(0, 1).to(keys.dtype))
         values.index_copy_(1, s.at, v.transpose(0, 1).to(values.dtype))
         qg = q.view(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=s.visible)
+        out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=s.visible, scale=self.scale)
         return out.reshape(1, self.num_heads, self.head_dim)
 
     def _attend_one(self, q: Tensor, s: SeqSlice, layer: int, end: int) -> Tensor:
@@ -205,7 +209,8 @@ class Attention(nn.Module):
         first = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
         keys, values = s.kv.k[layer, None, :, first:end], s.kv.v[layer, None, :, first:end]
         qg = q.reshape(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        return F.scaled_dot_product_attention(qg, keys, values).reshape(1, self.num_heads, self.head_dim)
+        return F.scaled_dot_product_attention(qg, keys, values, scale=self.scale).reshape(1, self.num_heads,
+                                                                                           self.head_dim)
 
     def _mask(self, start: int, t: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
@@ -220,25 +225,36 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.gelu = config.hidden_act == "gelu_tanh"  # Gemma; else SiLU
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """`layer`: its index in the whole model (which window and rotary it takes)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = Attention(config, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps, dtype)
+        self.self_attn = Attention(config, dtype, layer)
+        self.post_attention_layernorm = RMSNorm(h, eps, dtype)  # the norm before the MLP
         self.mlp = MLP(config, dtype)
+        # Gemma's sandwich: the attention's and the MLP's outputs normalised before they join the stream
+        self.attn_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None
+        self.rope = config.layer_rope(layer)  # which of the decoder's rotations it takes
 
     def forward(self, x: Tensor, rotation: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotation, slices, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), rotation, slices, layer)
+        x = x + (attn if self.attn_out_norm is None else self.attn_out_norm(attn))
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        return x + (mlp if self.mlp_out_norm is None else self.mlp_out_norm(mlp))
 
 
 class Decoder(nn.Module):
@@ -258,11 +274,16 @@ class Decoder(nn.Module):
         self.has_head = last_layer == config.num_hidden_layers
         h = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, h, dtype=dtype) if self.has_embedding else None
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype) for _ in range(first_layer, last_layer))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, i) for i in range(first_layer, last_layer))
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype) if self.has_head else None
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype) if self.has_head else None
         with torch.device("cpu"):  # host tables (they follow the input's device), even when built on meta
-            self.rotary = Rotary(config, dtype)
+            self.rotary = Rotary(config, dtype, config.rope_theta, config.rope_linear_factor)
+            # One table per (base, linear factor) the layers use: Gemma 3's sliding layers have their own.
+            self.rotaries = {(config.rope_theta, config.rope_linear_factor): self.rotary}
+            for layer in self.layers:
+                if layer.rope not in self.rotaries:
+                    self.rotaries[layer.rope] = Rotary(config, dtype, *layer.rope)
         # Set by engine/stage_weights.py: runs the whole layer range as one ggml graph per step.
         self.fast_path = None
         self.requires_grad_(False)
@@ -312,9 +333,12 @@ class Decoder(nn.Module):
         x, positions = x.to(device), positions.to(device)
         logit_rows = None if logit_rows is None else logit_rows.to(device)
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
-        rotation = self.rotary.rotation(positions, checked=not static)
+        if self.has_embedding and self.config.embedding_scale != 1.0:  # Gemma, in the weights' dtype as transformers
+            h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)
+        rotations = {key: rotary.rotation(positions, checked=not static) for key, rotary in self.rotaries.items()
+                     if len(self.rotaries) == 1 or any(layer.rope == key for layer in self.layers)}
         for i, layer in enumerate(self.layers):
-            h = layer(h, rotation, slices, i)
+            h = layer(h, rotations[layer.rope], slices, i)
         if not self.has_head:
             return h
         if logit_rows is not None:

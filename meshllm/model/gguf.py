@@ -35,7 +35,7 @@ _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: tor
 _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q3_K,
                 GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text"}
 _PERMUTED_QK_ARCHITECTURES = {"llama"}  # its converter interleaves q/k rows for ggml's rope
 
 # metadata value type id -> struct format of one scalar
@@ -255,15 +255,21 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v (model/fused.py splits it)
 }
+# Gemma 3 has a norm on each side of attention and of the MLP: llama.cpp's ffn_norm is the one
+# before the MLP, which transformers names pre_feedforward_layernorm for Gemma.
+_GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm",
+                      "post_ffw_norm": "post_feedforward_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not use."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     return None
@@ -279,8 +285,9 @@ class GGUFSource:
             self._config = ModelConfig.from_dict(config_dict(self.file))
         except (TypeError, ValueError) as e:  # a metadata value of the wrong type
             raise CorruptWeights(f"{self.path} has malformed GGUF metadata: {e}") from None
+        arch = self.file.metadata.get("general.architecture")
         self._by_hf_name = _split_fused(self.path, self._config, {
-            hf: info for info in self.file.tensors.values() if (hf := hf_name(info.name)) is not None})
+            hf: info for info in self.file.tensors.values() if (hf := hf_name(info.name, arch)) is not None})
         self._bytes_read = 0
 
     def config(self) -> ModelConfig:
@@ -491,7 +498,7 @@ def config_dict(file: GGUFFile) -> dict:
     tokens_meta = {k: meta[f"tokenizer.ggml.{k}"] for k in ("bos_token_id", "eos_token_id", "eot_token_id",
                                                             "eom_token_id") if f"tokenizer.ggml.{k}" in meta}
     rope_theta = float(key("rope.freq_base", 10000.0))
-    return {
+    config = {
         "model_type": _ARCHITECTURES[arch],
         "vocab_size": int(meta.get(f"{arch}.vocab_size", embed.shape[0])),
         "hidden_size": hidden,
@@ -512,6 +519,37 @@ def config_dict(file: GGUFFile) -> dict:
         "sliding_window": int(meta.get(f"{arch}.attention.sliding_window", 0) or 0) or None,
         "bos_token_id": int(tokens_meta["bos_token_id"]) if "bos_token_id" in tokens_meta else None,
         "eos_token_id": sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
+    }
+    if arch == "gemma3":
+        config.update(_gemma3(file, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
+                              config["rope_scaling"]))
+    return config
+
+
+def _gemma3(file: GGUFFile, heads: int, hidden: int, head_dim: int, rope_theta: float, layers: int,
+            scaling: dict | None) -> dict:
+    """Gemma 3's config.json fields from its GGUF metadata, as llama.cpp reads them (src/models/gemma3.cpp)."""
+    meta = file.metadata
+    window = int(meta.get("gemma3.attention.sliding_window", 0) or 0)
+    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, (list, np.ndarray)):  # one flag per layer
+        sliding = [bool(p) for p in pattern]
+    else:  # every n-th layer attends to everything
+        sliding = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    linear = scaling is not None and scaling.get("rope_type") == "linear"
+    return {
+        "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window or None,
+        "layer_types": ["sliding_attention" if window and s else "full_attention" for s in sliding],
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear" if linear else "default", "rope_theta": rope_theta,
+                               **({"factor": float(scaling["factor"])} if linear else {})},
+            "sliding_attention": {"rope_type": "default",
+                                  "rope_theta": float(meta.get("gemma3.rope.freq_base_swa", 10000.0))}},
+        # Not in the file: llama.cpp scales queries by the 27B model's hidden / heads, others' head_dim
+        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping") or None,
+        "norm_weights_include_one": True,  # llama.cpp's converter adds Gemma's 1 to every norm weight
     }
 
 

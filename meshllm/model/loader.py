@@ -44,7 +44,12 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
         hf, ours = f"model.layers.{i}", f"layers.{local}"
         attn = f"{hf}.self_attn"
         names[f"{ours}.input_layernorm.weight"] = [f"{hf}.input_layernorm.weight"]
-        names[f"{ours}.post_attention_layernorm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
+        if config.sandwich_norms:  # Gemma: HF's post_attention_layernorm follows attention, not the MLP's input
+            names[f"{ours}.post_attention_layernorm.weight"] = [f"{hf}.pre_feedforward_layernorm.weight"]
+            names[f"{ours}.attn_out_norm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
+            names[f"{ours}.mlp_out_norm.weight"] = [f"{hf}.post_feedforward_layernorm.weight"]
+        else:
+            names[f"{ours}.post_attention_layernorm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
         names[f"{ours}.self_attn.qkv_proj.weight"] = [f"{attn}.{p}_proj.weight" for p in "qkv"]
         if config.attention_bias:
             names[f"{ours}.self_attn.qkv_proj.bias"] = [f"{attn}.{p}_proj.bias" for p in "qkv"]
@@ -166,7 +171,10 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
         if hf not in available:
             raise ModelLoadError(f"{source.path}: tensor {hf!r} is missing (needed for {ours}); "
                                  f"the checkpoint does not match its config.json")
-    parts = source.read(hf_names, dtype)
+    offset = config.norm_weight_offset if ours.endswith(_NORM_WEIGHTS) else 0.0
+    parts = source.read(hf_names, torch.float32 if offset else dtype)
+    if offset:  # Gemma's norms scale by 1 + w: added in float32, as transformers computes it
+        parts = {name: (t + offset).to(dtype) for name, t in parts.items()}
     for hf, rows in zip(hf_names, _part_rows(config, ours, shape)):
         want = (rows, *shape[1:])
         if tuple(parts[hf].shape) != want:
@@ -174,6 +182,9 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
                                  f"{want} from config.json; the checkpoint does not match its config")
     tensor = parts[hf_names[0]] if len(hf_names) == 1 else torch.cat([parts[n] for n in hf_names])
     return tensor.contiguous()
+
+
+_NORM_WEIGHTS = ("layernorm.weight", "norm.weight", "_norm.weight")  # input_layernorm, q_norm, attn_out_norm, ...
 
 
 def _part_rows(config: ModelConfig, ours: str, shape: torch.Size) -> list[int]:

@@ -44,25 +44,30 @@ def decoder(files):
     return d
 
 
-def _logits(decoder, seqs: list[list[int]], prompt_len: int, chunk: int, fast: bool, kv_dtype) -> list[torch.Tensor]:
+def _logits(stages, seqs: list[list[int]], prompt_len: int, chunk: int, fast: bool, kv_dtype) -> list[torch.Tensor]:
     """Each sequence's logits at every position: its first `prompt_len` tokens prefilled in chunks
     of `chunk` (all sequences in one step per round), then the rest fed one token per step, all
-    sequences batched (teacher-forced, so a near-tie cannot send the two paths down other tokens)."""
-    saved = decoder.fast_path
-    decoder.fast_path = saved if fast else None
+    sequences batched (teacher-forced, so a near-tie cannot send the two paths down other tokens).
+    `stages`: a decoder, or a list of decoders run in turn as a pipeline's stages."""
+    stages = stages if isinstance(stages, list) else [stages]
+    saved = [d.fast_path for d in stages]
+    for d, path in zip(stages, saved):
+        d.fast_path = path if fast else None
     try:
-        kvs = [SequenceKV(decoder.kv_layout(kv_dtype), 8) for _ in seqs]  # small: steps grow them
+        kvs = [[SequenceKV(d.kv_layout(kv_dtype), 8) for _ in seqs] for d in stages]  # small: steps grow them
         out: list[list[torch.Tensor]] = [[] for _ in seqs]
         for begin in list(range(0, prompt_len, chunk)) + list(range(prompt_len, len(seqs[0]))):
             stop = min(begin + chunk, prompt_len) if begin < prompt_len else begin + 1
-            slices = [SeqSlice(kv, i * (stop - begin), stop - begin) for i, kv in enumerate(kvs)]
-            logits = decoder(torch.tensor([t for seq in seqs for t in seq[begin:stop]]),
-                             torch.arange(begin, stop).repeat(len(seqs)), slices)
-            for i, part in enumerate(logits.split(stop - begin)):
+            x = torch.tensor([t for seq in seqs for t in seq[begin:stop]])
+            for d, stage_kvs in zip(stages, kvs):
+                slices = [SeqSlice(kv, i * (stop - begin), stop - begin) for i, kv in enumerate(stage_kvs)]
+                x = d(x, torch.arange(begin, stop).repeat(len(seqs)), slices)
+            for i, part in enumerate(x.split(stop - begin)):
                 out[i].append(part)
         return [torch.cat(rows) for rows in out]
     finally:
-        decoder.fast_path = saved
+        for d, path in zip(stages, saved):
+            d.fast_path = path
 
 
 # A base sequence of 30 tokens and three copies, each with one token changed: inside the first

@@ -33,6 +33,10 @@ def _folder_with(tmp_path, text: str):
     ("qwen2", dict(model_type="qwen2", attention_bias=True, qk_norm=False, sliding_window=None)),
     ("qwen3", dict(model_type="qwen3", attention_bias=False, qk_norm=True, num_key_value_heads=1)),
     ("phi3", dict(model_type="phi3", sliding_window=5, rope_factors=None, max_position_embeddings=256)),
+    ("gemma3", dict(model_type="gemma3_text", sliding_window=5, sliding_layers=(True, True, False, True),
+                    rope_theta=1e6, rope_linear_factor=8.0, local_rope_theta=10000.0, attention_scale=24 ** -0.5,
+                    embedding_scale=8.0, sandwich_norms=True, norm_weight_offset=1.0, hidden_act="gelu_tanh",
+                    qk_norm=True, tie_word_embeddings=True)),
 ])
 def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, expect):
     config = ModelConfig.from_folder(tiny_model_dir(variant))
@@ -42,7 +46,7 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
         assert getattr(config, key) == value, key
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma3"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts.
     folder = tiny_model_dir(variant)
@@ -85,6 +89,37 @@ def test_phi3_windows_and_the_longrope_attention_factor_from_config_json():
     given = ModelConfig.from_dict({**phi, "original_max_position_embeddings": 1024,
                                    "rope_scaling": {**long, "attention_factor": 1.5}})
     assert given.rope_attention_factor == 1.5
+
+
+def test_gemma3_written_by_transformers_4_parses_as_by_5():
+    # What google/gemma-3-4b-it's text config says under transformers 4.5x
+    v4 = {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 96, "hidden_size": 64,
+          "intermediate_size": 112, "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "max_position_embeddings": 256, "query_pre_attn_scalar": 16, "sliding_window": 8,
+          "sliding_window_pattern": 6, "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "hidden_activation": "gelu_pytorch_tanh"}
+    config = ModelConfig.from_dict(v4)
+    assert config.sliding_layers == (True, True, True, True, True, False, True)
+    assert (config.rope_theta, config.rope_linear_factor, config.local_rope_theta) == (1e6, 8.0, 10000.0)
+    assert config.layer_rope(5) == (1e6, 8.0) and config.layer_rope(6) == (10000.0, 1.0)
+    assert config.layer_window(5) is None and config.layer_window(6) == 8
+    assert config.tie_word_embeddings and config.attention_scale == 0.25
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"final_logit_softcapping": 30.0}, ["final_logit_softcapping", "Gemma 2"]),
+    ({"attn_logit_softcapping": 50.0}, ["attn_logit_softcapping"]),
+    ({"hidden_activation": "gelu"}, ["hidden_activation", "'gelu'"]),
+    ({"use_bidirectional_attention": True}, ["use_bidirectional_attention"]),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, ["'yarn'", "gemma3"]),
+    ({"attention_bias": True}, ["attention_bias"]),
+])
+def test_gemma_features_meshllm_lacks_are_refused(change, words):
+    gemma = {**LLAMA, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    with pytest.raises(UnsupportedArchitecture) as info:
+        ModelConfig.from_dict({**gemma, **change})
+    for word in words:
+        assert word in str(info.value)
 
 
 def test_defaults_and_fallbacks():

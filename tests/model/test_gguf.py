@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter, quants
-from gguf.constants import GGMLQuantizationType as GGML
+from gguf.constants import GGMLQuantizationType as GGML, RopeScalingType
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from meshllm.errors import CorruptWeights, MeshError, ModelLoadError, UnsupportedArchitecture
@@ -33,11 +33,16 @@ _TO_GGUF = {
 }
 
 
-def _gguf_name(hf: str) -> str:
+# Gemma 3's four norms (llama.cpp's names; its ffn_norm is the one before the MLP)
+_GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _gguf_name(hf: str, arch: str = "llama") -> str:
     if hf.startswith("model.layers."):
         _, _, index, rest = hf.split(".", 3)
         stem, suffix = rest.rsplit(".", 1)
-        return f"blk.{index}.{_TO_GGUF[stem]}.{suffix}"
+        return f"blk.{index}.{(_GEMMA_TO_GGUF if arch == 'gemma3' else _TO_GGUF)[stem]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
 
@@ -67,6 +72,15 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     tensors = source.read(source.tensor_names(), torch.float32)
+    if arch == "gemma3":  # conversion/gemma.py Gemma3Model
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern(list(cfg.sliding_layers))
+        w.add_rope_freq_base_swa(cfg.local_rope_theta)
+        if cfg.rope_linear_factor != 1.0:
+            w.add_rope_scaling_type(RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(cfg.rope_linear_factor)
+        for name in [n for n in tensors if n.endswith("norm.weight")]:
+            tensors[name] = tensors[name] + 1  # its converter stores Gemma's 1 + w
     if arch == "phi3":  # conversion/phi.py Phi3MiniModel
         w.add_sliding_window(cfg.sliding_window or 0)
         rope = hf.get("rope_parameters") or {}
@@ -86,7 +100,7 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             array = _llama_cpp_permute(array, cfg.num_attention_heads if ".q_proj." in name
                                        else cfg.num_key_value_heads)
-        w.add_tensor(_gguf_name(name), np.ascontiguousarray(array))
+        w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(array))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     _finish(w)
@@ -253,9 +267,11 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
-                                          ("phi3-longrope", "phi3")])
+                                          ("phi3-longrope", "phi3"), ("gemma3", "gemma3")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
+    if variant == "gemma3":  # a GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (27B aside)
+        overrides = {"query_pre_attn_scalar": 16}
     folder = tiny_model_dir(variant, **overrides)
     hf = SafetensorsSource(folder)
     freqs = _llama3_rope_freqs(hf.config().head_dim) if variant == "llama3" else None
@@ -264,14 +280,19 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
                   "tie_word_embeddings", "attention_bias", "qk_norm", "bos_token_id", "sliding_window",
-                  "max_position_embeddings", "rope_factors", "rope_attention_factor"):
+                  "max_position_embeddings", "rope_factors", "rope_attention_factor", "hidden_act",
+                  "embedding_scale", "sandwich_norms", "attention_scale", "sliding_layers", "local_rope_theta",
+                  "rope_linear_factor"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())
     names = hf.tensor_names()
     # q/k rows come back in HF order: llama.cpp's permutation is undone exactly
+    # Gemma's norm weights are stored as 1 + w, and so its config adds nothing at load
+    assert (ours.norm_weight_offset, theirs.norm_weight_offset) == ((0.0, 1.0) if arch == "gemma3" else (0.0, 0.0))
     for name, tensor in gguf.read(names, torch.float32).items():
-        assert torch.equal(tensor, hf.read([name], torch.float32)[name]), name
+        want = hf.read([name], torch.float32)[name]
+        assert torch.equal(tensor, want + 1 if arch == "gemma3" and name.endswith("norm.weight") else want), name
     tokens = torch.randint(0, theirs.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(gguf, tokens), _logits(hf, tokens))
 

@@ -29,6 +29,7 @@ CASES = {
     "qwen3-kv1": ("qwen3", None),  # 1 KV head: replicated on both ranks; q/k norms
     "qwen2-bias": ("qwen2", None),  # q/k/v biases sliced with their rows; tied embeddings
     "phi3-fused": ("phi3", None),  # fused q/k/v and gate/up stored: each rank reads its rows of them
+    "gemma3": ("gemma3", None),  # four norms a layer, windowed and full layers, scaled embedding lookups
     # The group as the second stage: hidden states cross the command channel in frames of 64
     # words, so every prefill chunk's command spans several frames.
     "aidreams-second-stage": (None, 2),
