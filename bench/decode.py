@@ -2,7 +2,8 @@
 
 Rows: SmolLM2-135M-Instruct Q4_1 (the demo GGUF as shipped), BF16 and Q8_0 (made from it by
 llama-quantize), and a 1.1B model of TinyLlama's shape (random weights, SmolLM2's 49152-token
-vocabulary so the file carries a real tokenizer) in BF16, Q8_0 and Q4_0. For each: our decode
+vocabulary so the file carries a real tokenizer) in BF16, Q8_0 and Q4_0; on request ("moe:Q4_K",
+not in the default rows) a mixture of experts laid out as Qwen3-30B-A3B, smaller (MOE). For each: our decode
 tok/s at batch 1 and 8 (64 new tokens after a 32-token prompt), prefill tok/s (512 tokens, one
 chunk), steady and peak RSS, and the decode step split into graph building (Python) and ggml
 compute; llama.cpp's llama-bench (tg64, pp512) and llama-batched-bench (8 sequences) on the same
@@ -32,6 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PROMPT, NEW, PREFILL, BATCH = 32, 64, 512, 8
 ROWS = ["smollm2:Q4_1", "smollm2:BF16", "smollm2:Q8_0", "tiny:BF16", "tiny:Q8_0", "tiny:Q4_0"]
 TINYLLAMA = dict(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4, head_dim=64)
+# Qwen3-30B-A3B's layout (experts of 4 in every layer, q/k norms) at a size this machine runs: 950M
+# parameters, 142M of them active a token (Qwen3-30B-A3B: 30.5B, 3.3B active, 128 experts, 8 a token)
+MOE = dict(hidden=1024, intermediate=512, layers=16, heads=16, kv_heads=4, head_dim=64, experts=32,
+           experts_per_token=4)
 
 
 def model_path(row: str) -> Path:
@@ -45,15 +50,17 @@ def model_path(row: str) -> Path:
     if name == "smollm2":
         shipped = default_model_path()
         return shipped if kind == "Q4_1" else llama_cpp.make_variant(shipped, kind)
-    base = llama_cpp.CACHE / "bench" / "tinyllama-shape-random.BF16.gguf"
+    moe = name == "moe"
+    base = llama_cpp.CACHE / "bench" / ("qwen3moe-shape-random.BF16.gguf" if moe else "tinyllama-shape-random.BF16.gguf")
     if not base.exists():
         base.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no bench cache yet
-        write_random_llama(default_model_path(), base)
+        write_random_llama(default_model_path(), base, MOE if moe else TINYLLAMA)
     return base if kind == "BF16" else llama_cpp.make_variant(base, kind)
 
 
-def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
-    """TinyLlama-1.1B's shape with random bf16 weights (std 0.02) and SmolLM2's tokenizer."""
+def write_random_llama(tokenizer_gguf: Path, out: Path, t: dict) -> None:
+    """A model of shape `t` (TINYLLAMA: TinyLlama-1.1B's; MOE: a Qwen3-MoE's, smaller) with random
+    bf16 weights (std 0.02) and SmolLM2's tokenizer."""
     import numpy as np
     import torch
     from gguf import GGUFWriter
@@ -63,14 +70,18 @@ def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
     from tests.quantized_gguf import copy_tokenizer
 
     meta = GGUFFile.open(tokenizer_gguf).metadata
-    t = TINYLLAMA
-    w = GGUFWriter(out.with_suffix(".tmp"), "llama")
+    experts = t.get("experts", 0)
+    w = GGUFWriter(out.with_suffix(".tmp"), "qwen3moe" if experts else "llama")
     for add, value in ((w.add_block_count, t["layers"]), (w.add_context_length, 2048),
                        (w.add_embedding_length, t["hidden"]), (w.add_feed_forward_length, t["intermediate"]),
                        (w.add_head_count, t["heads"]), (w.add_head_count_kv, t["kv_heads"]),
                        (w.add_rope_dimension_count, t["head_dim"]), (w.add_layer_norm_rms_eps, 1e-5),
                        (w.add_rope_freq_base, 10000.0)):
         add(value)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(t["experts_per_token"])
+        w.add_expert_feed_forward_length(t["intermediate"])
     copy_tokenizer(meta, w)
     g = torch.Generator().manual_seed(0)
     vocab = len(meta["tokenizer.ggml.tokens"])
@@ -79,17 +90,23 @@ def write_random_llama(tokenizer_gguf: Path, out: Path) -> None:
         x = (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
         return x.view(torch.int16).numpy().view(np.uint8).reshape(rows, cols * 2)
 
-    def add(name: str, rows: int, cols: int) -> None:
-        w.add_tensor(name, bf16(rows, cols), raw_shape=(rows, cols * 2), raw_dtype=GGML.BF16)
+    def add(name: str, rows: int, cols: int, stacked: int = 0) -> None:
+        shape = (stacked, rows, cols * 2) if stacked else (rows, cols * 2)  # stacked: [experts, rows, cols]
+        w.add_tensor(name, bf16(max(stacked, 1) * rows, cols).reshape(shape), raw_shape=shape, raw_dtype=GGML.BF16)
 
     h, i, q, kv = t["hidden"], t["intermediate"], t["heads"] * t["head_dim"], t["kv_heads"] * t["head_dim"]
     add("token_embd.weight", vocab, h)
     add("output.weight", vocab, h)
     w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
     for b in range(t["layers"]):
-        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q),
-                                 ("ffn_gate", i, h), ("ffn_up", i, h), ("ffn_down", h, i)):
+        for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q)):
             add(f"blk.{b}.{name}.weight", rows, cols)
+        for name, rows, cols in (("gate", i, h), ("up", i, h), ("down", h, i)):
+            add(f"blk.{b}.ffn_{name}{'_exps' if experts else ''}.weight", rows, cols, experts)
+        if experts:  # the router, and Qwen3's q/k norms
+            w.add_tensor(f"blk.{b}.ffn_gate_inp.weight", (torch.randn(experts, h, generator=g) * 0.02).numpy())
+            for norm in ("attn_q_norm", "attn_k_norm"):
+                w.add_tensor(f"blk.{b}.{norm}.weight", np.ones(t["head_dim"], dtype=np.float32))
         w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(h, dtype=np.float32))
         w.add_tensor(f"blk.{b}.ffn_norm.weight", np.ones(h, dtype=np.float32))
     w.write_header_to_file()

@@ -43,17 +43,17 @@ def write_variant(source: Path, kind: str, out: Path) -> Path:
         if len(shape) == 1:
             writer.add_tensor(t.name, np.asarray(t.data))
             continue
+        # [rows, cols], or [experts, rows, cols] (a mixture of experts' stacked matrices) as rows of cols
         dense = torch.from_numpy(np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type),
-                                                      dtype=np.float32)).reshape(shape)
+                                                      dtype=np.float32)).reshape(-1, shape[-1])
         if target == GGML.F32:
-            writer.add_tensor(t.name, dense.numpy())
+            writer.add_tensor(t.name, dense.reshape(shape).numpy())
         elif target == GGML.BF16:
             raw = dense.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
-            writer.add_tensor(t.name, raw.reshape(shape[0], shape[1] * 2), raw_shape=(shape[0], shape[1] * 2),
-                              raw_dtype=GGML.BF16)
+            writer.add_tensor(t.name, raw, raw_shape=(*shape[:-1], shape[-1] * 2), raw_dtype=GGML.BF16)
         else:
             blocks = quantize(runtime(), dense, target).data.numpy()
-            writer.add_tensor(t.name, blocks, raw_shape=blocks.shape, raw_dtype=target)
+            writer.add_tensor(t.name, blocks, raw_shape=(*shape[:-1], blocks.shape[-1]), raw_dtype=target)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -41,6 +41,11 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                          "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
+    # Mixtures of experts: 4 experts, 2 a token; Qwen3-MoE's weights as the router gave them,
+    # Mixtral's renormalized to sum to 1.
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         norm_topk_prob=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
 }
 
 

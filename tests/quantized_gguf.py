@@ -46,13 +46,17 @@ def copy_tokenizer(meta: dict, writer: GGUFWriter) -> None:
 
 def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
                           seed: int = 0, embedding_type: GGML = GGML.Q8_0, head_type: GGML | None = None,
-                          arch: str = "llama", sliding_window: int = 0) -> Path:
+                          arch: str = "llama", sliding_window: int = 0, experts: int = 0) -> Path:
     """`embedding_type` Q8_0 or BF16; `head_type` given: an LM head of its own (output.weight) in
     that type, else the head is tied to the embedding. `arch` "phi3": the same computation as
     llama.cpp writes Phi-3 and Phi-4 (fused attn_qkv and gate-up ffn_up, rows not permuted), with
     `sliding_window` (0: none, as Phi-4). "gemma3": Gemma 3's layers (four norms stored as 1 + w,
-    q/k norms, GELU), every third a full-attention layer, the others windowed by `sliding_window`."""
-    assert arch in ("llama", "phi3", "gemma3") and (arch != "llama" or not sliding_window)
+    q/k norms, GELU), every third a full-attention layer, the others windowed by `sliding_window`.
+    `experts` > 0: each MLP a mixture of that many experts, 2 a token, stored as llama.cpp stores
+    them ([experts, rows, cols] per projection; F32 router): Mixtral as "llama", Qwen3-MoE as
+    "qwen3moe" (with q/k norms)."""
+    assert arch in ("llama", "phi3", "gemma3", "qwen3moe") and (arch not in ("llama", "qwen3moe") or not sliding_window)
+    assert (arch == "qwen3moe") <= (experts > 0)
     meta = GGUFFile.open(tokenizer_gguf).metadata
     vocab = len(meta["tokenizer.ggml.tokens"])
     w = GGUFWriter(out, arch)
@@ -71,6 +75,11 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     if arch == "gemma3":
         w.add_sliding_window(sliding_window)
         w.add_sliding_window_pattern(3)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(2)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(INTERMEDIATE)
     copy_tokenizer(meta, w)
     g = torch.Generator().manual_seed(seed)
 
@@ -98,11 +107,13 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
         v = matrix(KV_HEADS * HEAD_DIM, HIDDEN)
         if arch == "phi3":
             add_blocks(f"blk.{i}.attn_qkv.weight", torch.cat([q, k, v]), ggml_type)
-        elif arch == "gemma3":
+        elif arch in ("gemma3", "qwen3moe"):
             for name, weight in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
                 add_blocks(f"blk.{i}.{name}.weight", weight, ggml_type)
-            for name, size in (("attn_q_norm", HEAD_DIM), ("attn_k_norm", HEAD_DIM), ("post_attention_norm", HIDDEN),
-                               ("post_ffw_norm", HIDDEN)):
+            norms = [("attn_q_norm", HEAD_DIM), ("attn_k_norm", HEAD_DIM)]
+            if arch == "gemma3":
+                norms += [("post_attention_norm", HIDDEN), ("post_ffw_norm", HIDDEN)]
+            for name, size in norms:
                 w.add_tensor(f"blk.{i}.{name}.weight", (1 + 0.1 * torch.randn(size, generator=g)).numpy())
         else:
             add_blocks(f"blk.{i}.attn_q.weight", torch.from_numpy(_permute(q.numpy(), HEADS)), ggml_type)
@@ -110,12 +121,20 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
             add_blocks(f"blk.{i}.attn_v.weight", v, ggml_type)
         add_blocks(f"blk.{i}.attn_output.weight", matrix(HIDDEN, HEADS * HEAD_DIM), ggml_type)
         gate, up = matrix(INTERMEDIATE, HIDDEN), matrix(INTERMEDIATE, HIDDEN)
-        if arch == "phi3":
+        if experts:
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", matrix(experts, HIDDEN).numpy())
+            for name, rows, cols in (("gate", INTERMEDIATE, HIDDEN), ("up", INTERMEDIATE, HIDDEN),
+                                     ("down", HIDDEN, INTERMEDIATE)):
+                blocks = quantize(rt, torch.cat([matrix(rows, cols) for _ in range(experts)]), ggml_type)
+                data = blocks.data.numpy().reshape(experts, rows, -1)
+                w.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", data, raw_shape=data.shape, raw_dtype=ggml_type)
+        elif arch == "phi3":
             add_blocks(f"blk.{i}.ffn_up.weight", torch.cat([gate, up]), ggml_type)
         else:
             add_blocks(f"blk.{i}.ffn_gate.weight", gate, ggml_type)
             add_blocks(f"blk.{i}.ffn_up.weight", up, ggml_type)
-        add_blocks(f"blk.{i}.ffn_down.weight", matrix(HIDDEN, INTERMEDIATE), ggml_type)
+        if not experts:
+            add_blocks(f"blk.{i}.ffn_down.weight", matrix(HIDDEN, INTERMEDIATE), ggml_type)
         w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * torch.randn(HIDDEN, generator=g)).numpy())
         w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * torch.randn(HIDDEN, generator=g)).numpy())
     w.write_header_to_file()

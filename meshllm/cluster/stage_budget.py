@@ -70,8 +70,10 @@ class Footprint:
         # A step is a prefill chunk or a decode batch, whichever holds more tokens.
         step_tokens = max(min(request.prefill_chunk_tokens, request.context_length), request.max_batch)
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        # Per token: residual in and out, q/k/v, and the MLP's gate, up and product.
-        per_token = 2 * c.hidden_size + q + 2 * kv + 3 * c.intermediate_size
+        # Per token: residual in and out, q/k/v, and the MLP's gate, up and product (of each of
+        # the experts it takes, in a mixture of experts).
+        mlp = c.num_experts_per_tok * c.expert_intermediate_size if c.num_experts else c.intermediate_size
+        per_token = 2 * c.hidden_size + q + 2 * kv + 3 * mlp
         # One layer's attention scores if the kernel materialises them (no flash attention on
         # every backend); layers run one at a time, so only one layer's worth is live.
         scores = step_tokens * request.context_length * c.num_attention_heads

@@ -31,7 +31,7 @@ from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_o
                                                q4_kx8_few_rows_op, q4_remainder_op, q8_0x8_ops, q8_few_rows_op)
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
-from meshllm.model.decoder import Decoder, SeqSlice, _inv_freq
+from meshllm.model.decoder import Decoder, MoE, SeqSlice, _inv_freq
 
 _F32 = 4
 # Graph capacity: ~25 nodes per layer (~50 with Q4_1 remainders) plus 14 per sequence and layer
@@ -113,6 +113,19 @@ class _Weights:
         self.bias = None if bias is None else scope.wrap(scope.keep(bias.detach().float().contiguous()))
 
 
+def _experts(scope: _WeightContext, module: nn.Module, experts: int):
+    """A 3-d ggml tensor [cols, rows, experts] over an experts matrix (decoder.MoE), as
+    ggml_mul_mat_id reads it: a view of its one plain-layout block matrix, or of its dense weight."""
+    if isinstance(module, QuantizedLinear):
+        (matrix,) = module.matrices  # stage_weights holds experts as one plain matrix
+        t = matrix.tensor
+        rows = matrix.rows // experts
+        return scope.g.ggml_view_3d(scope.ctx, t, matrix.cols, rows, experts, t.contents.nb[1],
+                                    t.contents.nb[1] * rows, 0)
+    weight = module.weight
+    return scope.wrap(weight.view(experts, weight.shape[0] // experts, weight.shape[1]))
+
+
 class _WeightContext:
     """Metadata of the ggml tensors that point at dense torch weights, kept for the stage's life."""
 
@@ -143,8 +156,14 @@ def supports(decoder: Decoder) -> str | None:
     """None when GGMLStage can run this decoder, else why not (the torch path runs it)."""
     if decoder.dtype not in _DTYPES:
         return f"dtype {decoder.dtype}"
-    linears = [m for layer in decoder.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    mlps = [(m.router, m.gate_proj, m.up_proj, m.down_proj) if isinstance(m, MoE) else (m.gate_up_proj, m.down_proj)
+            for m in (layer.mlp for layer in decoder.layers)]
+    if any(isinstance(m, QuantizedLinear) and (len(m.matrices) != 1 or m.matrices[0].repacked)
+           for layer in decoder.layers if isinstance(layer.mlp, MoE)
+           for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
+        return "experts matrices ggml's expert product cannot read"
+    linears = [m for layer, mlp in zip(decoder.layers, mlps)
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *mlp)]
     if decoder.has_head:
         linears.append(decoder.lm_head)
     if not all(isinstance(m, QuantizedLinear) or type(m) is nn.Linear for m in linears):
@@ -161,16 +180,22 @@ class GGMLStage:
         self.has_head = decoder.has_head
         c = self.config = decoder.config
         self.q_size, self.kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        self._ctx = _WeightContext(rt, max_tensors=16 * len(decoder.layers) + 8)
+        self._ctx = _WeightContext(rt, max_tensors=20 * len(decoder.layers) + 8)
         wrap_f32 = lambda t: self._ctx.wrap(self._ctx.keep(t.detach().float().contiguous()))  # noqa: E731
         self.layers = []
         wrap_norm = lambda norm: None if norm is None else wrap_f32(norm.weight)  # noqa: E731
         for index, layer in enumerate(decoder.layers, start=decoder.first_layer):
             attn, mlp = layer.self_attn, layer.mlp
+            if isinstance(mlp, MoE):  # a mixture of experts: the router and 3-d experts tensors
+                e = c.num_experts
+                mlp_weights = dict(router=_Weights(self._ctx, mlp.router), experts_gate=_experts(self._ctx, mlp.gate_proj, e),
+                                   experts_up=_experts(self._ctx, mlp.up_proj, e),
+                                   experts_down=_experts(self._ctx, mlp.down_proj, e))
+            else:
+                mlp_weights = dict(gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj))
             self.layers.append(dict(
                 attn_norm=wrap_f32(layer.input_layernorm.weight), mlp_norm=wrap_f32(layer.post_attention_layernorm.weight),
-                qkv=_Weights(self._ctx, attn.qkv_proj), o=_Weights(self._ctx, attn.o_proj),
-                gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj),
+                qkv=_Weights(self._ctx, attn.qkv_proj), o=_Weights(self._ctx, attn.o_proj), **mlp_weights,
                 q_norm=wrap_norm(attn.q_norm), k_norm=wrap_norm(attn.k_norm),
                 # Gemma 3: norms on the attention's and the MLP's outputs, and per-layer windows and rotary
                 attn_out_norm=wrap_norm(layer.attn_out_norm), mlp_out_norm=wrap_norm(layer.mlp_out_norm),
@@ -399,6 +424,8 @@ class GGMLStage:
         return o
 
     def _mlp(self, s: GraphScope, w: dict, x, n: int):
+        if "router" in w:
+            return self._moe(s, w, x, n)
         i = self.config.intermediate_size
         gate_up = self._linear(s, w["gate_up"], x)
         gate = self._rows(s, gate_up, 0, i, (i, n))
@@ -407,6 +434,30 @@ class GGMLStage:
         glu = s.g.ggml_geglu_split if self.config.hidden_act == "gelu_tanh" else s.g.ggml_swiglu_split
         (down, _, _), = self._linear(s, w["down"], glu(s.ctx, gate, up))
         return down
+
+    def _moe(self, s: GraphScope, w: dict, x, n: int):
+        """A mixture of experts, as llama.cpp builds it (build_moe_ffn): each row's top experts by
+        the router's softmax, their SwiGLU products through ggml's expert product (mul_mat_id),
+        summed weighted by those probabilities (renormalized where the model says so)."""
+        g, ctx, c = s.g, s.ctx, self.config
+        k, experts, h = c.num_experts_per_tok, c.num_experts, c.hidden_size
+        (logits, _, _), = self._linear(s, w["router"], x)  # [experts, n]
+        probs = g.ggml_soft_max(ctx, logits)
+        chosen = g.ggml_argsort_top_k(ctx, probs, k)  # [k, n] expert ids, most probable first
+        weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, experts, n), chosen)  # [1, k, n]
+        if c.normalize_expert_weights:
+            flat = g.ggml_reshape_2d(ctx, weights, k, n)
+            weights = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, flat, g.ggml_sum_rows(ctx, flat)), 1, k, n)
+        rows = g.ggml_reshape_3d(ctx, x if g.ggml_is_contiguous(x) else g.ggml_cont(ctx, x), h, 1, n)
+        gate = g.ggml_mul_mat_id(ctx, w["experts_gate"], rows, chosen)  # [width, k, n]
+        up = g.ggml_mul_mat_id(ctx, w["experts_up"], rows, chosen)
+        out = g.ggml_mul_mat_id(ctx, w["experts_down"], g.ggml_swiglu_split(ctx, gate, up), chosen)  # [h, k, n]
+        out = g.ggml_mul(ctx, out, weights)
+        total = None
+        for slot in range(k):
+            piece = g.ggml_view_2d(ctx, out, h, n, out.contents.nb[2], slot * out.contents.nb[1])
+            total = piece if total is None else g.ggml_add(ctx, total, piece)
+        return total
 
     # --- one step ------------------------------------------------------------------------------
     def forward(self, x: Tensor, positions: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> Tensor:
@@ -480,7 +531,8 @@ class GGMLStage:
     def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
         n = x.shape[0]
         split = _NODES_PER_SPLIT_LAYER if _in_row_pieces(n) else 0
-        max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split) + 64
+        experts = 2 * self.config.num_experts_per_tok  # a view and an add per chosen expert
+        max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split + experts) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
         step = _Step(key, s, None, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
                      else self._allocator)

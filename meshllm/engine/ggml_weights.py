@@ -285,6 +285,28 @@ class GGMLMatrix:
         return y
 
     @property
+    def repacked(self) -> bool:
+        """Whether ggml re-laid the blocks out at upload (its repack buffer): rows then interleave."""
+        rt = self.rt
+        return self._buffer is not None and rt.repack_buffer_type is not None and \
+            self.g.ggml_backend_buffer_get_type(self._buffer) == rt.repack_buffer_type
+
+    def matmul_rows(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """x [n, cols] -> x @ W[start:stop].T [n, stop - start], fp32: rows of a matrix in ggml's
+        plain layout (a repacked one interleaves rows), as one expert's of an experts matrix."""
+        assert x.dim() == 2 and x.shape[1] == self.cols and 0 <= start < stop <= self.rows
+        assert self.layout == "ggml" and self.remainder is None and not self.repacked, "rows of a re-laid matrix"
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], stop - start, dtype=torch.float32)
+        with GraphScope(self.rt) as s:
+            nb1 = self.tensor.contents.nb[1]
+            rows = s.g.ggml_view_2d(s.ctx, self.tensor, self.cols, stop - start, nb1, start * nb1)
+            yt = s.g.ggml_mul_mat(s.ctx, rows, s.wrap(x))
+            s.point(yt, y)
+            s.compute(yt)
+        return y
+
+    @property
     def shape(self) -> tuple[int, int]:
         return (self.rows, self.cols)
 

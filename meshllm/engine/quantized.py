@@ -31,10 +31,12 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_parts(cls, rt: Runtime, parts: list[BlockMatrix], bias: Tensor | None = None) -> QuantizedLinear:
+    def from_parts(cls, rt: Runtime, parts: list[BlockMatrix], bias: Tensor | None = None,
+                   repack: bool = True) -> QuantizedLinear:
+        """`repack=False`: ggml's plain layout, whose rows views and expert products can read."""
         if len(parts) > 1 and len({p.ggml_type for p in parts}) == 1:
             parts = [BlockMatrix.cat_rows(parts)]  # one matrix, one product
-        return cls([GGMLMatrix(rt, p) for p in parts], bias)
+        return cls([GGMLMatrix(rt, p, repack=repack) for p in parts], bias)
 
     @property
     def num_bytes(self) -> int:
@@ -52,6 +54,11 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def rows_product(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """x [n, in_features] times rows [start, stop) of W (one expert's, engine/moe): [n, stop - start]."""
+        (matrix,) = self.matrices
+        return matrix.matmul_rows(x.reshape(-1, self.in_features), start, stop).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ggml {'+'.join(self.weight_types)}"

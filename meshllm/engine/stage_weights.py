@@ -65,7 +65,15 @@ class GGMLWeightForm:
         parts = linear_block_parts(source, hf_names, rows, self._blocks, self.rt, self.quantize_to)
         if parts is None:
             return None
-        return QuantizedLinear.from_parts(self.rt, parts)
+        # Experts matrices stay in ggml's plain layout: its expert product (mul_mat_id) and the torch
+        # path's one-expert views read rows there; a repacked layout interleaves them.
+        experts = any(".experts." in name for name in hf_names)
+        linear = QuantizedLinear.from_parts(self.rt, parts, repack=not experts)
+        if experts and len(linear.matrices) != 1:
+            raise ModelLoadError(f"{source.path}: the experts of {hf_names[0]!r} and the others are stored in "
+                                 f"different types ({', '.join(sorted({p.ggml_type.name for p in parts}))}); "
+                                 f"meshllm needs one type per experts matrix")
+        return linear
 
     def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size,
                   shared_with_head: bool) -> nn.Module | None:
@@ -137,6 +145,9 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
                        progress=None, device: str = "cpu") -> Decoder:
     """Layers [first_layer, last_layer) of `source` in their fastest form (see the module docstring)."""
     if device != "cpu":
+        if config.num_experts:  # the device weight forms have no one-expert products yet
+            raise BadRequest(f"mixture-of-experts models run on the CPU (ggml's expert product), not on "
+                             f"--device {device}")
         return _load_on_device(source, config, first_layer, last_layer, dtype, quantization, batch_invariant,
                                progress, device)
     if quantization is not None and quantization not in QUANTIZE_TYPES:

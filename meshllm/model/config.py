@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshllm.errors import ModelLoadError, UnsupportedArchitecture
-from meshllm.model import gemma
+from meshllm.model import gemma, moe
 
 # model_type -> switches that differ from plain Llama.
 SUPPORTED_MODEL_TYPES = {
@@ -26,6 +26,9 @@ SUPPORTED_MODEL_TYPES = {
     "phi3": {},
     # Gemma 3's text model: see model/gemma.py for what sets it apart.
     "gemma3_text": {},
+    # Mixtures of experts (model/moe.py): Qwen3 attention with expert MLPs, and Mixtral (Mistral's)
+    "qwen3_moe": {"qk_norm": True},
+    "mixtral": {},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -34,6 +37,8 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 
@@ -78,6 +83,11 @@ class ModelConfig:
     sliding_layers: tuple[bool, ...] | None = None  # the layers sliding_window applies to; None: all
     local_rope_theta: float | None = None  # the sliding layers' rope base; None: rope_theta
     rope_linear_factor: float = 1.0  # positions of the other layers divided by it (rope "linear")
+    # Mixture of experts (model/moe.py); 0 experts: a dense MLP of intermediate_size
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = False  # the chosen experts' weights rescaled to sum to 1
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -123,7 +133,8 @@ class ModelConfig:
         kv = self.num_key_value_heads * self.head_dim
         bias = (q + 2 * kv) if self.attention_bias else 0
         norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
-        return h * (q + 2 * kv) + q * h + 3 * h * i + bias + norms
+        mlp = 3 * h * i if not self.num_experts else self.num_experts * (3 * h * self.expert_intermediate_size + h)
+        return h * (q + 2 * kv) + q * h + mlp + bias + norms
 
     def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
         layers = self.num_hidden_layers if num_layers is None else num_layers
@@ -155,13 +166,16 @@ class ModelConfig:
                 # One set of factors for a sequence's whole life keeps its cached keys valid, so
                 # the context stops at the original length.
                 max_positions = min(max_positions, long_rope[2])
-            sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type in ("mistral", "phi3")) \
+            sliding = d.get("sliding_window") if d.get("use_sliding_window", model_type in ("mistral", "phi3",
+                                                                                          "mixtral")) \
                 else None
             if sliding and int(sliding) >= max_positions:
                 sliding = None  # a window as long as the context hides nothing (Phi-3.5's is 262144)
             # Gemma's switches replace the generic ones they overlap (rope, window, norms)
             family = gemma.gemma_fields(d, int(d["num_hidden_layers"]), origin) \
                 if model_type in gemma.MODEL_TYPES else {}
+            if model_type in moe.MODEL_TYPES:
+                family = moe.moe_fields(d, model_type, origin)
             fields = dict(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -225,11 +239,11 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         raise UnsupportedArchitecture(f"{origin}: hidden_act {act!r} is not supported (meshllm runs silu MLPs)")
     if d.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{origin}: mlp_bias=true is not supported (meshllm runs bias-free MLPs)")
-    if model_type in ("llama", "qwen3", *gemma.MODEL_TYPES) and d.get("attention_bias"):
+    if model_type in ("llama", "qwen3", "qwen3_moe", *gemma.MODEL_TYPES) and d.get("attention_bias"):
         # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
         raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
                                       f"is not supported")
-    if model_type in ("qwen2", "qwen3") and d.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
         raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
                                       f"some layers only) is not supported; set it to false")
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}

@@ -235,6 +235,51 @@ class MLP(nn.Module):
         return self.down_proj(act * up)
 
 
+class MoE(nn.Module):
+    """A mixture of SwiGLU experts (model/moe.py). Each projection holds every expert's rows, expert
+    after expert ([experts * rows, cols]): one matrix per projection, which ggml's expert product
+    (mul_mat_id) reads as [experts, rows, cols]."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        h, i, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
+        self.width, self.top_k, self.normalize = i, config.num_experts_per_tok, config.normalize_expert_weights
+        self.router = nn.Linear(h, e, bias=False, dtype=dtype)
+        self.gate_proj = nn.Linear(h, e * i, bias=False, dtype=dtype)
+        self.up_proj = nn.Linear(h, e * i, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(i, e * h, bias=False, dtype=dtype)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(weights, experts) [tokens, top_k] of each token, as transformers computes them."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, experts = self.route(x)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():  # in expert order, each expert's tokens at once
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            y = self._expert(e, x[rows]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(x.dtype))
+        return out
+
+    def _expert(self, e: int, x: Tensor) -> Tensor:
+        i, h = self.width, x.shape[-1]
+        gate = _rows_product(self.gate_proj, x, e * i, (e + 1) * i)
+        up = _rows_product(self.up_proj, x, e * i, (e + 1) * i)
+        return _rows_product(self.down_proj, F.silu(gate) * up, e * h, (e + 1) * h)
+
+
+def _rows_product(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
+    """x times rows [start, stop) of a linear's weight: one expert's slice of an experts matrix."""
+    if isinstance(linear, nn.Linear):
+        return F.linear(x, linear.weight[start:stop])
+    return linear.rows_product(x, start, stop)  # a quantized form (engine/quantized.py)
+
+
 class DecoderLayer(nn.Module):
     """`layer`: its index in the whole model (which window and rotary it takes)."""
 
@@ -244,7 +289,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, dtype)
         self.self_attn = Attention(config, dtype, layer)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype)  # the norm before the MLP
-        self.mlp = MLP(config, dtype)
+        self.mlp = MoE(config, dtype) if config.num_experts else MLP(config, dtype)
         # Gemma's sandwich: the attention's and the MLP's outputs normalised before they join the stream
         self.attn_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None

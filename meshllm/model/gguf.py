@@ -25,6 +25,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 from meshllm.errors import CorruptWeights, ModelLoadError, TensorParallelUnsplittable, UnsupportedArchitecture
+from meshllm.model import moe
 from meshllm.model.config import ModelConfig, RopeScaling
 from meshllm.model.fused import split_fused
 from meshllm.model.tensor_slice import TensorSlice
@@ -35,8 +36,10 @@ _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: tor
 _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q3_K,
                 GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text"}
-_PERMUTED_QK_ARCHITECTURES = {"llama"}  # its converter interleaves q/k rows for ggml's rope
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
+                  "qwen3moe": "qwen3_moe"}
+# its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too)
+_PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral"}
 
 # metadata value type id -> struct format of one scalar
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -286,8 +289,10 @@ class GGUFSource:
         except (TypeError, ValueError) as e:  # a metadata value of the wrong type
             raise CorruptWeights(f"{self.path} has malformed GGUF metadata: {e}") from None
         arch = self.file.metadata.get("general.architecture")
-        self._by_hf_name = _split_fused(self.path, self._config, {
-            hf: info for info in self.file.tensors.values() if (hf := hf_name(info.name, arch)) is not None})
+        by_hf_name = {hf: info for info in self.file.tensors.values() if (hf := hf_name(info.name, arch)) is not None}
+        if self._config.num_experts:
+            by_hf_name.update(_expert_tensors(self.file, self._config))
+        self._by_hf_name = _split_fused(self.path, self._config, by_hf_name)
         self._bytes_read = 0
 
     def config(self) -> ModelConfig:
@@ -432,6 +437,30 @@ class GGUFSource:
         return value
 
 
+def _expert_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensorInfo]:
+    """The routers and each expert's weights, by HF name: llama.cpp stores a layer's experts as one
+    [experts, rows, cols] tensor per projection, so one expert's weight is a row range of it."""
+    out = {}
+    for layer in range(config.num_hidden_layers):
+        router = file.tensors.get(f"blk.{layer}.ffn_gate_inp.weight")
+        if router is not None:
+            out[moe.router_name(config.model_type, layer)] = router
+        for index, projection in enumerate(("gate", "up", "down")):
+            info = file.tensors.get(f"blk.{layer}.ffn_{projection}_exps.weight")
+            if info is None:
+                continue
+            if len(info.shape) != 3 or info.shape[0] != config.num_experts:
+                raise CorruptWeights(f"{file.path}: {info.name} has shape {list(info.shape)}, not "
+                                     f"[{config.num_experts}, rows, cols] for {config.num_experts} experts")
+            rows, expert_bytes = info.shape[1], info.num_bytes // config.num_experts
+            for e in range(config.num_experts):
+                name = moe.expert_names(config.model_type, layer, e)[index]
+                out[name] = GGUFTensorInfo(f"{info.name}[{e}]", info.shape[1:], info.ggml_type,
+                                           info.offset + e * expert_bytes, expert_bytes)
+            assert rows * (expert_bytes // rows) == expert_bytes
+    return out
+
+
 def _split_fused(path: Path, config: ModelConfig, by_hf_name: dict[str, GGUFTensorInfo]) -> dict[str, GGUFTensorInfo]:
     """Fused tensors replaced by a tensor info per part: its rows' bytes, where they lie in the file."""
     for name in [n for n in by_hf_name if n.endswith(".mlp.up_proj.weight")]:
@@ -471,9 +500,13 @@ def config_dict(file: GGUFFile) -> dict:
     if arch not in _ARCHITECTURES:
         raise UnsupportedArchitecture(f"{file.path} is a GGUF of architecture {arch!r}; meshllm runs GGUF "
                                       f"architectures {sorted(_ARCHITECTURES)}")
-    if int(meta.get(f"{arch}.expert_count", 0) or 0) > 0:  # Mixtral is written as "llama"
-        raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts model ({arch}.expert_count "
-                                      f"{meta[f'{arch}.expert_count']}); meshllm runs dense models only")
+    experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
+    if experts and arch not in ("llama", "qwen3moe"):
+        raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts {arch} model; meshllm runs the "
+                                      f"experts of Mixtral (llama) and Qwen3-MoE (qwen3moe) files")
+    if int(meta.get(f"{arch}.expert_shared_count", 0) or 0):
+        raise UnsupportedArchitecture(f"{file.path} has shared experts ({arch}.expert_shared_count), which "
+                                      f"meshllm does not run")
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -520,6 +553,11 @@ def config_dict(file: GGUFFile) -> dict:
         "bos_token_id": int(tokens_meta["bos_token_id"]) if "bos_token_id" in tokens_meta else None,
         "eos_token_id": sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
     }
+    if experts:  # Mixtral is written as "llama"; llama.cpp renormalizes the chosen experts of both
+        config.update(model_type="mixtral" if arch == "llama" else "qwen3_moe", num_experts=experts,
+                      num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=True,
+                      moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length",
+                                                         config["intermediate_size"])))
     if arch == "gemma3":
         config.update(_gemma3(file, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
                               config["rope_scaling"]))

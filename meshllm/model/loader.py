@@ -15,13 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from meshllm.errors import ModelLoadError
+from meshllm.model import moe
 from meshllm.model.config import ModelConfig
 from meshllm.model.decoder import Decoder
 from meshllm.model.weights import TensorSource
 
 # our parameter name -> HF names concatenated along dim 0 to form it
 NameMap = dict[str, list[str]]
-_MODULE_WEIGHTS = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight", ".down_proj.weight")
+_MODULE_WEIGHTS = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight", ".down_proj.weight",
+                   ".mlp.gate_proj.weight", ".mlp.up_proj.weight")  # the last two: experts matrices
 
 
 class WeightForm(Protocol):
@@ -57,8 +59,14 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
             names[f"{ours}.self_attn.q_norm.weight"] = [f"{attn}.q_norm.weight"]
             names[f"{ours}.self_attn.k_norm.weight"] = [f"{attn}.k_norm.weight"]
         names[f"{ours}.self_attn.o_proj.weight"] = [f"{attn}.o_proj.weight"]
-        names[f"{ours}.mlp.gate_up_proj.weight"] = [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"]
-        names[f"{ours}.mlp.down_proj.weight"] = [f"{hf}.mlp.down_proj.weight"]
+        if config.num_experts:  # each projection: every expert's rows, expert after expert
+            experts = [moe.expert_names(config.model_type, i, e) for e in range(config.num_experts)]
+            names[f"{ours}.mlp.router.weight"] = [moe.router_name(config.model_type, i)]
+            for index, projection in enumerate(("gate_proj", "up_proj", "down_proj")):
+                names[f"{ours}.mlp.{projection}.weight"] = [names_of[index] for names_of in experts]
+        else:
+            names[f"{ours}.mlp.gate_up_proj.weight"] = [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"]
+            names[f"{ours}.mlp.down_proj.weight"] = [f"{hf}.mlp.down_proj.weight"]
     if last_layer == config.num_hidden_layers:
         names["norm.weight"] = ["model.norm.weight"]
         names["lm_head.weight"] = ["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
@@ -194,6 +202,8 @@ def _part_rows(config: ModelConfig, ours: str, shape: torch.Size) -> list[int]:
         return [config.num_attention_heads * config.head_dim, kv, kv]
     if ".gate_up_proj." in ours:
         return [config.intermediate_size, config.intermediate_size]
+    if config.num_experts and ours.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")):
+        return [shape[0] // config.num_experts] * config.num_experts  # one part per expert
     return [shape[0]]
 
 

@@ -40,6 +40,8 @@ def check_splittable(config: ModelConfig, size: int) -> None:
         problems.append(f"its MLP width (intermediate_size {inter}) does not divide by {size}")
     if config.vocab_size < size:
         problems.append(f"its vocabulary of {config.vocab_size} is smaller than the group")
+    if config.num_experts:
+        problems.append("its mixture-of-experts layers are not split across a group (they run in pipeline stages)")
     if problems:
         ways = [n for n in range(2, heads + 1) if _splits(config, n)]
         hint = (f"group sizes that split it: {', '.join(map(str, ways))}" if ways
@@ -52,7 +54,7 @@ def check_splittable(config: ModelConfig, size: int) -> None:
 def _splits(config: ModelConfig, size: int) -> bool:
     kv = config.num_key_value_heads
     return (config.num_attention_heads % size == 0 and (kv % size == 0 or size % kv == 0)
-            and config.intermediate_size % size == 0 and config.vocab_size >= size)
+            and config.intermediate_size % size == 0 and config.vocab_size >= size and not config.num_experts)
 
 
 @dataclass(frozen=True, slots=True)

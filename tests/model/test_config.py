@@ -37,6 +37,10 @@ def _folder_with(tmp_path, text: str):
                     rope_theta=1e6, rope_linear_factor=8.0, local_rope_theta=10000.0, attention_scale=24 ** -0.5,
                     embedding_scale=8.0, sandwich_norms=True, norm_weight_offset=1.0, hidden_act="gelu_tanh",
                     qk_norm=True, tie_word_embeddings=True)),
+    ("qwen3-moe", dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
+                       normalize_expert_weights=False, qk_norm=True)),
+    ("mixtral", dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
+                     normalize_expert_weights=True, qk_norm=False)),
 ])
 def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, expect):
     config = ModelConfig.from_folder(tiny_model_dir(variant))
@@ -46,7 +50,8 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
         assert getattr(config, key) == value, key
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma3"])
+@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma3", "qwen3-moe",
+                                     "mixtral"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts.
     folder = tiny_model_dir(variant)
@@ -122,6 +127,30 @@ def test_gemma_features_meshllm_lacks_are_refused(change, words):
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"decoder_sparse_step": 2}, ["decoder_sparse_step 2", "every layer is sparse"]),
+    ({"mlp_only_layers": [0]}, ["mlp_only_layers [0]"]),
+    ({"num_experts_per_tok": 9}, ["9 experts per token of 8"]),
+])
+def test_mixture_of_experts_layouts_meshllm_lacks_are_refused(change, words):
+    qwen_moe = {**LLAMA, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
+    ModelConfig.from_dict(qwen_moe)  # as it is: runs
+    with pytest.raises(UnsupportedArchitecture) as info:
+        ModelConfig.from_dict({**qwen_moe, **change})
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_mixture_of_experts_models_are_not_split_by_tensor_parallelism(tiny_model_dir):
+    from meshllm.errors import TensorParallelUnsplittable
+    from meshllm.tp.shard import check_splittable
+
+    config = ModelConfig.from_folder(tiny_model_dir("mixtral"))
+    with pytest.raises(TensorParallelUnsplittable, match="mixture-of-experts.*pipeline stages.*without tensor"):
+        check_splittable(config, 2)
+
+
 def test_defaults_and_fallbacks():
     d = {k: v for k, v in LLAMA.items() if k not in ("num_key_value_heads", "model_type")}
     config = ModelConfig.from_dict(d)  # model_type found from architectures; MHA when kv heads are absent
@@ -139,7 +168,7 @@ def test_aidreams_config(aidreams_path):
 
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["'gpt2'", "LlamaForCausalLM", "qwen3"]),
-    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}, ["'mixtral'", "MistralForCausalLM"]),
+    ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, ["'qwen2_moe'", "MixtralForCausalLM"]),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["'yarn'", "llama3"]),
     ({"hidden_act": "gelu"}, ["hidden_act", "'gelu'"]),
     ({"mlp_bias": True}, ["mlp_bias"]),

@@ -20,6 +20,7 @@ from gguf.constants import GGMLQuantizationType as GGML, RopeScalingType
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from meshllm.errors import CorruptWeights, MeshError, ModelLoadError, UnsupportedArchitecture
+from meshllm.model import moe
 from meshllm.model.gguf import GGUFFile, GGUFSource, dequantize
 from meshllm.model.loader import load_decoder
 from meshllm.model.weights import SafetensorsSource
@@ -81,6 +82,17 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             w.add_rope_scaling_factor(cfg.rope_linear_factor)
         for name in [n for n in tensors if n.endswith("norm.weight")]:
             tensors[name] = tensors[name] + 1  # its converter stores Gemma's 1 + w
+    if cfg.num_experts:  # conversion: each projection's experts stacked [experts, rows, cols]; F32 router
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+        for i in range(cfg.num_hidden_layers):
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors.pop(moe.router_name(cfg.model_type, i)).numpy())
+            names = [moe.expert_names(cfg.model_type, i, e) for e in range(cfg.num_experts)]
+            for index, projection in enumerate(("gate", "up", "down")):
+                stacked = torch.stack([tensors.pop(expert[index]) for expert in names])
+                w.add_tensor(f"blk.{i}.ffn_{projection}_exps.weight", stacked.numpy())
     if arch == "phi3":  # conversion/phi.py Phi3MiniModel
         w.add_sliding_window(cfg.sliding_window or 0)
         rope = hf.get("rope_parameters") or {}
@@ -267,11 +279,14 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
-                                          ("phi3-longrope", "phi3"), ("gemma3", "gemma3")])
+                                          ("phi3-longrope", "phi3"), ("gemma3", "gemma3"), ("qwen3-moe", "qwen3moe"),
+                                          ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
     if variant == "gemma3":  # a GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (27B aside)
         overrides = {"query_pre_attn_scalar": 16}
+    if variant == "qwen3-moe":  # llama.cpp renormalizes Qwen3-MoE's chosen experts, as its models all say
+        overrides = {"norm_topk_prob": True}
     folder = tiny_model_dir(variant, **overrides)
     hf = SafetensorsSource(folder)
     freqs = _llama3_rope_freqs(hf.config().head_dim) if variant == "llama3" else None
@@ -282,7 +297,8 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "tie_word_embeddings", "attention_bias", "qk_norm", "bos_token_id", "sliding_window",
                   "max_position_embeddings", "rope_factors", "rope_attention_factor", "hidden_act",
                   "embedding_scale", "sandwich_norms", "attention_scale", "sliding_layers", "local_rope_theta",
-                  "rope_linear_factor"):
+                  "rope_linear_factor", "num_experts", "num_experts_per_tok", "expert_intermediate_size",
+                  "normalize_expert_weights"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())
@@ -495,9 +511,17 @@ def test_files_meshllm_cannot_run_say_what_they_are(tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="big-endian"):
         GGUFSource(big_endian)
 
-    w = GGUFWriter(tmp_path / "moe.gguf", "llama")
+    # Experts meshllm runs: Mixtral's (llama) and Qwen3-MoE's, without shared experts
+    w = GGUFWriter(tmp_path / "moe.gguf", "qwen2")
     w.add_expert_count(8)
     w.add_tensor("token_embd.weight", _values(4, 32, 0))
     _finish(w)
-    with pytest.raises(UnsupportedArchitecture, match="mixture-of-experts"):
+    with pytest.raises(UnsupportedArchitecture, match="mixture-of-experts qwen2 model"):
         GGUFSource(tmp_path / "moe.gguf")
+    w = GGUFWriter(tmp_path / "shared.gguf", "qwen3moe")
+    w.add_expert_count(8)
+    w.add_expert_shared_count(1)
+    w.add_tensor("token_embd.weight", _values(4, 32, 0))
+    _finish(w)
+    with pytest.raises(UnsupportedArchitecture, match="shared experts"):
+        GGUFSource(tmp_path / "shared.gguf")

@@ -24,13 +24,16 @@ from tests.quantized_gguf import write_quantized_llama
 pytestmark = pytest.mark.slow
 
 TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
-# Phi-3 as llama.cpp writes it (fused q/k/v and gate/up): as Phi-4 (no window), and with a window
-# the prompts and replies cross, on ggml's path.
-PHI3 = {"phi3-Q4_K": (GGML.Q4_K, 0), "phi3-window-Q8_0": (GGML.Q8_0, 5)}
-# Gemma 3's layers, windowed and full, split across the two stages (3 layers: 0, 1 windowed, 2 full)
-GEMMA3 = {"gemma3-Q4_K": (GGML.Q4_K, 4)}
-FAMILIES = {**{name: ("phi3", *spec) for name, spec in PHI3.items()},
-            **{name: ("gemma3", *spec) for name, spec in GEMMA3.items()}}
+# Other families, as llama.cpp writes them, on ggml's path: Phi-3 (fused q/k/v and gate/up) as
+# Phi-4 (no window) and with a window the prompts and replies cross; Gemma 3's windowed and full
+# layers split across the two stages (3 layers: 0, 1 windowed, 2 full); mixtures of experts.
+FAMILIES = {
+    "phi3-Q4_K": dict(ggml_type=GGML.Q4_K, arch="phi3"),
+    "phi3-window-Q8_0": dict(ggml_type=GGML.Q8_0, arch="phi3", sliding_window=5),
+    "gemma3-Q4_K": dict(ggml_type=GGML.Q4_K, arch="gemma3", sliding_window=4),
+    "qwen3moe-Q4_K": dict(ggml_type=GGML.Q4_K, arch="qwen3moe", experts=4),
+    "mixtral-Q8_0": dict(ggml_type=GGML.Q8_0, arch="llama", experts=4),
+}
 OPTIONS = ServingOptions(context_length=256, max_batch=4, dtype="float32",
                          scheduler=SchedulerConfig(max_batched_tokens=64, prefill_chunk=32))
 PROMPTS = ["Once upon a time", "The capital of France is"]
@@ -43,9 +46,8 @@ def models(smollm2_gguf_path, tmp_path_factory):
         pytest.skip("ggml is not built here (install.sh builds it); quantized weights are dequantized instead")
     folder = tmp_path_factory.mktemp("quantized")
     models = {t: write_quantized_llama(rt, smollm2_gguf_path, folder / f"tiny-{t.name}.gguf", t) for t in TYPES}
-    for name, (arch, ggml_type, window) in FAMILIES.items():
-        models[name] = write_quantized_llama(rt, smollm2_gguf_path, folder / f"tiny-{name}.gguf", ggml_type,
-                                             arch=arch, sliding_window=window)
+    for name, spec in FAMILIES.items():
+        models[name] = write_quantized_llama(rt, smollm2_gguf_path, folder / f"tiny-{name}.gguf", **spec)
     return models
 
 
@@ -70,7 +72,7 @@ def _tokens(leader, ids, params) -> list[int]:
 @pytest.mark.parametrize("model", [*TYPES, *FAMILIES], ids=lambda t: getattr(t, "name", t))
 def test_two_stage_pipeline_matches_one_process(two_nodes, models, model):
     files = open_model(models[model])
-    ggml_type = FAMILIES[model][1] if model in FAMILIES else model
+    ggml_type = FAMILIES[model]["ggml_type"] if model in FAMILIES else model
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     decoder = load_stage_decoder(files.source, files.config)
     assert decoder.layers[0].mlp.down_proj.weight_types == [ggml_type.name]  # held quantized, not dequantized
