@@ -74,22 +74,24 @@ class SafetensorsSource:
             self._parts = split_fused(self._config, {n: e.shape for n, e in self._entries.items()})
         except ModelLoadError as e:
             raise ModelLoadError(f"{self.path}: {e}") from None
+        shapes = {name: entry.shape for name, entry in self._entries.items()}
+        for name, part in self._parts.items():
+            shapes[name] = (part.stop - part.start, *shapes[part.fused][1:])
+        # The names it shows, once: a mixture of experts has tens of thousands (Qwen3-30B-A3B: 18k)
+        self._shapes = {name: shapes[name] for name in visible_names(self._entries.keys(), self._parts)}
         self._bytes_read = 0
 
     def config(self) -> ModelConfig:
         return self._config
 
     def tensor_names(self) -> list[str]:
-        return visible_names(self._entries.keys(), self._parts)
+        return list(self._shapes)
 
     def num_bytes_read(self) -> int:
         return self._bytes_read
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {name: entry.shape for name, entry in self._entries.items()}
-        for name, part in self._parts.items():
-            shapes[name] = (part.stop - part.start, *shapes[part.fused][1:])
-        return {name: shapes[name] for name in self.tensor_names()}
+        return dict(self._shapes)
 
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return self._read({name: None for name in names}, dtype)
@@ -100,7 +102,7 @@ class SafetensorsSource:
 
     def _read(self, parts: Mapping[str, TensorSlice | None], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Each named tensor whole (None) or its slice, one open per file."""
-        shapes = self.tensor_shapes()
+        shapes = self._shapes
         by_file: dict[Path, list[str]] = {}
         for name, s in parts.items():
             if name not in shapes:

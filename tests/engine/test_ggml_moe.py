@@ -15,7 +15,6 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as GGML
 
-from meshllm.engine.ggml_lib import runtime
 from meshllm.engine.ggml_stage import GGMLStage
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.decoder import MoE
@@ -25,14 +24,6 @@ from tests.engine.test_ggml_sliding_window import _logits
 from tests.quantized_gguf import write_quantized_llama
 
 SEQS = [[(7 * i + 13 * j) % 90 + 3 for j in range(20)] for i in range(3)]
-
-
-@pytest.fixture(scope="module")
-def rt():
-    rt = runtime()
-    if rt is None:
-        pytest.skip("ggml is not built here (install.sh builds it)")
-    return rt
 
 
 @pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])

@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as GGML
 
-from meshllm.engine.ggml_lib import GGML_VERSION, runtime
+from meshllm.engine.ggml_lib import GGML_VERSION
 from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, quantize
 
 GGUF_TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
@@ -33,14 +33,6 @@ POINTER_RETURNING = ["ggml_init", "ggml_new_tensor_4d", "ggml_new_tensor_2d", "g
                      "ggml_reshape_3d", "ggml_permute", "ggml_cont", "ggml_set_rows", "ggml_view_1d",
                      "ggml_view_2d", "ggml_view_3d", "ggml_scale", "ggml_reshape_2d", "ggml_sum_rows",
                      "ggml_out_prod", "ggml_transpose", "ggml_custom_4d", "ggml_concat", "ggml_cast"]
-
-
-@pytest.fixture(scope="module")
-def rt():
-    loaded = runtime()
-    if loaded is None:
-        pytest.skip("ggml is not built here (install.sh builds ggml-python); the torch path is tested instead")
-    return loaded
 
 
 def test_ctypes_layer_matches_the_library(rt):

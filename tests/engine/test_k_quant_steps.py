@@ -23,21 +23,12 @@ import torch
 from gguf.constants import GGMLQuantizationType as GGML
 
 from meshllm.engine import ggml_stage
-from meshllm.engine.ggml_lib import runtime
 from meshllm.engine.ggml_weights import GGMLMatrix, quantize
 from meshllm.engine.kernels.custom_ops import q4_kx8_few_rows_op
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.source import open_model
 from tests.engine.test_ggml_few_rows import verify_pass_and_steps
 from tests.quantized_gguf import write_quantized_llama
-
-
-@pytest.fixture(scope="module")
-def rt():
-    rt = runtime()
-    if rt is None:
-        pytest.skip("ggml is not built here (install.sh builds it)")
-    return rt
 
 
 @pytest.fixture(scope="module", params=[GGML.Q6_K, GGML.Q5_K, GGML.Q4_K, GGML.Q3_K, GGML.IQ4_XS],
