@@ -56,6 +56,9 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+_FIRST_POSITIONS = 4096  # rotary table rows made up front
+
+
 class Rotary:
     """cos/sin tables indexed by absolute position; llama3 and LongRoPE frequency scaling."""
 
@@ -64,7 +67,10 @@ class Rotary:
         self.inv_freq = _inv_freq(config, theta, linear)
         self.attention_factor = config.rope_attention_factor
         self.cos = self.sin = torch.empty(0, config.head_dim, dtype=dtype)
-        self._grow(max(config.max_position_embeddings, 1))
+        # Grown as positions need it (ensure), not to the model's whole context: Llama 3.1's 131072
+        # positions of head_dim 128 take 67 MB in bf16, Gemma 3's two tables of 256 268 MB, on
+        # every stage, and a stage on ggml's path never reads them.
+        self._grow(min(config.max_position_embeddings, _FIRST_POSITIONS))
 
     def _grow(self, num_positions: int) -> None:
         t = torch.arange(num_positions, dtype=torch.float32)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from meshllm.engine.kv_cache import SequenceKV
 from meshllm.model.config import ModelConfig
-from meshllm.model.decoder import Decoder, SeqSlice
+from meshllm.model.decoder import Decoder, Rotary, SeqSlice
 from meshllm.model.loader import load_decoder
 from meshllm.model.weights import SafetensorsSource
 from tests.conftest import TINY_VARIANTS
@@ -204,3 +204,17 @@ def test_aidreams_greedy_generation_matches_transformers_generate(aidreams_path,
         logits = _step(decoder, torch.tensor(got[-1:]), kv)[-1]
     assert got == want
     assert kv.length == len(prompt) + num_new
+
+
+def test_rotary_tables_grow_with_the_positions_used_not_the_whole_context():
+    # Llama 3.1's 131072 positions would take 67 MB of tables per stage up front (bf16, head_dim 128)
+    config = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 96, "hidden_size": 64, "intermediate_size": 112,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                    "max_position_embeddings": 131072})
+    rotary = Rotary(config, torch.float32)
+    assert rotary.cos.shape == (4096, 16)
+    cos, sin = rotary(torch.tensor([6000, 3]))
+    assert 6000 < rotary.cos.shape[0] < 131072
+    angles = torch.tensor([6000.0, 3.0])[:, None] * rotary.inv_freq
+    torch.testing.assert_close(cos, torch.cat((angles, angles), dim=-1).cos(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, torch.cat((angles, angles), dim=-1).sin(), atol=1e-6, rtol=0)
