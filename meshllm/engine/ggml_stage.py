@@ -504,8 +504,13 @@ class GGMLStage:
 
     def _batched(self, slices: list[SeqSlice]) -> bool:
         """Whether a step's attention takes the batched form (ATTENTION_FEW_ROWS_MAX says why)."""
-        return self._batched_ops is not None and self.config.sliding_window is None and all(
-            s.num_tokens <= ATTENTION_FEW_ROWS_MAX and s.kv.k.dtype == torch.bfloat16 for s in slices)
+        # With a sliding window, decode rows only: the table then starts each windowed layer's keys
+        # where its window does (_fill_table); rows of one sequence would each need their own start.
+        windowed = self.config.sliding_window is not None
+        return self._batched_ops is not None and all(
+            s.num_tokens <= ATTENTION_FEW_ROWS_MAX and s.kv.k.dtype == torch.bfloat16 and (s.num_tokens == 1 or
+                                                                                           not windowed)
+            for s in slices)
 
     def _reuse_key(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
         """What a reusable graph depends on; None for steps that build their own (prefill chunks)."""
@@ -551,6 +556,7 @@ class GGMLStage:
         pos = s.wrap(step.pos)
         if self._batched(slices):
             step.table = torch.zeros(len(self.layers), 1 + _TABLE_FIELDS * n, dtype=torch.int64)
+            step.windows = [w["window"] for w in self.layers] if c.sliding_window is not None else None
             masks = {w["window"]: [None] * len(slices) for w in self.layers}
         else:
             # per window the layers attend with (Gemma 3's layers have two): each slice's mask
@@ -650,6 +656,7 @@ class _Step:
         self.ids = self.hidden = self.rows = self.pos = self.out = self.kv_anchor = None
         self.table: Tensor | None = None  # the batched form's per-layer sequence table
         self.table_layout: list | None = None  # what the table was last filled for, but the starts
+        self.windows: list[int | None] | None = None  # each layer's window, where the table applies one
         # (ggml mask, its memory, the index of its slice, its window) of every multi-row slice
         self.masks: list[tuple[object, Tensor, int, int | None]] = []
         self.kvs: list[weakref.ref] = []  # a kept graph's sequences' SequenceKV
@@ -668,7 +675,9 @@ class _Step:
             # Step after step the same sequences keep their rows and KV tensors: only where each
             # starts moves, one column per sequence (refilling it all: ~0.09 ms of a 6 ms step).
             layout = [(s.row, s.num_tokens, s.kv.k.data_ptr(), s.kv.v.data_ptr(), s.kv.k.stride()) for s in slices]
-            if layout == self.table_layout:
+            if self.windows is not None:  # windowed layers' K/V addresses move with the starts too
+                _fill_table(self.table, slices, self.windows)
+            elif layout == self.table_layout:
                 self.table.numpy()[:, 3:1 + _TABLE_FIELDS * len(slices):_TABLE_FIELDS] = [s.start for s in slices]
             else:
                 _fill_table(self.table, slices)
@@ -719,7 +728,7 @@ class _Step:
             self.scope.g.ggml_gallocr_free(self.allocator)
 
 
-def _fill_table(table: Tensor, slices: list[SeqSlice]) -> None:
+def _fill_table(table: Tensor, slices: list[SeqSlice], windows: list[int | None] | None = None) -> None:
     """Where each sequence's rows and KV cache are, per layer, for the batched attention ops
     (kernels/few_rows_attention.c reads it): SequenceKV.k/.v are [layers, kv_heads, capacity, hd].
 
@@ -734,6 +743,16 @@ def _fill_table(table: Tensor, slices: list[SeqSlice]) -> None:
     layer_offsets = np.arange(layers, dtype=np.int64)[:, None] * layer_bytes[None, :]
     entries[:, :, 3] += layer_offsets  # each layer's K and V (the same layout)
     entries[:, :, 4] += layer_offsets
+    for layer, window in enumerate(windows or ()):
+        if window is not None:
+            # A decode row at p sees keys p - window < k <= p: the layer's entries start its keys at
+            # the window's first (K/V addresses later, start lower by as many positions), and the
+            # KV write lands where it did (address + start unchanged). _batched allows one row only.
+            assert (entries[layer, :, 1] == 1).all(), "a windowed batch step of more than one row"
+            first = np.maximum(0, entries[layer, :, 2] - window + 1)
+            entries[layer, :, 2] -= first
+            entries[layer, :, 3] += first * entries[layer, :, 5]
+            entries[layer, :, 4] += first * entries[layer, :, 5]
     view = table.numpy()
     view[:, 0] = n
     view[:, 1:1 + _TABLE_FIELDS * n] = entries.reshape(layers, -1)  # field 2 (start): patch() may rewrite it alone
