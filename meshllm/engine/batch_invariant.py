@@ -38,6 +38,16 @@ class TiledLinear(nn.Linear):
         out = out.view(-1, self.out_features)[:n]
         return out + self.bias if self.bias is not None else out
 
+    def rows_product(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """x times rows [start, stop) of the weight (one expert's, decoder.MoE), tiled the same way."""
+        n, k = x.shape
+        pad = (-n) % TILE_ROWS
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        tiles = x.shape[0] // TILE_ROWS
+        weight = self.weight[start:stop].t().unsqueeze(0).expand(tiles, k, -1)
+        return torch.bmm(x.view(tiles, TILE_ROWS, k), weight).view(-1, stop - start)[:n]
+
 
 def make_batch_invariant(module: nn.Module) -> nn.Module:
     """Switch every nn.Linear inside `module` to TiledLinear and attention to one row at a

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshllm.engine.kernels.gemv import load_gemv
+from meshllm.model.decoder import MoE
 
 MAX_GEMV_ROWS = 8  # the C kernel's tiles are built for decode; prefill-sized inputs go to oneDNN
 MAX_INT8_KERNEL_ROWS = 32  # measured crossover: beyond it the dequantized matmul is faster
@@ -137,6 +138,8 @@ def quantize_int8(module: nn.Module) -> nn.Module:
 
 def _swap_linears(module: nn.Module, make) -> nn.Module:
     for parent in list(module.modules()):
+        if isinstance(parent, MoE):  # it multiplies one expert's rows at a time: its matrices stay nn.Linear
+            continue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 setattr(parent, name, make(child))

@@ -304,7 +304,8 @@ def _long_rope(d: dict) -> tuple[tuple[float, ...], float, int] | None:
         return None
     try:
         short = tuple(float(f) for f in raw["short_factor"])
-        original = int(raw.get("original_max_position_embeddings") or d["original_max_position_embeddings"])
+        # transformers reads Phi-3's top-level field first
+        original = int(d.get("original_max_position_embeddings") or raw["original_max_position_embeddings"])
     except KeyError as e:
         raise ModelLoadError(f"longrope scaling lacks required field {e.args[0]!r}") from None
     if original <= 0 or not all(f > 0 for f in short):

@@ -9,6 +9,7 @@ sequence against that sequence's KV cache.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.weight.dtype != x.dtype:  # Gemma's float32 1 + w (loader.py): computed in float32, as transformers
+            return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -66,35 +69,51 @@ class Rotary:
         self.dtype = dtype
         self.inv_freq = _inv_freq(config, theta, linear)
         self.attention_factor = config.rope_attention_factor
-        self.cos = self.sin = torch.empty(0, config.head_dim, dtype=dtype)
+        # (cos, sin), replaced whole: plans sharing a stage may step it from several threads, and
+        # one must never see a grown cos beside an old sin. Grown under the lock, never shrunk.
+        self.tables = (torch.empty(0, config.head_dim, dtype=dtype),) * 2
+        self._lock = threading.Lock()
         # Grown as positions need it (ensure), not to the model's whole context: Llama 3.1's 131072
         # positions of head_dim 128 take 67 MB in bf16, Gemma 3's two tables of 256 268 MB, on
         # every stage, and a stage on ggml's path never reads them.
-        self._grow(min(config.max_position_embeddings, _FIRST_POSITIONS))
+        self.ensure(min(config.max_position_embeddings, _FIRST_POSITIONS), torch.device("cpu"))
 
-    def _grow(self, num_positions: int) -> None:
+    @property
+    def cos(self) -> Tensor:
+        return self.tables[0]
+
+    @property
+    def sin(self) -> Tensor:
+        return self.tables[1]
+
+    def _made(self, num_positions: int) -> tuple[Tensor, Tensor]:
         t = torch.arange(num_positions, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:  # LongRoPE scales cos and sin (transformers' attention_scaling)
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def __call__(self, positions: Tensor, checked: bool = True) -> tuple[Tensor, Tensor]:
         # checked=False: the caller made sure of the tables (ensure) and this must not read the
         # positions back to the host (a step being captured into a CUDA graph)
         if checked:
             self.ensure(int(positions.max()) + 1 if positions.numel() else 0, positions.device)
-        return self.cos[positions], self.sin[positions]
+        cos, sin = self.tables
+        return cos[positions], sin[positions]
 
     def ensure(self, num_positions: int, device: torch.device) -> None:
         """Tables for positions [0, num_positions), on `device`."""
-        if num_positions > self.cos.shape[0]:
-            self._grow(max(num_positions, 2 * self.cos.shape[0]))
-        if self.cos.device != device:
+        cos, sin = self.tables
+        if num_positions <= cos.shape[0] and cos.device == device:
+            return
+        with self._lock:
+            cos, sin = self.tables
+            if num_positions > cos.shape[0]:
+                cos, sin = self._made(max(num_positions, 2 * cos.shape[0]))
             # The tables are not module buffers, so Decoder.to(device) leaves them behind: follow the input.
-            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+            self.tables = (cos.to(device), sin.to(device))
 
     def rotation(self, positions: Tensor, checked: bool = True) -> Tensor:
         """Matrices R [tokens, head_dim, head_dim] (fp32) with x @ R == x * cos + rotate_half(x) * sin.
@@ -250,6 +269,8 @@ class MoE(nn.Module):
         super().__init__()
         h, i, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
         self.width, self.top_k, self.normalize = i, config.num_experts_per_tok, config.normalize_expert_weights
+        # transformers' Qwen3-MoE rounds the chosen weights to the model's dtype; its Mixtral keeps float32
+        self.round_weights = config.model_type == "qwen3_moe"
         self.router = nn.Linear(h, e, bias=False, dtype=dtype)
         self.gate_proj = nn.Linear(h, e * i, bias=False, dtype=dtype)
         self.up_proj = nn.Linear(h, e * i, bias=False, dtype=dtype)
@@ -261,7 +282,7 @@ class MoE(nn.Module):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), experts
+        return (weights.to(x.dtype) if self.round_weights else weights), experts
 
     def forward(self, x: Tensor) -> Tensor:
         weights, experts = self.route(x)
@@ -276,14 +297,22 @@ class MoE(nn.Module):
         i, h = self.width, x.shape[-1]
         gate = _rows_product(self.gate_proj, x, e * i, (e + 1) * i)
         up = _rows_product(self.up_proj, x, e * i, (e + 1) * i)
+        # Side by side, as the dense MLP's gate and up: torch then applies the activation row by
+        # row. On one contiguous [rows, width] tensor it runs as one vector, whose tail (computed
+        # another way, last bits apart) depends on the row count: a row's bits would depend on how
+        # many others chose the expert.
+        gate, up = torch.cat((gate, up), dim=1).split(i, dim=1)
         return _rows_product(self.down_proj, F.silu(gate) * up, e * h, (e + 1) * h)
 
 
 def _rows_product(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
-    """x times rows [start, stop) of a linear's weight: one expert's slice of an experts matrix."""
-    if isinstance(linear, nn.Linear):
-        return F.linear(x, linear.weight[start:stop])
-    return linear.rows_product(x, start, stop)  # a quantized form (engine/quantized.py)
+    """x times rows [start, stop) of a linear's weight: one expert's slice of an experts matrix.
+    Forms with their own product (ggml's blocks, batch-invariant tiles) say how, as rows_product."""
+    own = getattr(linear, "rows_product", None)
+    if own is not None:
+        return own(x, start, stop)
+    assert isinstance(linear, nn.Linear), f"{type(linear).__name__} cannot multiply an expert's rows"
+    return F.linear(x, linear.weight[start:stop])
 
 
 class DecoderLayer(nn.Module):

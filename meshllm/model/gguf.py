@@ -572,8 +572,8 @@ def _gemma3(file: GGUFFile, heads: int, hidden: int, head_dim: int, rope_theta: 
     pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
     if isinstance(pattern, (list, np.ndarray)):  # one flag per layer
         sliding = [bool(p) for p in pattern]
-    else:  # every n-th layer attends to everything
-        sliding = [i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    else:  # every n-th layer attends to everything; 0: none does (llama.cpp's set_swa_pattern)
+        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
     linear = scaling is not None and scaling.get("rope_type") == "linear"
     return {
         "hidden_activation": "gelu_pytorch_tanh",

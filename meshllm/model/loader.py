@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from meshllm.errors import ModelLoadError
-from meshllm.model import moe
+from meshllm.model import gemma, moe
 from meshllm.model.config import ModelConfig
 from meshllm.model.decoder import Decoder
 from meshllm.model.weights import TensorSource
@@ -179,10 +179,12 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
         if hf not in available:
             raise ModelLoadError(f"{source.path}: tensor {hf!r} is missing (needed for {ours}); "
                                  f"the checkpoint does not match its config.json")
-    offset = config.norm_weight_offset if ours.endswith(_NORM_WEIGHTS) else 0.0
-    parts = source.read(hf_names, torch.float32 if offset else dtype)
-    if offset:  # Gemma's norms scale by 1 + w: added in float32, as transformers computes it
-        parts = {name: (t + offset).to(dtype) for name, t in parts.items()}
+    # Gemma's norms scale by 1 + w: added, and kept, in float32 as transformers computes them (in
+    # bf16 the 1 would leave w a step of 1/128); its GGUF stores 1 + w in float32 (llama.cpp's)
+    gemma_norm = config.model_type in gemma.MODEL_TYPES and ours.endswith(_NORM_WEIGHTS)
+    parts = source.read(hf_names, torch.float32 if gemma_norm else dtype)
+    if gemma_norm and config.norm_weight_offset:
+        parts = {name: t + config.norm_weight_offset for name, t in parts.items()}
     for hf, rows in zip(hf_names, _part_rows(config, ours, shape)):
         want = (rows, *shape[1:])
         if tuple(parts[hf].shape) != want:

@@ -96,3 +96,49 @@ def test_a_gguf_lists_each_expert_as_a_row_range_of_its_stacked_tensor(quantized
     rows = stacked.shape[1]
     assert torch.equal(source.read_blocks(down).data, torch.from_numpy(raw[3 * rows:4 * rows].copy()))
     assert Path(source.path).stat().st_size > 0
+
+
+def test_experts_keep_their_rows_under_the_cpu_weight_forms(tiny_model_dir):
+    """Without ggml the torch path swaps linears for int8 or packed bf16 forms; the experts
+    matrices, multiplied one expert's rows at a time, stay nn.Linear (found by review: every
+    MoE forward raised AttributeError there)."""
+    from meshllm.engine.cpu_weights import quantize_int8
+    from meshllm.model.loader import load_decoder
+
+    source = SafetensorsSource(tiny_model_dir("qwen3-moe"))
+    decoder = load_decoder(source, source.config())
+    ids = torch.tensor(SEQS[0])
+    want = decoder.forward_full(ids)
+    quantize_int8(decoder)
+    mlp = decoder.layers[0].mlp
+    assert type(mlp.gate_proj) is torch.nn.Linear and type(decoder.layers[0].self_attn.o_proj) is not torch.nn.Linear
+    got = decoder.forward_full(ids)
+    assert (got - want).abs().max() < 0.1 * want.abs().max()  # attention in int8 now; the experts exact
+
+
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+def test_batch_invariant_experts_give_a_row_the_same_bits_in_any_batch(tiny_model_dir, variant):
+    """Each expert multiplies however many rows chose it: in batch-invariant mode that product is
+    tiled like every other, and its activation runs row by row (found by review: 3e-8 apart alone
+    and among 8)."""
+    from meshllm.engine.batch_invariant import make_batch_invariant
+    from meshllm.engine.kv_cache import SequenceKV
+    from meshllm.model.decoder import SeqSlice
+    from meshllm.model.loader import load_decoder
+
+    source = SafetensorsSource(tiny_model_dir(variant))
+    decoder = make_batch_invariant(load_decoder(source, source.config()))
+    seqs = [[(5 * i + 11 * j) % 90 + 3 for j in range(9)] for i in range(8)]
+
+    def logits(batch: list[list[int]]) -> torch.Tensor:
+        kvs = [SequenceKV(decoder.kv_layout(), 16) for _ in batch]
+        slices, row = [], 0
+        for kv, seq in zip(kvs, batch):
+            slices.append(SeqSlice(kv, row, len(seq)))
+            row += len(seq)
+        return decoder(torch.tensor([t for seq in batch for t in seq]),
+                       torch.cat([torch.arange(len(seq)) for seq in batch]), slices)
+
+    alone = logits(seqs[:1])
+    among = logits(seqs)[:len(seqs[0])]
+    assert torch.equal(alone, among)

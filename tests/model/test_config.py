@@ -94,6 +94,10 @@ def test_phi3_windows_and_the_longrope_attention_factor_from_config_json():
     given = ModelConfig.from_dict({**phi, "original_max_position_embeddings": 1024,
                                    "rope_scaling": {**long, "attention_factor": 1.5}})
     assert given.rope_attention_factor == 1.5
+    # Both places name the original context: transformers takes Phi-3's top-level field
+    both = ModelConfig.from_dict({**phi, "original_max_position_embeddings": 1024,
+                                  "rope_scaling": {**long, "original_max_position_embeddings": 2048}})
+    assert both.max_position_embeddings == 1024
 
 
 def test_gemma3_written_by_transformers_4_parses_as_by_5():

@@ -218,3 +218,23 @@ def test_rotary_tables_grow_with_the_positions_used_not_the_whole_context():
     angles = torch.tensor([6000.0, 3.0])[:, None] * rotary.inv_freq
     torch.testing.assert_close(cos, torch.cat((angles, angles), dim=-1).cos(), atol=1e-6, rtol=0)
     torch.testing.assert_close(sin, torch.cat((angles, angles), dim=-1).sin(), atol=1e-6, rtol=0)
+
+
+def test_gemma_norms_keep_one_plus_w_in_float32_in_a_bf16_model(tiny_model_dir):
+    """transformers computes Gemma's norms as float32 1 + w; rounded to bf16 the 1 would leave w a
+    step of 1/128 (found by review)."""
+    from safetensors.torch import load_file
+
+    folder = tiny_model_dir("gemma3")
+    decoder = _load(folder, dtype=torch.bfloat16)
+    stored = load_file(folder / "model.safetensors")
+    norm = decoder.layers[1].attn_out_norm.weight
+    assert norm.dtype == torch.float32
+    assert torch.equal(norm, stored["model.layers.1.post_attention_layernorm.weight"].float() + 1)
+    assert decoder.layers[1].mlp.gate_up_proj.weight.dtype == torch.bfloat16
+    ids = _tokens(10, seed=5)
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager",
+                                                    dtype=torch.bfloat16).eval()(ids[None]).logits[0].float()
+    got = decoder.forward_full(ids)
+    torch.testing.assert_close(got, want, atol=0.05 * float(want.abs().max()), rtol=0)  # bf16 both ways
