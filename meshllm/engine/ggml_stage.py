@@ -381,7 +381,7 @@ class GGMLStage:
             return o
         outs = []
         window = w["window"]
-        for seq, (k_cache, v_cache), mask in zip(slices, s.kv[layer], masks):
+        for index, (seq, (k_cache, v_cache), mask) in enumerate(zip(slices, s.kv[layer], masks)):
             t, start = seq.num_tokens, seq.start
             end, first = start + t, _window_start(window, start)
             elt = seq.kv.k.element_size()
@@ -397,16 +397,31 @@ class GGMLStage:
                 g.ggml_build_forward_expand(graph, write)
                 s.writes.append((dst, write, cache.contents.data, row_nb))
             q_seq = g.ggml_view_3d(ctx, q, hd, heads, t, q.contents.nb[1], q.contents.nb[2], seq.row * q.contents.nb[2])
-            # Keys [first, end): with a sliding window, from the first one the chunk's first row sees
-            keys = g.ggml_view_3d(ctx, k_cache, hd, end - first, kv_heads, row_nb, head_nb, first * row_nb)
-            values = g.ggml_view_3d(ctx, v_cache, hd, end - first, kv_heads, row_nb, head_nb, first * row_nb)
-            s.reads.append((keys, values, k_cache.contents.data, v_cache.contents.data, row_nb, window))
-            # The op sees every key up to a row's own: with a window, right for one row only.
-            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16 \
-                    and (t == 1 or window is None):
-                args = (ctypes.POINTER(type(q_seq.contents)) * 3)(q_seq, keys, values)
-                outs.append(g.ggml_custom_4d(ctx, 0, hd, heads, t, 1, args, 3, self._attention_op, -1, None))
+
+            def cache_rows(first: int, stop: int, row: int | None):
+                """Views of K and V at positions [first, stop), patched per step (_Step.patch)."""
+                keys = g.ggml_view_3d(ctx, k_cache, hd, stop - first, kv_heads, row_nb, head_nb, first * row_nb)
+                values = g.ggml_view_3d(ctx, v_cache, hd, stop - first, kv_heads, row_nb, head_nb, first * row_nb)
+                s.reads.append((keys, values, k_cache.contents.data, v_cache.contents.data, row_nb, window, index, row))
+                return keys, values
+
+            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16:
+                # The op sees every key up to a row's own. With a window each row starts elsewhere:
+                # the rows of a few-row step (a verify pass) then go one by one, each exactly as a
+                # one-row decode step attends (same op, same key view), so a verify pass keeps
+                # scoring what its one-row steps score.
+                for row, q_rows in ([(None, q_seq)] if t == 1 or window is None else
+                                    [(r, g.ggml_view_3d(ctx, q_seq, hd, heads, 1, q_seq.contents.nb[1],
+                                                        q_seq.contents.nb[2], r * q_seq.contents.nb[2]))
+                                     for r in range(t)]):
+                    keys, values = cache_rows(first, end, None) if row is None else \
+                        cache_rows(_window_start(window, start + row), start + row + 1, row)
+                    args = (ctypes.POINTER(type(q_rows.contents)) * 3)(q_rows, keys, values)
+                    outs.append(g.ggml_custom_4d(ctx, 0, hd, heads, q_rows.contents.ne[2], 1, args, 3,
+                                                 self._attention_op, -1, None))
                 continue
+            # Keys [first, end): with a sliding window, from the first one the chunk's first row sees
+            keys, values = cache_rows(first, end, None)
             if t >= _TILED_ATTENTION_ROWS and seq.kv.k.dtype == torch.bfloat16:
                 # ggml's tiled attention kernel (a chunk of 64+ queries) takes f16 or f32 K/V only; on
                 # bf16 it falls back to one query row at a time (SmolLM2 bf16 prefill 512: 420 -> 660
@@ -537,7 +552,10 @@ class GGMLStage:
         n = x.shape[0]
         split = _NODES_PER_SPLIT_LAYER if _in_row_pieces(n) else 0
         experts = 2 * self.config.num_experts_per_tok  # a view and an add per chosen expert
-        max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split + experts) + 64
+        # a windowed few-row step attends row by row: four nodes a row (_attention)
+        rows = 4 * n if self.config.sliding_window is not None and n <= ATTENTION_FEW_ROWS_MAX * len(slices) else 0
+        max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split + experts
+                                        + rows) + 64
         s = GraphScope(self.rt, max_nodes=max_nodes).__enter__()
         step = _Step(key, s, None, self.g.ggml_gallocr_new(self.rt.cpu_buffer_type) if key is not None
                      else self._allocator)
@@ -691,10 +709,11 @@ class _Step:
             address = base + slices[(i // 2) % num_seqs].start * row_nb
             dst.contents.data = address
             write.contents.data = address
-        for i, (keys, values, k_base, v_base, row_nb, window) in enumerate(self.scope.reads):
-            seq = slices[i % num_seqs]
-            first = _window_start(window, seq.start)
-            keys.contents.ne[1] = values.contents.ne[1] = seq.start + seq.num_tokens - first
+        for keys, values, k_base, v_base, row_nb, window, index, row in self.scope.reads:
+            seq = slices[index]  # a whole chunk's keys (row None), or one row's of a windowed chunk
+            first = _window_start(window, seq.start if row is None else seq.start + row)
+            stop = seq.start + (seq.num_tokens if row is None else row + 1)
+            keys.contents.ne[1] = values.contents.ne[1] = stop - first
             if window is not None:
                 keys.contents.data, values.contents.data = k_base + first * row_nb, v_base + first * row_nb
         for mask, buffer, index, window in self.masks:

@@ -108,3 +108,16 @@ def test_the_torch_path_agrees(decoder):
         assert torch.equal(logits[untouched], base[untouched]), q
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("rows", [2, 4, 7])
+def test_steps_of_several_rows_score_what_one_row_steps_score(decoder, rows):
+    """A verify pass (several rows of one sequence, bf16 KV) attends row by row where a window
+    applies, each row exactly as a one-row decode step does (found by a QA pass: with ngram
+    speculation a windowed Phi-3's greedy output changed, the multi-row pass having taken ggml's
+    flash attention and the one-row steps meshllm's op)."""
+    one_row = _logits(decoder, SEQS, 1, 1, True, torch.bfloat16)
+    several = _logits(decoder, SEQS, len(BASE), rows, True, torch.bfloat16)
+    for a, b in zip(several, one_row):
+        assert torch.equal(a, b)
+
