@@ -28,25 +28,24 @@ TILE_ROWS = 8
 
 class TiledLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
-        n, k = x.shape
-        pad = (-n) % TILE_ROWS
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-        tiles = x.shape[0] // TILE_ROWS
-        # bmm runs each tile as its own [TILE_ROWS, k] x [k, out] product.
-        out = torch.bmm(x.view(tiles, TILE_ROWS, k), self.weight.t().unsqueeze(0).expand(tiles, k, -1))
-        out = out.view(-1, self.out_features)[:n]
+        out = _tiled_product(x, self.weight)
         return out + self.bias if self.bias is not None else out
 
     def rows_product(self, x: Tensor, start: int, stop: int) -> Tensor:
         """x times rows [start, stop) of the weight (one expert's, decoder.MoE), tiled the same way."""
-        n, k = x.shape
-        pad = (-n) % TILE_ROWS
-        if pad:
-            x = F.pad(x, (0, 0, 0, pad))
-        tiles = x.shape[0] // TILE_ROWS
-        weight = self.weight[start:stop].t().unsqueeze(0).expand(tiles, k, -1)
-        return torch.bmm(x.view(tiles, TILE_ROWS, k), weight).view(-1, stop - start)[:n]
+        return _tiled_product(x, self.weight[start:stop])
+
+
+def _tiled_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x [n, k] @ weight.T in tiles of TILE_ROWS rows (zero-padded)."""
+    n, k = x.shape
+    pad = (-n) % TILE_ROWS
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    tiles = x.shape[0] // TILE_ROWS
+    # bmm runs each tile as its own [TILE_ROWS, k] x [k, out] product.
+    out = torch.bmm(x.view(tiles, TILE_ROWS, k), weight.t().unsqueeze(0).expand(tiles, k, -1))
+    return out.view(-1, weight.shape[0])[:n]
 
 
 def make_batch_invariant(module: nn.Module) -> nn.Module:

@@ -86,6 +86,7 @@ _TILED_GEMM_TYPES = frozenset(int(t) for t in (
 def _in_row_pieces(n: int) -> bool:
     """Whether a product of `n` activation rows over such a type runs in pieces (above)."""
     return _TILED_GEMM_MIN_ROWS <= n <= QUANT_FEW_ROWS_MAX
+_NO_WINDOW = 1 << 62  # a full-attention layer's window in _Step.windows: longer than any context
 _TABLE_FIELDS = 7  # per sequence: row, rows, start, K address, V address, position stride, head stride
 
 
@@ -521,11 +522,9 @@ class GGMLStage:
         """Whether a step's attention takes the batched form (ATTENTION_FEW_ROWS_MAX says why)."""
         # With a sliding window, decode rows only: the table then starts each windowed layer's keys
         # where its window does (_fill_table); rows of one sequence would each need their own start.
-        windowed = self.config.sliding_window is not None
+        most = 1 if self.config.sliding_window is not None else ATTENTION_FEW_ROWS_MAX
         return self._batched_ops is not None and all(
-            s.num_tokens <= ATTENTION_FEW_ROWS_MAX and s.kv.k.dtype == torch.bfloat16 and (s.num_tokens == 1 or
-                                                                                           not windowed)
-            for s in slices)
+            s.num_tokens <= most and s.kv.k.dtype == torch.bfloat16 for s in slices)
 
     def _reuse_key(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None) -> tuple | None:
         """What a reusable graph depends on; None for steps that build their own (prefill chunks)."""
@@ -574,7 +573,8 @@ class GGMLStage:
         pos = s.wrap(step.pos)
         if self._batched(slices):
             step.table = torch.zeros(len(self.layers), 1 + _TABLE_FIELDS * n, dtype=torch.int64)
-            step.windows = [w["window"] for w in self.layers] if c.sliding_window is not None else None
+            if c.sliding_window is not None:  # full layers' "window" past any position: their keys start at 0
+                step.windows = np.array([w["window"] or _NO_WINDOW for w in self.layers], dtype=np.int64)
             masks = {w["window"]: [None] * len(slices) for w in self.layers}
         else:
             # per window the layers attend with (Gemma 3's layers have two): each slice's mask
@@ -674,7 +674,7 @@ class _Step:
         self.ids = self.hidden = self.rows = self.pos = self.out = self.kv_anchor = None
         self.table: Tensor | None = None  # the batched form's per-layer sequence table
         self.table_layout: list | None = None  # what the table was last filled for, but the starts
-        self.windows: list[int | None] | None = None  # each layer's window, where the table applies one
+        self.windows: np.ndarray | None = None  # each layer's window, where the table applies one
         # (ggml mask, its memory, the index of its slice, its window) of every multi-row slice
         self.masks: list[tuple[object, Tensor, int, int | None]] = []
         self.kvs: list[weakref.ref] = []  # a kept graph's sequences' SequenceKV
@@ -747,7 +747,7 @@ class _Step:
             self.scope.g.ggml_gallocr_free(self.allocator)
 
 
-def _fill_table(table: Tensor, slices: list[SeqSlice], windows: list[int | None] | None = None) -> None:
+def _fill_table(table: Tensor, slices: list[SeqSlice], windows: np.ndarray | None = None) -> None:
     """Where each sequence's rows and KV cache are, per layer, for the batched attention ops
     (kernels/few_rows_attention.c reads it): SequenceKV.k/.v are [layers, kv_heads, capacity, hd].
 
@@ -762,16 +762,15 @@ def _fill_table(table: Tensor, slices: list[SeqSlice], windows: list[int | None]
     layer_offsets = np.arange(layers, dtype=np.int64)[:, None] * layer_bytes[None, :]
     entries[:, :, 3] += layer_offsets  # each layer's K and V (the same layout)
     entries[:, :, 4] += layer_offsets
-    for layer, window in enumerate(windows or ()):
-        if window is not None:
-            # A decode row at p sees keys p - window < k <= p: the layer's entries start its keys at
-            # the window's first (K/V addresses later, start lower by as many positions), and the
-            # KV write lands where it did (address + start unchanged). _batched allows one row only.
-            assert (entries[layer, :, 1] == 1).all(), "a windowed batch step of more than one row"
-            first = np.maximum(0, entries[layer, :, 2] - window + 1)
-            entries[layer, :, 2] -= first
-            entries[layer, :, 3] += first * entries[layer, :, 5]
-            entries[layer, :, 4] += first * entries[layer, :, 5]
+    if windows is not None:
+        # A decode row at p sees keys p - window < k <= p: each layer's entries start its keys at
+        # the window's first (K/V addresses later, start lower by as many positions), and the KV
+        # write lands where it did (address + start unchanged). _batched allows one row only.
+        assert (entries[:, :, 1] == 1).all(), "a windowed batch step of more than one row"
+        first = np.maximum(0, entries[:, :, 2] - windows[:, None] + 1)
+        entries[:, :, 2] -= first
+        entries[:, :, 3] += first * entries[:, :, 5]
+        entries[:, :, 4] += first * entries[:, :, 5]
     view = table.numpy()
     view[:, 0] = n
     view[:, 1:1 + _TABLE_FIELDS * n] = entries.reshape(layers, -1)  # field 2 (start): patch() may rewrite it alone

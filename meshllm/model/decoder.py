@@ -358,12 +358,12 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps, dtype) if self.has_head else None
         self.lm_head = nn.Linear(h, config.vocab_size, bias=False, dtype=dtype) if self.has_head else None
         with torch.device("cpu"):  # host tables (they follow the input's device), even when built on meta
-            self.rotary = Rotary(config, dtype, config.rope_theta, config.rope_linear_factor)
-            # One table per (base, linear factor) the layers use: Gemma 3's sliding layers have their own.
-            self.rotaries = {(config.rope_theta, config.rope_linear_factor): self.rotary}
-            for layer in self.layers:
-                if layer.rope not in self.rotaries:
-                    self.rotaries[layer.rope] = Rotary(config, dtype, *layer.rope)
+            # One table per (base, linear factor) this stage's layers use: Gemma 3's sliding layers
+            # have their own. `rotary`, the first, is every layer's in the other families (CUDA
+            # graphs, which size it ahead of a replay, stay off for Gemma 3).
+            ropes = dict.fromkeys(layer.rope for layer in self.layers)
+            self.rotaries = {rope: Rotary(config, dtype, *rope) for rope in ropes}
+            self.rotary = next(iter(self.rotaries.values()))
         # Set by engine/stage_weights.py: runs the whole layer range as one ggml graph per step.
         self.fast_path = None
         self.requires_grad_(False)
@@ -415,8 +415,7 @@ class Decoder(nn.Module):
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
         if self.has_embedding and self.config.embedding_scale != 1.0:  # Gemma, in the weights' dtype as transformers
             h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)
-        rotations = {key: rotary.rotation(positions, checked=not static) for key, rotary in self.rotaries.items()
-                     if len(self.rotaries) == 1 or any(layer.rope == key for layer in self.layers)}
+        rotations = {key: rotary.rotation(positions, checked=not static) for key, rotary in self.rotaries.items()}
         for i, layer in enumerate(self.layers):
             h = layer(h, rotations[layer.rope], slices, i)
         if not self.has_head:

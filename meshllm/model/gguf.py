@@ -452,12 +452,11 @@ def _expert_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor
             if len(info.shape) != 3 or info.shape[0] != config.num_experts:
                 raise CorruptWeights(f"{file.path}: {info.name} has shape {list(info.shape)}, not "
                                      f"[{config.num_experts}, rows, cols] for {config.num_experts} experts")
-            rows, expert_bytes = info.shape[1], info.num_bytes // config.num_experts
+            expert_bytes = info.num_bytes // config.num_experts
             for e in range(config.num_experts):
                 name = moe.expert_names(config.model_type, layer, e)[index]
                 out[name] = GGUFTensorInfo(f"{info.name}[{e}]", info.shape[1:], info.ggml_type,
                                            info.offset + e * expert_bytes, expert_bytes)
-            assert rows * (expert_bytes // rows) == expert_bytes
     return out
 
 

@@ -194,7 +194,7 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
     return tensor.contiguous()
 
 
-_NORM_WEIGHTS = ("layernorm.weight", "norm.weight", "_norm.weight")  # input_layernorm, q_norm, attn_out_norm, ...
+_NORM_WEIGHTS = "norm.weight"  # input_layernorm, q_norm, attn_out_norm, the final norm, ...
 
 
 def _part_rows(config: ModelConfig, ours: str, shape: torch.Size) -> list[int]:
