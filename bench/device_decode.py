@@ -19,7 +19,8 @@ Figures per row as bench/decode.py's (decode batch 1 / 8, prefill 512), plus the
 weights take and the peak while running, CUDA kernels launched per batch-1 decode step, and how
 many of 32 greedy tokens after a real prompt ours and transformers agree on (a prefix length).
 "matrix_products": one product with Llama-8B-sized matrices in each fused type: the fused
-kernel, the torch path and a dense bf16 matrix (microseconds, GB/s of the bytes read).
+kernel (and the same with its depth split, triton_blocks.SPLIT_K), the torch path and a dense
+bf16 matrix (microseconds, replayed as a CUDA graph; GB/s of the bytes read).
 
     python bench/device_decode.py [--model PATH] [--device cuda] [--dtype bfloat16]
 
@@ -201,16 +202,24 @@ def matrix_products(device) -> dict:
     import torch.nn.functional as F
 
     def timed(fn) -> float:
-        for _ in range(3):
+        """Microseconds a call, of 20 calls replayed as one CUDA graph: the kernels' time, as
+        decode runs them (timed as launched from Python, a Triton kernel of ~10 us measured
+        70-200 us on an H200: the launches', bench/results/device-decode-h200-families.json)."""
+        for _ in range(3):  # compiles and tunes, outside the recording
             fn()
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(20):
+                fn()
+        graph.replay()
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(20):
-            fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 20 * 1000  # microseconds
+        return start.elapsed_time(end) / 20 * 1000
 
     out = {}
     for n, k in ((4096, 4096), (14336, 4096)):
@@ -231,11 +240,14 @@ def matrix_products(device) -> dict:
                 error = ((y.float() - want).abs().max() / want.abs().max()).item()
                 torch_path = timed(lambda: F.linear(x, dequantize(blocks, ggml_type, k, torch.bfloat16)))
                 dense_us = timed(lambda: F.linear(x, dense))
-                out[f"{n}x{k} {ggml_type.name} rows={rows}"] = {
+                row = out[f"{n}x{k} {ggml_type.name} rows={rows}"] = {
                     "fused_us": round(fused, 1), "torch_path_us": round(torch_path, 1),
                     "dense_bf16_us": round(dense_us, 1), "fused_gb_s": round(blocks.numel() / fused / 1e3, 1),
                     "dense_bf16_gb_s": round(dense.numel() * 2 / dense_us / 1e3, 1),
                     "fused_max_error_rel": float(f"{error:.2g}")}
+                splits = triton_blocks.split_count(triton_blocks.depth_steps(k, ggml_type))
+                split_k = timed(lambda: triton_blocks.rows_times_planes(x, planes, ggml_type, y, splits=splits))
+                row.update(fused_split_k_us=round(split_k, 1), split_k=splits)
     return out
 
 

@@ -3,6 +3,13 @@
 value the Q4_1 blocks hold, rounded to bf16), the target a 4-bit draft of itself verifies.
 
     python bench/gguf_variant.py SOURCE.gguf BF16|F32|Q8_0|Q4_0 [OUT.gguf]
+    python bench/gguf_variant.py --skeleton SOURCE.gguf OUT.gguf
+    python bench/gguf_variant.py --random SKELETON.gguf OUT.gguf
+
+A skeleton is a GGUF's metadata and tensor list without the tensors (SmolLM2's: ~2 MB); from
+it `--random` writes a file of the same shapes, types and vocabulary with random weights, by the
+gguf package's quantizer (plain types). Speed does not depend on the weights' values: a GPU host,
+which can be sent 64 MiB and no registry, measures the 98 MB demo model that way.
 
 Metadata is copied key by key; 1-D tensors (norms) stay as they are; the others are
 dequantized to fp32 (gguf's reference dequantization) and written in the new type. Cached in
@@ -11,6 +18,7 @@ bench/llama_cpp.CACHE/bench as `<stem>.<TYPE>.gguf` when no OUT is given.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -21,23 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def write_variant(source: Path, kind: str, out: Path) -> Path:
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter, quants
+    from gguf import quants
     from gguf.constants import GGMLQuantizationType as GGML
 
     from meshllm.engine.ggml_lib import runtime
     from meshllm.engine.ggml_weights import quantize
 
     target = GGML[kind]
-    reader = GGUFReader(source)
-    arch = reader.fields["general.architecture"].contents()
-    tmp = out.with_suffix(".tmp")
-    writer = GGUFWriter(tmp, arch)
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        vtype = field.types[0]
-        writer.add_key_value(name, field.contents(), vtype,
-                             sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    reader, writer, tmp = _copy_metadata(source, out)
     for t in reader.tensors:
         shape = [int(d) for d in reversed(t.shape)]  # rows first
         if len(shape) == 1:
@@ -54,12 +53,69 @@ def write_variant(source: Path, kind: str, out: Path) -> Path:
         else:
             blocks = quantize(runtime(), dense, target).data.numpy()
             writer.add_tensor(t.name, blocks, raw_shape=(*shape[:-1], blocks.shape[-1]), raw_dtype=target)
+    return _finish(writer, tmp, out)
+
+
+SKELETON_KEY = "meshllm.skeleton.tensors"
+
+
+def _copy_metadata(source: Path, out: Path, skip: tuple[str, ...] = ()):
+    """A reader of `source` and a writer (to a temporary beside `out`) holding its metadata."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(source)
+    tmp = out.with_suffix(".tmp")
+    writer = GGUFWriter(tmp, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in skip:
+            continue
+        vtype = field.types[0]
+        writer.add_key_value(name, field.contents(), vtype,
+                             sub_type=field.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    return reader, writer, tmp
+
+
+def _finish(writer, tmp: Path, out: Path) -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     tmp.rename(out)
     return out
+
+
+def write_skeleton(source: Path, out: Path) -> Path:
+    """`source`'s metadata, and its tensors' names, shapes (rows first) and types as one key."""
+    reader, writer, tmp = _copy_metadata(source, out)
+    tensors = [[t.name, [int(d) for d in reversed(t.shape)], t.tensor_type.name] for t in reader.tensors]
+    writer.add_string(SKELETON_KEY, json.dumps(tensors))
+    return _finish(writer, tmp, out)
+
+
+def write_random(skeleton: Path, out: Path, seed: int = 0) -> Path:
+    """A GGUF of the skeleton's metadata, shapes and types with random weights: matrices drawn
+    at unit scale over their width, 1-D tensors (norms) ones."""
+    from gguf import GGUFReader, quants
+    from gguf.constants import GGMLQuantizationType as GGML
+
+    tensors = json.loads(GGUFReader(skeleton).fields[SKELETON_KEY].contents())
+    _, writer, tmp = _copy_metadata(skeleton, out, skip=(SKELETON_KEY,))
+    rng = np.random.default_rng(seed)
+    for name, shape, kind in tensors:
+        if len(shape) == 1:
+            writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+            continue
+        dense = (rng.standard_normal(shape, dtype=np.float32) / np.float32(shape[-1] ** 0.5))
+        target = GGML[kind]
+        if target == GGML.F32:
+            writer.add_tensor(name, dense)
+        elif target == GGML.BF16:
+            raw = torch.from_numpy(dense).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=target)
+        else:  # the plain types; gguf has no K-quant quantizer
+            blocks = quants.quantize(dense.reshape(-1, shape[-1]), target)
+            writer.add_tensor(name, blocks, raw_shape=(*shape[:-1], blocks.shape[-1]), raw_dtype=target)
+    return _finish(writer, tmp, out)
 
 
 def variant(source: Path, kind: str) -> Path:
@@ -75,5 +131,8 @@ def variant(source: Path, kind: str) -> Path:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if sys.argv[1] in ("--skeleton", "--random"):
+        write = write_skeleton if sys.argv[1] == "--skeleton" else write_random
+        sys.exit(print(write(Path(sys.argv[2]), Path(sys.argv[3]))))
     src, kind = Path(sys.argv[1]), sys.argv[2]
     print(write_variant(src, kind, Path(sys.argv[3])) if len(sys.argv) > 3 else variant(src, kind))

@@ -44,7 +44,7 @@ def copy_tokenizer(meta: dict, writer: GGUFWriter) -> None:
                 writer.add_uint32(key, int(value))
 
 
-def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
+def write_quantized_llama(rt: Runtime | None, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
                           seed: int = 0, embedding_type: GGML = GGML.Q8_0, head_type: GGML | None = None,
                           arch: str = "llama", sliding_window: int = 0, experts: int = 0) -> Path:
     """`embedding_type` Q8_0 or BF16; `head_type` given: an LM head of its own (output.weight) in
@@ -54,7 +54,8 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     q/k norms, GELU), every third a full-attention layer, the others windowed by `sliding_window`.
     `experts` > 0: each MLP a mixture of that many experts, 2 a token, stored as llama.cpp stores
     them ([experts, rows, cols] per projection; F32 router): Mixtral as "llama", Qwen3-MoE as
-    "qwen3moe" (with q/k norms)."""
+    "qwen3moe" (with q/k norms). `rt` None (no ggml build, as on a GPU host): the plain types
+    only (engine/ggml_weights.quantize)."""
     assert arch in ("llama", "phi3", "gemma3", "qwen3moe") and (arch not in ("llama", "qwen3moe") or not sliding_window)
     assert (arch == "qwen3moe") <= (experts > 0)
     meta = GGUFFile.open(tokenizer_gguf).metadata
@@ -86,9 +87,12 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
     def matrix(rows: int, cols: int) -> torch.Tensor:
         return torch.randn(rows, cols, generator=g) / cols ** 0.5
 
+    def blocks_of(weight: torch.Tensor, kind: GGML) -> np.ndarray:
+        return quantize(rt, weight, kind).data.numpy()
+
     def add_blocks(name: str, weight: torch.Tensor, kind: GGML) -> None:
-        blocks = quantize(rt, weight, kind)
-        w.add_tensor(name, blocks.data.numpy(), raw_shape=blocks.data.shape, raw_dtype=kind)
+        blocks = blocks_of(weight, kind)
+        w.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
 
     def add(name: str, weight: torch.Tensor, kind: GGML) -> None:
         if kind == GGML.BF16:
@@ -125,8 +129,8 @@ def write_quantized_llama(rt: Runtime, tokenizer_gguf: Path, out: Path, ggml_typ
             w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", matrix(experts, HIDDEN).numpy())
             for name, rows, cols in (("gate", INTERMEDIATE, HIDDEN), ("up", INTERMEDIATE, HIDDEN),
                                      ("down", HIDDEN, INTERMEDIATE)):
-                blocks = quantize(rt, torch.cat([matrix(rows, cols) for _ in range(experts)]), ggml_type)
-                data = blocks.data.numpy().reshape(experts, rows, -1)
+                data = blocks_of(torch.cat([matrix(rows, cols) for _ in range(experts)]), ggml_type)
+                data = data.reshape(experts, rows, -1)
                 w.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", data, raw_shape=data.shape, raw_dtype=ggml_type)
         elif arch == "phi3":
             add_blocks(f"blk.{i}.ffn_up.weight", torch.cat([gate, up]), ggml_type)

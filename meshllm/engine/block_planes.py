@@ -84,9 +84,12 @@ def _values(q: Tensor, d: Tensor, m: Tensor | None, ggml_type: GGML) -> Tensor:
     return (d * codes.float() + m.float().unsqueeze(-1)).reshape(n, -1)
 
 
-def dequantize(buffer: Tensor, ggml_type: GGML, dtype: torch.dtype = torch.float32) -> Tensor:
-    """A planar buffer -> the dense [rows, cols] matrix in `dtype`, on the buffer's device."""
-    return _values(*parts(buffer, ggml_type), ggml_type).to(dtype)
+def dequantize(buffer: Tensor, ggml_type: GGML, dtype: torch.dtype = torch.float32,
+               rows: slice = slice(None)) -> Tensor:
+    """A planar buffer (or a range of its rows) -> the dense [rows, cols] matrix in `dtype`, on
+    the buffer's device."""
+    q, d, m = parts(buffer, ggml_type)
+    return _values(q[rows], d[rows], None if m is None else m[rows], ggml_type).to(dtype)
 
 
 def rows(buffer: Tensor, ggml_type: GGML, ids: Tensor, dtype: torch.dtype) -> Tensor:

@@ -85,8 +85,9 @@ class GraphedDecode:
         self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, StaticStep]] = OrderedDict()
         self.stream = torch.cuda.Stream(decoder.device)
         # A static step has one mask for every layer: Gemma 3's layers differ in window, so its
-        # decode steps run ungraphed (the eager path handles each layer's own).
-        self.enabled = decoder.config.sliding_layers is None
+        # decode steps run ungraphed (the eager path handles each layer's own). A mixture of
+        # experts picks its experts' products on the host (decoder.MoE), which a graph cannot hold.
+        self.enabled = decoder.config.sliding_layers is None and not decoder.config.num_experts
         self._last_key: tuple | None = None
         # Plans on one node share a stage's weights, each with its own compute lock
         # (pipeline/loaded_stages.py): their steps may arrive here at once.

@@ -9,7 +9,8 @@ Triton kernel (engine/triton_blocks.py); others dequantize by torch ops (engine/
 into the activations' dtype inside each product; only one layer's matrix is ever dense at a time,
 for the length of its product.
 `--quantize int8|int4` on a device makes the same blocks from a 16/32-bit weight with ggml's
-quantizer (Q8_0 / Q4_0) before it leaves the CPU. GGUF types without a torch port here (Q2_K,
+quantizer (Q8_0 / Q4_0; without a ggml build, the gguf package's port of it) before it leaves the
+CPU. GGUF types without a torch port here (Q2_K,
 Q3_K, the IQ types) load dense, as before.
 
 The forms are plain torch modules whose blocks are buffers, so `Decoder.to(device)` moves
@@ -85,6 +86,26 @@ class BlockLinear(nn.Module):
         """Whether every part is of a type the fused decode kernel reads (engine/triton_blocks.py)."""
         return triton_blocks.ENABLED and self._fused_types
 
+    def rows_product(self, x: Tensor, start: int, stop: int) -> Tensor:
+        """x [n, in_features] times rows [start, stop) of W (one expert's, decoder.MoE), the
+        range in one part: [n, stop - start]. Only those rows are read or made dense."""
+        bias = None if self.bias is None else self.bias[start:stop].to(x.dtype)
+        for data, t in self.blocks():
+            if start < data.shape[0]:
+                break
+            start, stop = start - data.shape[0], stop - data.shape[0]
+        assert stop <= data.shape[0], "an expert's rows lie in one part"
+        rows = slice(start, stop)
+        if t in triton_blocks.TYPES and self.fusable and x.shape[0] <= triton_blocks.ROWS_MAX \
+                and triton_blocks.available(x.device):
+            out = torch.empty(x.shape[0], stop - start, dtype=x.dtype, device=x.device)
+            triton_blocks.rows_times_planes(x.contiguous(), data, t, out, rows=rows)
+        elif t in block_planes.PLANAR:
+            out = F.linear(x, block_planes.dequantize(data, t, x.dtype, rows))
+        else:
+            out = F.linear(x, dequantize(data[rows], t, self.in_features, x.dtype))
+        return out if bias is None else out + bias
+
     def _fused(self, x: Tensor) -> Tensor:
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         row = 0
@@ -145,11 +166,10 @@ class BlockEmbedding(nn.Module):
 
 class DeviceBlockForm:
     """loader.WeightForm for a stage on `device`: GGUF blocks kept as they are, or dense weights
-    quantized to `quantize_to` by ggml's quantizer (`rt`, the CPU runtime; needed only then).
+    quantized to `quantize_to` by ggml's quantizer (`rt`, the CPU runtime; None: gguf's port).
     The blocks go to the device as they are read; embeddings come out in `dtype`."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, quantize_to: GGML | None = None, rt=None):
-        assert quantize_to is None or rt is not None, "quantizing needs ggml's quantizer"
         self.device, self.dtype, self.quantize_to, self.rt = device, dtype, quantize_to, rt
         self._dense_types: set[str] = set()
 

@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass
 
 import torch
+from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from torch import Tensor
 
@@ -122,17 +123,21 @@ def block_sums(x: Tensor) -> Tensor:
     return x.reshape(x.shape[0], -1, 32).sum(dim=-1)
 
 
-def quantize(rt: Runtime, weight: Tensor, ggml_type: GGML) -> BlockMatrix:
-    """A float [rows, cols] matrix in ggml blocks, by ggml's own quantizer (what llama-quantize runs)."""
-    g = rt.lib
+def quantize(rt: Runtime | None, weight: Tensor, ggml_type: GGML) -> BlockMatrix:
+    """A float [rows, cols] matrix in ggml blocks, by ggml's own quantizer (what llama-quantize
+    runs); without ggml (`rt` None: a GPU host where install.sh's build failed), the plain types
+    (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) by the gguf package's numpy port, which gives the same bytes
+    (tests/engine/test_ggml_weights.py), ~10x slower."""
     w = weight.detach().float().contiguous()
     rows, cols = w.shape
     block, block_bytes = GGML_QUANT_SIZES[ggml_type]
     if cols % block:
         raise ValueError(f"a {ggml_type.name} matrix needs a width that is a multiple of {block}, not {cols}")
+    if rt is None:
+        return BlockMatrix(torch.from_numpy(quants.quantize(w.numpy(), ggml_type)), ggml_type, cols)
     out = torch.empty(rows, cols // block * block_bytes, dtype=torch.uint8)
-    g.ggml_quantize_chunk(int(ggml_type), ctypes.cast(w.data_ptr(), ctypes.POINTER(ctypes.c_float)),
-                          out.data_ptr(), 0, rows, cols, None)
+    rt.lib.ggml_quantize_chunk(int(ggml_type), ctypes.cast(w.data_ptr(), ctypes.POINTER(ctypes.c_float)),
+                               out.data_ptr(), 0, rows, cols, None)
     return BlockMatrix(out, ggml_type, cols)
 
 

@@ -144,14 +144,11 @@ def load_stage_decoder(source: TensorSource, config: ModelConfig, first_layer: i
                        quantization: str | None = None, batch_invariant: bool = False,
                        progress=None, device: str = "cpu") -> Decoder:
     """Layers [first_layer, last_layer) of `source` in their fastest form (see the module docstring)."""
-    if device != "cpu":
-        if config.num_experts:  # the device weight forms have no one-expert products yet
-            raise BadRequest(f"mixture-of-experts models run on the CPU (ggml's expert product), not on "
-                             f"--device {device}")
-        return _load_on_device(source, config, first_layer, last_layer, dtype, quantization, batch_invariant,
-                               progress, device)
     if quantization is not None and quantization not in QUANTIZE_TYPES:
         raise BadRequest(f"unknown quantization {quantization!r}; supported: {', '.join(QUANTIZE_TYPES)}")
+    if device != "cpu":
+        return _load_on_device(source, config, first_layer, last_layer, dtype, quantization, batch_invariant,
+                               progress, device)
     if batch_invariant and quantization is not None:
         raise BadRequest("batch-invariant mode runs 16/32-bit weights; drop the quantization")
     rt = None if batch_invariant else runtime()
@@ -215,12 +212,9 @@ def _load_on_device(source: TensorSource, config: ModelConfig, first_layer: int,
         if quantization is not None:
             raise BadRequest("batch-invariant mode runs 16/32-bit weights; drop the quantization")
         return make_batch_invariant(load_decoder(source, config, first_layer, last_layer, dtype, progress).to(dev))
-    rt = None
-    if quantization is not None:
-        rt = runtime()
-        if rt is None:
-            raise BadRequest(f"--quantize {quantization} on {device} quantizes with ggml (built by install.sh), "
-                             f"which is not available here; drop --quantize")
+    # --quantize's Q8_0 / Q4_0 by ggml's quantizer, or without a ggml build the gguf package's
+    # (the same bytes, slower)
+    rt = runtime() if quantization is not None else None
     form = DeviceBlockForm(dev, dtype, QUANTIZE_TYPES.get(quantization), rt)
     decoder = load_decoder(source, config, first_layer, last_layer, dtype, progress, weight_form=form).to(dev)
     log.info("layers [%d, %d) of %s on %s: weights %s", first_layer, decoder.last_layer, source.path, device,

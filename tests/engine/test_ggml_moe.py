@@ -15,9 +15,11 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as GGML
 
+from meshllm.engine.device_weights import BlockLinear, DeviceBlockForm
 from meshllm.engine.ggml_stage import GGMLStage
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.decoder import MoE
+from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.model.weights import SafetensorsSource
 from tests.engine.test_ggml_sliding_window import _logits
@@ -40,8 +42,8 @@ def test_dense_experts_on_ggml_match_the_torch_path(rt, tiny_model_dir, variant,
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4)  # 3e-6 measured
 
 
-@pytest.fixture(scope="module", params=[("qwen3moe", GGML.Q4_K), ("llama", GGML.Q8_0)], ids=["qwen3moe-Q4_K",
-                                                                                              "mixtral-Q8_0"])
+@pytest.fixture(scope="module", params=[("qwen3moe", GGML.Q4_K), ("llama", GGML.Q8_0), ("qwen3moe", GGML.Q4_1)],
+                ids=["qwen3moe-Q4_K", "mixtral-Q8_0", "qwen3moe-Q4_1"])
 def quantized(rt, smollm2_gguf_path, tmp_path_factory, request):
     arch, ggml_type = request.param
     path = write_quantized_llama(rt, smollm2_gguf_path, tmp_path_factory.mktemp("moe") / "moe.gguf", ggml_type,
@@ -76,12 +78,20 @@ def test_two_stages_of_quantized_experts_give_one_stage_logits(quantized):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_moe_models_are_refused_on_gpus_with_a_reason(quantized):
-    from meshllm.errors import BadRequest
-
+def test_experts_in_the_gpu_form_give_the_dense_experts_logits_bitwise(quantized):
+    # The GPU forms (engine/device_weights.py) are plain torch modules: here on the CPU they run
+    # as on a GPU, but for the fused kernel (CUDA; tests/engine/test_device_families.py). Each
+    # expert's product reads only its rows of the experts matrix, dequantized as the dense model
+    # was at load.
     files, _ = quantized
-    with pytest.raises(BadRequest, match="mixture-of-experts models run on the CPU"):
-        load_stage_decoder(files.source, files.config, device="cuda")
+    compact = load_decoder(files.source, files.config, weight_form=DeviceBlockForm(torch.device("cpu"), torch.float32))
+    dense = load_decoder(files.source, files.config)
+    mlp = compact.layers[0].mlp
+    assert isinstance(mlp, MoE)
+    assert all(isinstance(m, BlockLinear) and len(m.types) == 1 for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    for seq in SEQS:
+        ids = torch.tensor(seq)
+        assert torch.equal(compact.forward_full(ids), dense.forward_full(ids))
 
 
 def test_a_gguf_lists_each_expert_as_a_row_range_of_its_stacked_tensor(quantized):

@@ -124,3 +124,14 @@ def test_ggml_log_lines_go_to_python_logging_not_stderr(rt, caplog, capfd):
         GGMLMatrix(rt, quantize(rt, torch.randn(64, 256), GGML.Q4_0))
     assert any("repack" in r.getMessage() and r.levelname == "DEBUG" for r in caplog.records if r.name == "ggml")
     assert "repack" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("ggml_type", [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1], ids=lambda t: t.name)
+def test_without_ggml_the_plain_types_quantize_to_ggmls_bytes(rt, ggml_type):
+    # A GPU host without a ggml build quantizes (--quantize, test files) by the gguf package's port.
+    g = torch.Generator().manual_seed(int(ggml_type))
+    weight = torch.randn(48, 256, generator=g) * 0.05
+    weight[3] = 0.0  # an all-zero block: a zero scale, no division by it
+    ours = quantize(None, weight, ggml_type)
+    assert torch.equal(ours.data, quantize(rt, weight, ggml_type).data)
+    assert ours.rows == 48 and ours.cols == 256
