@@ -205,8 +205,12 @@ def matrix_products(device) -> dict:
         """Microseconds a call, of 20 calls replayed as one CUDA graph: the kernels' time, as
         decode runs them (timed as launched from Python, a Triton kernel of ~10 us measured
         70-200 us on an H200: the launches', bench/results/device-decode-h200-families.json)."""
-        for _ in range(3):  # compiles and tunes, outside the recording
-            fn()
+        side = torch.cuda.Stream(device)  # warmed on a side stream, as torch.cuda.graph asks
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(3):  # compiles and tunes, outside the recording
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):

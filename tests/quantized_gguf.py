@@ -46,17 +46,19 @@ def copy_tokenizer(meta: dict, writer: GGUFWriter) -> None:
 
 def write_quantized_llama(rt: Runtime | None, tokenizer_gguf: Path, out: Path, ggml_type: GGML, num_layers: int = 3,
                           seed: int = 0, embedding_type: GGML = GGML.Q8_0, head_type: GGML | None = None,
-                          arch: str = "llama", sliding_window: int = 0, experts: int = 0) -> Path:
+                          arch: str = "llama", sliding_window: int = 0, experts: int = 0,
+                          rope_dims: int = HEAD_DIM) -> Path:
     """`embedding_type` Q8_0 or BF16; `head_type` given: an LM head of its own (output.weight) in
     that type, else the head is tied to the embedding. `arch` "phi3": the same computation as
     llama.cpp writes Phi-3 and Phi-4 (fused attn_qkv and gate-up ffn_up, rows not permuted), with
-    `sliding_window` (0: none, as Phi-4). "gemma3": Gemma 3's layers (four norms stored as 1 + w,
-    q/k norms, GELU), every third a full-attention layer, the others windowed by `sliding_window`.
+    `sliding_window` (0: none, as Phi-4), and `rope_dims` below HEAD_DIM a partial rotary
+    (Phi-4-mini). "gemma3": Gemma 3's layers (four norms stored as 1 + w, q/k norms, GELU), every third a full-attention layer, the others windowed by `sliding_window`.
     `experts` > 0: each MLP a mixture of that many experts, 2 a token, stored as llama.cpp stores
     them ([experts, rows, cols] per projection; F32 router): Mixtral as "llama", Qwen3-MoE as
     "qwen3moe" (with q/k norms). `rt` None (no ggml build, as on a GPU host): the plain types
     only (engine/ggml_weights.quantize)."""
     assert arch in ("llama", "phi3", "gemma3", "qwen3moe") and (arch not in ("llama", "qwen3moe") or not sliding_window)
+    assert rope_dims == HEAD_DIM or arch == "phi3"
     assert (arch == "qwen3moe") <= (experts > 0)
     meta = GGUFFile.open(tokenizer_gguf).metadata
     vocab = len(meta["tokenizer.ggml.tokens"])
@@ -68,7 +70,7 @@ def write_quantized_llama(rt: Runtime | None, tokenizer_gguf: Path, out: Path, g
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_key_length(HEAD_DIM)
-    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_dimension_count(rope_dims)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)  # Gemma 3's full layers'; its windowed ones 10000
     if arch == "phi3":

@@ -30,6 +30,7 @@ from meshllm.engine import block_planes, triton_blocks
 from meshllm.engine.block_dequant import SUPPORTED, dequantize
 from meshllm.engine.ggml_weights import BlockMatrix, linear_block_parts
 from meshllm.errors import ModelLoadError
+from meshllm.model.decoder import MoE
 from meshllm.model.weights import TensorSource
 
 log = logging.getLogger(__name__)
@@ -124,16 +125,25 @@ def warm_fused_kernels(decoder: nn.Module, dtype: torch.dtype) -> None:
     compiles Triton's kernels and picks their tiles by timing them (engine/triton_blocks.py),
     seconds in all, which would otherwise land on the first request (measured on an H200: the
     first 8 tokens of a SmolLM2 answer at 0.6 tok/s)."""
+    # An experts matrix is multiplied one expert's rows at a time (decoder.MoE): warm that shape.
+    expert_rows = {id(projection): projection.out_features // mlp.router.out_features
+                   for mlp in decoder.modules() if isinstance(mlp, MoE)
+                   for projection in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)}
     seen: set[tuple] = set()
     for module in decoder.modules():
         if not isinstance(module, BlockLinear) or not module.fusable:
             continue
         device = module.blocks()[0][0].device
-        key = (module.in_features, module.out_features, tuple(module.types))
+        rows = expert_rows.get(id(module))
+        key = (module.in_features, rows or module.out_features, tuple(module.types))
         if device.type != "cuda" or not triton_blocks.available(device) or key in seen:
             continue
         seen.add(key)
-        module(torch.zeros(1, module.in_features, dtype=dtype, device=device))
+        x = torch.zeros(1, module.in_features, dtype=dtype, device=device)
+        if rows is None:
+            module(x)
+        else:
+            module.rows_product(x, 0, rows)
 
 
 class BlockEmbedding(nn.Module):

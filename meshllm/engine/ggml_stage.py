@@ -222,8 +222,10 @@ class GGMLStage:
             self.embedding = e.table.tensor if isinstance(e, QuantizedEmbedding) else self._ctx.wrap(e.weight)
             self.embedding_q8_0x8 = isinstance(e, QuantizedEmbedding) and e.table.layout == "q8_0x8"
         # ggml's NEOX rotary (HF's rotate_half) computes theta_i = pos * base^(-2i/d) / factor_i:
-        # the factors carry llama3's frequency scaling, or LongRoPE's as they are.
-        base = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.int64).float() / c.head_dim))
+        # the factors carry llama3's frequency scaling, or LongRoPE's as they are. d is the rotated
+        # dims (a partial rotary turns the first ones, ggml and transformers alike).
+        d = c.rotated_dims
+        base = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         factors = base / _inv_freq(c) if c.rope_factors is None else torch.tensor(c.rope_factors)
         # Memory for a step's intermediate tensors, reused (and grown when needed) step after step;
         # the cached decode graph has its own, so a prefill step never moves its tensors.
@@ -365,7 +367,8 @@ class GGMLStage:
         # The layer's base and linear factor (Gemma 3's differ by layer); attn_factor scales cos and
         # sin (LongRoPE's attention factor; 1 for other models)
         theta, linear = w["rope"]
-        rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, hd, g.GGML_ROPE_TYPE_NEOX, 0,  # noqa: E731
+        rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, c.rotated_dims,  # noqa: E731
+                                         g.GGML_ROPE_TYPE_NEOX, 0,
                                          theta, 1.0 / linear, 0.0, c.rope_attention_factor, 0.0, 0.0)
         q, k = rope(q), rope(k)
         if self.query_scale != 1.0:

@@ -70,6 +70,9 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 adds a bias on q, k and v
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     sliding_window: int | None = None  # Mistral, Phi-3; None = full attention
+    # Partial rotary (Phi-4-mini): only the first rotary_dim dims of each head rotate, the rest
+    # pass through. None: the whole head (every other model).
+    rotary_dim: int | None = None
     # LongRoPE (Phi-3.5, Phi-3 128k): each rotary frequency divided by its factor, cos and sin
     # multiplied by the attention factor. None and 1.0 for every other model.
     rope_factors: tuple[float, ...] | None = None
@@ -106,9 +109,17 @@ class ModelConfig:
             raise ModelLoadError(f"config field sliding_window must be positive or null, got {self.sliding_window}")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
             raise ModelLoadError(f"{len(self.sliding_layers)} layer types for {self.num_hidden_layers} layers")
-        if self.rope_factors is not None and len(self.rope_factors) != self.head_dim // 2:
-            raise ModelLoadError(f"rope short_factor has {len(self.rope_factors)} entries; head_dim "
-                                 f"{self.head_dim} rotates {self.head_dim // 2} frequencies")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
+            raise ModelLoadError(f"a partial rotary of {self.rotary_dim} dims in a head of {self.head_dim}: it must "
+                                 f"be even, positive and less than the head")
+        if self.rope_factors is not None and len(self.rope_factors) != self.rotated_dims // 2:
+            raise ModelLoadError(f"rope short_factor has {len(self.rope_factors)} entries; {self.rotated_dims} "
+                                 f"rotated dims of a head make {self.rotated_dims // 2} frequencies")
+
+    @property
+    def rotated_dims(self) -> int:
+        """Dims of each head the rotary embedding turns (the first ones; the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def num_parameters(self) -> int:
@@ -157,6 +168,8 @@ class ModelConfig:
             eos = d.get("eos_token_id")
             eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             head_dim = d.get("head_dim") or hidden // heads
+            # as transformers rounds it; a GGUF's dict (model/gguf.py) gives the file's count exactly
+            rotary_dim = int(d.get("_rotated_dims") or int(head_dim) * _partial_rotary_factor(d))
             rope_theta, rope_scaling = _parse_rope(d, origin) if model_type not in gemma.MODEL_TYPES else (0.0, None)
             long_rope = _long_rope(d)
             max_positions = int(d.get("max_position_embeddings") or 2048)
@@ -193,6 +206,7 @@ class ModelConfig:
                 attention_bias=bool(d.get("attention_bias", switches.get("attention_bias", False))),
                 qk_norm=switches.get("qk_norm", False),
                 sliding_window=int(sliding) if sliding else None,
+                rotary_dim=None if rotary_dim == int(head_dim) else rotary_dim,
                 rope_factors=None if long_rope is None else long_rope[0],
                 rope_attention_factor=1.0 if long_rope is None else long_rope[1],
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
@@ -246,11 +260,20 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
     if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
         raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
                                       f"some layers only) is not supported; set it to false")
+    partial = _partial_rotary_factor(d)
+    if partial != 1.0 and model_type != "phi3":  # of the families here, only Phi-3's attention has it
+        raise UnsupportedArchitecture(f"{origin}: partial_rotary_factor {partial} on {model_type} is not supported "
+                                      f"(meshllm rotates part of the head for phi3 only)")
+    if not 0.0 < partial <= 1.0:
+        raise ModelLoadError(f"{origin}: partial_rotary_factor must be in (0, 1], got {partial}")
+
+
+def _partial_rotary_factor(d: dict) -> float:
+    """The share of each head the rotary turns (Phi-4-mini: 0.75), from either config layout."""
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    partial = d.get("partial_rotary_factor", rope.get("partial_rotary_factor") if isinstance(rope, dict) else None)
-    if partial not in (None, 1, 1.0):
-        raise UnsupportedArchitecture(f"{origin}: partial_rotary_factor {partial} is not supported "
-                                      f"(meshllm rotates the whole head)")
+    inner = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
+    value = d.get("partial_rotary_factor", inner)
+    return 1.0 if value is None else float(value)
 
 
 def _positive_int(d: dict, key: str) -> int:

@@ -71,7 +71,8 @@ class Rotary:
         self.attention_factor = config.rope_attention_factor
         # (cos, sin), replaced whole: plans sharing a stage may step it from several threads, and
         # one must never see a grown cos beside an old sin. Grown under the lock, never shrunk.
-        self.tables = (torch.empty(0, config.head_dim, dtype=dtype),) * 2
+        self.tables = (torch.empty(0, config.rotated_dims, dtype=dtype),) * 2
+        self.head_dim = config.head_dim
         self._lock = threading.Lock()
         # Grown as positions need it (ensure), not to the model's whole context: Llama 3.1's 131072
         # positions of head_dim 128 take 67 MB in bf16, Gemma 3's two tables of 256 268 MB, on
@@ -119,14 +120,18 @@ class Rotary:
         """Matrices R [tokens, head_dim, head_dim] (fp32) with x @ R == x * cos + rotate_half(x) * sin.
 
         Rotating q and k of all heads is then one batched matmul per layer instead of
-        seven elementwise ops each; at decode the per-op dispatch cost is what counts.
+        seven elementwise ops each; at decode the per-op dispatch cost is what counts. Under a
+        partial rotary the dims past the rotated ones pass through (ones on the diagonal).
         """
-        cos, sin = (t.float() for t in self(positions, checked))  # [tokens, head_dim]
+        cos, sin = (t.float() for t in self(positions, checked))  # [tokens, rotated dims]
         n, dim = cos.shape
         half = dim // 2
         cols = torch.arange(dim, device=cos.device)
-        rot = torch.zeros(n, dim, dim, device=cos.device)
+        rot = torch.zeros(n, self.head_dim, self.head_dim, device=cos.device)
         rot[:, cols, cols] = cos
+        if dim < self.head_dim:
+            passed = torch.arange(dim, self.head_dim, device=cos.device)
+            rot[:, passed, passed] = 1.0
         # rotate_half(x)[j] is -x[j + half] for j < half and x[j - half] for j >= half.
         rot[:, cols[:half] + half, cols[:half]] = -sin[:, :half]
         rot[:, cols[half:] - half, cols[half:]] = sin[:, half:]
@@ -135,7 +140,7 @@ class Rotary:
 
 def _inv_freq(config: ModelConfig, theta: float | None = None, linear: float = 1.0) -> Tensor:
     """Rotary frequencies of the model, or of a base `theta` and linear factor (a Gemma 3 layer's)."""
-    dim = config.head_dim
+    dim = config.rotated_dims
     powers = (config.rope_theta if theta is None else theta) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if config.rope_factors is not None:  # LongRoPE, in transformers' order of operations
         return 1.0 / (torch.tensor(config.rope_factors, dtype=torch.float32) * powers)

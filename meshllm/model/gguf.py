@@ -520,10 +520,10 @@ def config_dict(file: GGUFFile) -> dict:
             raise UnsupportedArchitecture(f"{file.path} has per-layer KV head counts {kv_heads.tolist()}")
         kv_heads = kv_heads[0]
     head_dim = int(key("attention.key_length", hidden // heads))
-    rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
+    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dims != head_dim and arch != "phi3":  # Phi-4-mini turns 96 of 128
         raise UnsupportedArchitecture(f"{file.path} rotates {rope_dims} of {head_dim} head dims (partial rotary); "
-                                      f"meshllm supports full rotary only")
+                                      f"meshllm runs that for phi3 only")
     embed = file.tensors.get("token_embd.weight")
     if embed is None:
         raise CorruptWeights(f"{file.path} has no token_embd.weight tensor")
@@ -549,6 +549,8 @@ def config_dict(file: GGUFFile) -> dict:
         # with full attention, transformers with the window; we follow transformers.
         "use_sliding_window": bool(meta.get(f"{arch}.attention.sliding_window", 0)) and arch == "phi3",
         "sliding_window": int(meta.get(f"{arch}.attention.sliding_window", 0) or 0) or None,
+        "partial_rotary_factor": rope_dims / head_dim,
+        "_rotated_dims": rope_dims,  # exact: the factor times head_dim may round below it
         "bos_token_id": int(tokens_meta["bos_token_id"]) if "bos_token_id" in tokens_meta else None,
         "eos_token_id": sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
     }

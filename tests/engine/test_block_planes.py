@@ -82,9 +82,10 @@ def _splits(split_k: bool, cols: int, ggml_type) -> int:
 
 
 # 576: SmolLM2's width, blocks per row not a multiple of any tile, too shallow to split; 4096:
-# Llama-8B's, under split-K the depth in 4 (Q4) or 8 (Q8_0) programs whose sums are added after
+# Llama-8B's, under split-K the depth in 4 (Q4) or 8 (Q8_0) programs whose sums are added after;
+# 11008: Llama-7B's MLP, 8 programs of uneven depth (Q8_0: 7 of 11 steps and one of 9)
 @pytest.mark.parametrize("split_k", [False, True], ids=["one-program", "split-k"])
-@pytest.mark.parametrize("cols", [576, 4096])
+@pytest.mark.parametrize("cols", [576, 4096, 11008])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("ggml_type", PLANAR, ids=lambda t: t.name)
 def test_the_fused_kernel_multiplies_planes_by_the_reference_weights(ggml_type, dtype, cols, split_k):
@@ -113,7 +114,8 @@ def test_the_fused_kernel_multiplies_planes_by_the_reference_weights(ggml_type, 
 
 
 @pytest.mark.parametrize("split_k", [False, True], ids=["one-program", "split-k"])
-@pytest.mark.parametrize("cols", [40 * 32, 4096])  # split-K: Q8_0's depth in 2 and 8 programs; Q4's in 1 and 4
+# split-K: Q8_0's depth in 2, 8 and 8 uneven programs; Q4's in 1, 4 and 8 uneven
+@pytest.mark.parametrize("cols", [40 * 32, 4096, 11008])
 @pytest.mark.parametrize("ggml_type", PLANAR, ids=lambda t: t.name)
 def test_every_tile_the_kernel_may_pick_sums_in_the_same_order(ggml_type, cols, split_k):
     # Tuning picks a tile per shape by timing it, separately in each process: a pipeline's stages

@@ -14,7 +14,7 @@ from meshllm.engine.ggml_lib import runtime
 from meshllm.engine.ggml_stage import GGMLStage
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.weights import SafetensorsSource
-from tests.engine.test_ggml_sliding_window import _logits
+from tests.engine.test_ggml_sliding_window import _logits, assert_ggml_matches_torch
 
 # ggml's GELU reads a float16 table (as llama.cpp runs Gemma): ~1e-3 of a logit; 0.0103 measured
 # on logits up to 9 with float32 KV.
@@ -34,11 +34,7 @@ def source(tiny_model_dir):
 def test_gemma3_on_ggml_matches_the_torch_path(source, prompt_len, chunk):
     decoder = load_stage_decoder(source, source.config())
     assert isinstance(decoder.fast_path, GGMLStage)
-    fast = _logits(decoder, SEQS, prompt_len, chunk, True, torch.float32)
-    slow = _logits(decoder, SEQS, prompt_len, chunk, False, torch.float32)
-    for a, b in zip(fast, slow):
-        assert b.abs().max() > 1.0
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    assert_ggml_matches_torch(decoder, SEQS, prompt_len, chunk, ATOL)
 
 
 @pytest.mark.parametrize("split", [2, 3], ids=["windowed-then-full", "full-then-windowed"])

@@ -70,6 +70,16 @@ def _logits(stages, seqs: list[list[int]], prompt_len: int, chunk: int, fast: bo
             d.fast_path = path
 
 
+def assert_ggml_matches_torch(decoder, seqs: list[list[int]], prompt_len: int, chunk: int, atol: float) -> None:
+    """A decoder's ggml path and its torch path give the same logits over `seqs` (float32 KV),
+    within `atol`; the logits large enough for a wrong formula to show."""
+    fast = _logits(decoder, seqs, prompt_len, chunk, True, torch.float32)
+    slow = _logits(decoder, seqs, prompt_len, chunk, False, torch.float32)
+    for a, b in zip(fast, slow):
+        assert b.abs().max() > 1.0
+        torch.testing.assert_close(a, b, rtol=0, atol=atol)
+
+
 # A base sequence of 30 tokens and three copies, each with one token changed: inside the first
 # prefill chunk, where the window crosses a chunk boundary, and among the decode steps.
 BASE = [(13 * j + 7) % 4000 + 3 for j in range(30)]

@@ -170,6 +170,23 @@ def test_aidreams_config(aidreams_path):
     assert config.tie_word_embeddings and config.max_position_embeddings == 128 and config.eos_token_ids == (2,)
 
 
+def test_phi4_mini_turns_three_quarters_of_each_head():
+    # Phi-4-mini: 24 heads of 128 in 3072, partial_rotary_factor 0.75, LongRoPE over the 96 turned dims
+    phi4 = {**LLAMA, "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 3072,
+            "num_attention_heads": 24, "num_key_value_heads": 8, "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75,
+            "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}}
+    config = ModelConfig.from_dict(phi4)
+    assert (config.head_dim, config.rotary_dim, config.rotated_dims) == (128, 96, 96)
+    assert len(config.rope_factors) == 48 and config.max_position_embeddings == 4096
+    whole_head = {**phi4["rope_scaling"], "short_factor": [1.0] * 64}  # factors for 128 turned dims
+    assert ModelConfig.from_dict({**phi4, "partial_rotary_factor": 1.0, "rope_scaling": whole_head}).rotary_dim is None
+    with pytest.raises(ModelLoadError, match="96 rotated dims of a head make 48 frequencies"):
+        ModelConfig.from_dict({**phi4, "rope_scaling": whole_head})
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+        ModelConfig.from_dict({**phi4, "partial_rotary_factor": 1.5})
+
+
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["'gpt2'", "LlamaForCausalLM", "qwen3"]),
     ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, ["'qwen2_moe'", "MixtralForCausalLM"]),

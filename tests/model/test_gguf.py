@@ -67,7 +67,7 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rotated_dims)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_bos_token_id(1)
@@ -279,7 +279,8 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
-                                          ("phi3-longrope", "phi3"), ("gemma3", "gemma3"), ("qwen3-moe", "qwen3moe"),
+                                          ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
+                                          ("qwen3-moe", "qwen3moe"),
                                           ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
@@ -293,7 +294,7 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
     gguf = GGUFSource(write_model_gguf(folder, tmp_path / "m.gguf", arch, rope_freqs=freqs))
     ours, theirs = gguf.config(), hf.config()
     for field in ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta", "rope_scaling",
+                  "num_attention_heads", "num_key_value_heads", "head_dim", "rotary_dim", "rope_theta", "rope_scaling",
                   "tie_word_embeddings", "attention_bias", "qk_norm", "bos_token_id", "sliding_window",
                   "max_position_embeddings", "rope_factors", "rope_attention_factor", "hidden_act",
                   "embedding_scale", "sandwich_norms", "attention_scale", "sliding_layers", "local_rope_theta",

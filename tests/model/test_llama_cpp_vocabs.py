@@ -53,3 +53,14 @@ def test_gguf_tokenizers_encode_every_reference_text_as_llama_cpp_does(name, pre
     wrong = [(text, want, got) for text, want in cases
              if (got := tokenizer.encode(text, add_special_tokens=False)) != want]
     assert not wrong, f"{len(wrong)} of {len(cases)} texts differ from llama.cpp's ids, first: {wrong[0]}"
+
+
+def test_gpt4o_texts_split_as_its_tokenizer_json_splits_them():
+    # Phi-4-mini's and Llama 4's type; the sdist has no reference vocabulary for it (before this,
+    # such files split as GPT-2 does). Its split keeps a contraction on its word, groups digits in
+    # threes and keeps newlines apart from the words around them.
+    from meshllm.model.tokenizer import _byte_level_bpe
+
+    pieces = [p for p, _ in _byte_level_bpe(["a"], [], "gpt-4o").pre_tokenizer.pre_tokenize_str(
+        "Hello world's 12345 ÉCOLE's\n\nok  x")]
+    assert pieces == ["Hello", "Ġworld's", "Ġ", "123", "45", "ĠÃīCOLE's", "ĊĊ", "ok", "Ġ", "Ġx"]

@@ -25,10 +25,11 @@ pytestmark = pytest.mark.slow
 
 TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
 # Other families, as llama.cpp writes them, on ggml's path: Phi-3 (fused q/k/v and gate/up) as
-# Phi-4 (no window) and with a window the prompts and replies cross; Gemma 3's windowed and full
+# Phi-4-mini (no window, 48 of each head's 64 dims turned) and with a window the prompts and
+# replies cross; Gemma 3's windowed and full
 # layers split across the two stages (3 layers: 0, 1 windowed, 2 full); mixtures of experts.
 FAMILIES = {
-    "phi3-Q4_K": dict(ggml_type=GGML.Q4_K, arch="phi3"),
+    "phi4mini-Q4_K": dict(ggml_type=GGML.Q4_K, arch="phi3", rope_dims=48),
     "phi3-window-Q8_0": dict(ggml_type=GGML.Q8_0, arch="phi3", sliding_window=5),
     "gemma3-Q4_K": dict(ggml_type=GGML.Q4_K, arch="gemma3", sliding_window=4),
     "qwen3moe-Q4_K": dict(ggml_type=GGML.Q4_K, arch="qwen3moe", experts=4),
