@@ -41,6 +41,8 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
                                                              partial_rotary_factor=0.5,
                                                              short_factor=[1.0 + 0.5 * i for i in range(4)],
                                                              long_factor=[2.0 + i for i in range(4)]))),
+    # SmolLM3: no rotary on every fourth layer (here the last of 4)
+    "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True)),
     # Four norms a layer (scaling by 1 + w), GELU, a scaled embedding, queries scaled by 24 ** -0.5
     # (not head_dim's 16), and both kinds of layer: windowed ones with their own rope base, and
     # full ones with linear rope scaling.

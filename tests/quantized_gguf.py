@@ -55,9 +55,10 @@ def write_quantized_llama(rt: Runtime | None, tokenizer_gguf: Path, out: Path, g
     (Phi-4-mini). "gemma3": Gemma 3's layers (four norms stored as 1 + w, q/k norms, GELU), every third a full-attention layer, the others windowed by `sliding_window`.
     `experts` > 0: each MLP a mixture of that many experts, 2 a token, stored as llama.cpp stores
     them ([experts, rows, cols] per projection; F32 router): Mixtral as "llama", Qwen3-MoE as
-    "qwen3moe" (with q/k norms). `rt` None (no ggml build, as on a GPU host): the plain types
+    "qwen3moe" (with q/k norms). "smollm3": Llama's layers, every fourth without rotary. `rt` None (no ggml build, as on a GPU host): the plain types
     only (engine/ggml_weights.quantize)."""
-    assert arch in ("llama", "phi3", "gemma3", "qwen3moe") and (arch not in ("llama", "qwen3moe") or not sliding_window)
+    assert arch in ("llama", "phi3", "gemma3", "qwen3moe", "smollm3")
+    assert arch in ("phi3", "gemma3") or not sliding_window
     assert rope_dims == HEAD_DIM or arch == "phi3"
     assert (arch == "qwen3moe") <= (experts > 0)
     meta = GGUFFile.open(tokenizer_gguf).metadata

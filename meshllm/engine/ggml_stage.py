@@ -366,11 +366,12 @@ class GGMLStage:
             k = self._norm(s, k, w["k_norm"])
         # The layer's base and linear factor (Gemma 3's differ by layer); attn_factor scales cos and
         # sin (LongRoPE's attention factor; 1 for other models)
-        theta, linear = w["rope"]
+        theta, linear = w["rope"] or (0.0, 1.0)
         rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, c.rotated_dims,  # noqa: E731
                                          g.GGML_ROPE_TYPE_NEOX, 0,
                                          theta, 1.0 / linear, 0.0, c.rope_attention_factor, 0.0, 0.0)
-        q, k = rope(q), rope(k)
+        if w["rope"] is not None:  # None: a NoPE layer (SmolLM3's every fourth)
+            q, k = rope(q), rope(k)
         if self.query_scale != 1.0:
             q = g.ggml_scale(ctx, q, self.query_scale)
         if table is not None:  # the batched form (ATTENTION_FEW_ROWS_MAX says why)

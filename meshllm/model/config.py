@@ -29,6 +29,8 @@ SUPPORTED_MODEL_TYPES = {
     # Mixtures of experts (model/moe.py): Qwen3 attention with expert MLPs, and Mixtral (Mistral's)
     "qwen3_moe": {"qk_norm": True},
     "mixtral": {},
+    # SmolLM3: Llama with no rotary on every fourth layer (NoPE, rope_layers)
+    "smollm3": {},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -39,6 +41,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 
 
@@ -73,6 +76,8 @@ class ModelConfig:
     # Partial rotary (Phi-4-mini): only the first rotary_dim dims of each head rotate, the rest
     # pass through. None: the whole head (every other model).
     rotary_dim: int | None = None
+    # Which layers rotate q and k at all (SmolLM3 skips every fourth); None: every layer.
+    rope_layers: tuple[bool, ...] | None = None
     # LongRoPE (Phi-3.5, Phi-3 128k): each rotary frequency divided by its factor, cos and sin
     # multiplied by the attention factor. None and 1.0 for every other model.
     rope_factors: tuple[float, ...] | None = None
@@ -107,6 +112,8 @@ class ModelConfig:
             raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelLoadError(f"config field sliding_window must be positive or null, got {self.sliding_window}")
+        if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
+            raise ModelLoadError(f"{len(self.rope_layers)} no_rope_layers entries for {self.num_hidden_layers} layers")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
             raise ModelLoadError(f"{len(self.sliding_layers)} layer types for {self.num_hidden_layers} layers")
         if self.rotary_dim is not None and not (0 < self.rotary_dim < self.head_dim and self.rotary_dim % 2 == 0):
@@ -131,8 +138,11 @@ class ModelConfig:
         """The sliding window of `layer` (0-based in the whole model), or None for full attention."""
         return None if self.sliding_layers is not None and not self.sliding_layers[layer] else self.sliding_window
 
-    def layer_rope(self, layer: int) -> tuple[float, float]:
-        """(rope base, linear factor) of `layer`: Gemma 3's sliding layers have their own."""
+    def layer_rope(self, layer: int) -> tuple[float, float] | None:
+        """(rope base, linear factor) of `layer`: Gemma 3's sliding layers have their own. None: the
+        layer does not rotate q and k (SmolLM3's NoPE layers)."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return None
         if self.local_rope_theta is not None and self.sliding_layers is not None and self.sliding_layers[layer]:
             return self.local_rope_theta, 1.0
         return self.rope_theta, self.rope_linear_factor
@@ -207,6 +217,7 @@ class ModelConfig:
                 qk_norm=switches.get("qk_norm", False),
                 sliding_window=int(sliding) if sliding else None,
                 rotary_dim=None if rotary_dim == int(head_dim) else rotary_dim,
+                rope_layers=_rope_layers(d, model_type, int(d["num_hidden_layers"])),
                 rope_factors=None if long_rope is None else long_rope[0],
                 rope_attention_factor=1.0 if long_rope is None else long_rope[1],
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
@@ -257,7 +268,7 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
         raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
                                       f"is not supported")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe") and d.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and d.get("use_sliding_window"):
         raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
                                       f"some layers only) is not supported; set it to false")
     partial = _partial_rotary_factor(d)
@@ -266,6 +277,18 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
                                       f"(meshllm rotates part of the head for phi3 only)")
     if not 0.0 < partial <= 1.0:
         raise ModelLoadError(f"{origin}: partial_rotary_factor must be in (0, 1], got {partial}")
+
+
+def _rope_layers(d: dict, model_type: str, layers: int) -> tuple[bool, ...] | None:
+    """SmolLM3's no_rope_layers (1: the layer rotates), made as transformers makes them when the
+    config has none: every no_rope_layer_interval-th layer without."""
+    if model_type != "smollm3":
+        return None
+    flags = d.get("no_rope_layers")
+    if flags is None:
+        interval = int(d.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    return tuple(bool(f) for f in flags)
 
 
 def _partial_rotary_factor(d: dict) -> float:

@@ -189,8 +189,10 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        # q and k of every head rotate together in one batched matmul (see Rotary.rotation).
-        qk = torch.bmm(qk.float(), rotation).to(x.dtype)
+        # q and k of every head rotate together in one batched matmul (see Rotary.rotation); a
+        # NoPE layer's (rotation None) stay as they are.
+        if rotation is not None:
+            qk = torch.bmm(qk.float(), rotation).to(x.dtype)
         q, k = qk[:, :heads], qk[:, heads:]
         if len(slices) == 1:
             out = self._attend(q, k, v, slices[0], layer)
@@ -366,7 +368,9 @@ class Decoder(nn.Module):
             # One table per (base, linear factor) this stage's layers use: Gemma 3's sliding layers
             # have their own. `rotary`, the first, is every layer's in the other families (CUDA
             # graphs, which size it ahead of a replay, stay off for Gemma 3).
-            ropes = dict.fromkeys(layer.rope for layer in self.layers)
+            # (A stage of NoPE layers only still has the model's table: CUDA graphs key on it.)
+            ropes = dict.fromkeys(layer.rope for layer in self.layers if layer.rope is not None) or \
+                {(config.rope_theta, config.rope_linear_factor): None}
             self.rotaries = {rope: Rotary(config, dtype, *rope) for rope in ropes}
             self.rotary = next(iter(self.rotaries.values()))
         # Set by engine/stage_weights.py: runs the whole layer range as one ggml graph per step.
@@ -422,7 +426,7 @@ class Decoder(nn.Module):
             h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)
         rotations = {key: rotary.rotation(positions, checked=not static) for key, rotary in self.rotaries.items()}
         for i, layer in enumerate(self.layers):
-            h = layer(h, rotations[layer.rope], slices, i)
+            h = layer(h, None if layer.rope is None else rotations[layer.rope], slices, i)
         if not self.has_head:
             return h
         if logit_rows is not None:

@@ -187,6 +187,18 @@ def test_phi4_mini_turns_three_quarters_of_each_head():
         ModelConfig.from_dict({**phi4, "partial_rotary_factor": 1.5})
 
 
+def test_smollm3_skips_the_rotary_on_every_fourth_layer():
+    smol = {**LLAMA, "model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
+    assert ModelConfig.from_dict(smol).rope_layers == (True, True, True, False) * 2  # transformers' default
+    given = ModelConfig.from_dict({**smol, "no_rope_layers": [1, 0] * 4})
+    assert [given.layer_rope(i) is None for i in range(8)] == [False, True] * 4
+    assert ModelConfig.from_dict(LLAMA).rope_layers is None and ModelConfig.from_dict(LLAMA).layer_rope(3) is not None
+    with pytest.raises(ModelLoadError, match="3 no_rope_layers entries for 8 layers"):
+        ModelConfig.from_dict({**smol, "no_rope_layers": [1, 1, 0]})
+    with pytest.raises(UnsupportedArchitecture, match="use_sliding_window"):
+        ModelConfig.from_dict({**smol, "use_sliding_window": True, "sliding_window": 64})
+
+
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["'gpt2'", "LlamaForCausalLM", "qwen3"]),
     ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, ["'qwen2_moe'", "MixtralForCausalLM"]),

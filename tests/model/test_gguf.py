@@ -109,7 +109,7 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             w.add_tensor(f"blk.{i}.ffn_up.weight", torch.cat(gate_up).numpy())
     for name, tensor in tensors.items():
         array = tensor.numpy()
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if arch in ("llama", "smollm3") and (".q_proj." in name or ".k_proj." in name):
             array = _llama_cpp_permute(array, cfg.num_attention_heads if ".q_proj." in name
                                        else cfg.num_key_value_heads)
         w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(array))
@@ -280,7 +280,7 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
                                           ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
-                                          ("qwen3-moe", "qwen3moe"),
+                                          ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"),
                                           ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
@@ -299,7 +299,7 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "max_position_embeddings", "rope_factors", "rope_attention_factor", "hidden_act",
                   "embedding_scale", "sandwich_norms", "attention_scale", "sliding_layers", "local_rope_theta",
                   "rope_linear_factor", "num_experts", "num_experts_per_tok", "expert_intermediate_size",
-                  "normalize_expert_weights"):
+                  "normalize_expert_weights", "rope_layers"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())

@@ -27,13 +27,15 @@ TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
 # Other families, as llama.cpp writes them, on ggml's path: Phi-3 (fused q/k/v and gate/up) as
 # Phi-4-mini (no window, 48 of each head's 64 dims turned) and with a window the prompts and
 # replies cross; Gemma 3's windowed and full
-# layers split across the two stages (3 layers: 0, 1 windowed, 2 full); mixtures of experts.
+# layers split across the two stages (3 layers: 0, 1 windowed, 2 full); mixtures of experts;
+# SmolLM3's layer without rotary in the second stage.
 FAMILIES = {
     "phi4mini-Q4_K": dict(ggml_type=GGML.Q4_K, arch="phi3", rope_dims=48),
     "phi3-window-Q8_0": dict(ggml_type=GGML.Q8_0, arch="phi3", sliding_window=5),
     "gemma3-Q4_K": dict(ggml_type=GGML.Q4_K, arch="gemma3", sliding_window=4),
     "qwen3moe-Q4_K": dict(ggml_type=GGML.Q4_K, arch="qwen3moe", experts=4),
     "mixtral-Q8_0": dict(ggml_type=GGML.Q8_0, arch="llama", experts=4),
+    "smollm3-Q4_0": dict(ggml_type=GGML.Q4_0, arch="smollm3", num_layers=4),  # layer 3 without rotary
 }
 OPTIONS = ServingOptions(context_length=256, max_batch=4, dtype="float32",
                          scheduler=SchedulerConfig(max_batched_tokens=64, prefill_chunk=32))
@@ -82,5 +84,5 @@ def test_two_stage_pipeline_matches_one_process(two_nodes, models, model):
     for prompt in PROMPTS:
         ids = files.tokenizer.encode(prompt)
         expected = _tokens(local_leader(files, OPTIONS), ids, params)
-        got = _tokens(two_nodes.leader(files, [(0, 1), (1, 3)], OPTIONS), ids, params)
+        got = _tokens(two_nodes.leader(files, [(0, 1), (1, files.config.num_hidden_layers)], OPTIONS), ids, params)
         assert got == expected, (model, prompt)
