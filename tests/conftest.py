@@ -43,6 +43,9 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
                                                              long_factor=[2.0 + i for i in range(4)]))),
     # SmolLM3: no rotary on every fourth layer (here the last of 4)
     "smollm3": ("SmolLM3Config", dict(tie_word_embeddings=True)),
+    # Granite 3.x: scaled embedding lookups, attention scores, residual joins and logits
+    "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, attention_multiplier=0.15, residual_multiplier=0.4,
+                                      logits_scaling=2.5)),
     # Four norms a layer (scaling by 1 + w), GELU, a scaled embedding, queries scaled by 24 ** -0.5
     # (not head_dim's 16), and both kinds of layer: windowed ones with their own rope base, and
     # full ones with linear rope scaling.

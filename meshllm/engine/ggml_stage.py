@@ -595,7 +595,7 @@ class GGMLStage:
                 h = custom_op(s, self._q8_0x8_ops[1], (c.hidden_size, n), self.embedding, s.wrap(step.ids))
             else:
                 h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
-            if c.embedding_scale != 1.0:  # Gemma
+            if c.embedding_scale != 1.0:  # Gemma, Granite
                 h = g.ggml_scale(ctx, h, c.embedding_scale)
         else:
             step.hidden = torch.zeros(n, c.hidden_size, dtype=torch.float32)
@@ -603,15 +603,17 @@ class GGMLStage:
         for i, w in enumerate(self.layers):
             attn = self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos, slices,
                                    masks.get(w["window"]), n, step.table)
-            h = g.ggml_add(ctx, h, attn if w["attn_out_norm"] is None else self._norm(s, attn, w["attn_out_norm"]))
+            h = g.ggml_add(ctx, h, self._joining(s, attn, w["attn_out_norm"]))
             mlp = self._mlp(s, w, self._norm(s, h, w["mlp_norm"]), n)
-            h = g.ggml_add(ctx, h, mlp if w["mlp_out_norm"] is None else self._norm(s, mlp, w["mlp_out_norm"]))
+            h = g.ggml_add(ctx, h, self._joining(s, mlp, w["mlp_out_norm"]))
         step.out_shape = (n, c.hidden_size)
         if self.has_head:
             if logit_rows is not None:
                 step.rows = torch.zeros(logit_rows.numel(), dtype=torch.int32)
                 h = g.ggml_get_rows(ctx, h, s.wrap(step.rows))
             (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
+            if c.logit_scale != 1.0:  # Granite's logits divided, as llama.cpp scales them
+                h = g.ggml_scale(ctx, h, 1.0 / c.logit_scale)
             head_rows = sum(rows for _, _, rows, _ in self.head.parts)  # the vocabulary
             step.out_shape = (n if logit_rows is None else logit_rows.numel(), head_rows)
         step.out = h
@@ -620,6 +622,13 @@ class GGMLStage:
         # the graph then, and through it every earlier layer's.
         step.kv_anchor = s.last_kv_write
         return step
+
+    def _joining(self, s: GraphScope, out, norm):
+        """A sublayer's output as it joins the residual stream: Gemma's normalised, Granite's scaled."""
+        if norm is not None:
+            out = self._norm(s, out, norm)
+        scale = self.config.residual_scale
+        return out if scale == 1.0 else s.g.ggml_scale(s.ctx, out, scale)
 
     @staticmethod
     def _mask(s: GraphScope, step: _Step, seq: SeqSlice, index: int, window: int | None):

@@ -31,6 +31,8 @@ SUPPORTED_MODEL_TYPES = {
     "mixtral": {},
     # SmolLM3: Llama with no rotary on every fourth layer (NoPE, rope_layers)
     "smollm3": {},
+    # Granite 3.x: Llama with four multipliers (embedding, attention, residual, logits)
+    "granite": {},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -42,6 +44,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
 
 
@@ -96,6 +99,10 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = False  # the chosen experts' weights rescaled to sum to 1
+    # Granite: each layer's attention and MLP outputs times residual_scale before they join the
+    # stream; the logits divided by logit_scale. 1.0 for every other family.
+    residual_scale: float = 1.0
+    logit_scale: float = 1.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -112,6 +119,9 @@ class ModelConfig:
             raise ModelLoadError(f"head_dim {self.head_dim} must be even for rotary embeddings")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelLoadError(f"config field sliding_window must be positive or null, got {self.sliding_window}")
+        if not (self.logit_scale > 0 and self.residual_scale > 0 and self.embedding_scale > 0):
+            raise ModelLoadError(f"multipliers must be positive: logits_scaling {self.logit_scale}, residual "
+                                 f"{self.residual_scale}, embedding {self.embedding_scale}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ModelLoadError(f"{len(self.rope_layers)} no_rope_layers entries for {self.num_hidden_layers} layers")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
@@ -199,6 +209,12 @@ class ModelConfig:
                 if model_type in gemma.MODEL_TYPES else {}
             if model_type in moe.MODEL_TYPES:
                 family = moe.moe_fields(d, model_type, origin)
+            if model_type == "granite":  # transformers' GraniteConfig defaults
+                # rounded to float32, as torch multiplies by them and a GGUF stores them
+                scales = array("f", [float(d.get(k, 1.0)) for k in ("embedding_multiplier", "attention_multiplier",
+                                                                    "residual_multiplier", "logits_scaling")])
+                family = dict(zip(("embedding_scale", "attention_scale", "residual_scale", "logit_scale"),
+                                  scales.tolist()))
             fields = dict(
                 model_type=model_type,
                 vocab_size=int(d["vocab_size"]),
@@ -264,7 +280,7 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         raise UnsupportedArchitecture(f"{origin}: hidden_act {act!r} is not supported (meshllm runs silu MLPs)")
     if d.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{origin}: mlp_bias=true is not supported (meshllm runs bias-free MLPs)")
-    if model_type in ("llama", "qwen3", "qwen3_moe", *gemma.MODEL_TYPES) and d.get("attention_bias"):
+    if model_type in ("llama", "qwen3", "qwen3_moe", "granite", *gemma.MODEL_TYPES) and d.get("attention_bias"):
         # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
         raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
                                       f"is not supported")

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from meshllm.engine.kv_cache import KVLayout, SequenceKV
 from meshllm.model.config import ModelConfig
+from meshllm.model.gemma import MODEL_TYPES as GEMMA_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,12 +337,19 @@ class DecoderLayer(nn.Module):
         self.attn_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None
         self.rope = config.layer_rope(layer)  # which of the decoder's rotations it takes
+        self.residual_scale = config.residual_scale
 
     def forward(self, x: Tensor, rotation: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
         attn = self.self_attn(self.input_layernorm(x), rotation, slices, layer)
-        x = x + (attn if self.attn_out_norm is None else self.attn_out_norm(attn))
+        x = x + self._joining(attn, self.attn_out_norm)
         mlp = self.mlp(self.post_attention_layernorm(x))
-        return x + (mlp if self.mlp_out_norm is None else self.mlp_out_norm(mlp))
+        return x + self._joining(mlp, self.mlp_out_norm)
+
+    def _joining(self, out: Tensor, norm: RMSNorm | None) -> Tensor:
+        """A sublayer's output as it joins the residual stream: Gemma's normalised, Granite's scaled."""
+        if norm is not None:
+            out = norm(out)
+        return out if self.residual_scale == 1.0 else out * self.residual_scale
 
 
 class Decoder(nn.Module):
@@ -422,8 +430,10 @@ class Decoder(nn.Module):
         x, positions = x.to(device), positions.to(device)
         logit_rows = None if logit_rows is None else logit_rows.to(device)
         h = self.embed_tokens(x) if self.has_embedding else x.to(self.dtype)
-        if self.has_embedding and self.config.embedding_scale != 1.0:  # Gemma, in the weights' dtype as transformers
-            h = h * torch.tensor(self.config.embedding_scale, dtype=h.dtype)
+        if self.has_embedding and self.config.embedding_scale != 1.0:
+            # as transformers: Gemma's scale rounded to the weights' dtype first, Granite's not
+            scale = self.config.embedding_scale
+            h = h * (torch.tensor(scale, dtype=h.dtype) if self.config.model_type in GEMMA_TYPES else scale)
         rotations = {key: rotary.rotation(positions, checked=not static) for key, rotary in self.rotaries.items()}
         for i, layer in enumerate(self.layers):
             h = layer(h, None if layer.rope is None else rotations[layer.rope], slices, i)
@@ -431,7 +441,8 @@ class Decoder(nn.Module):
             return h
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
-        return self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h))
+        return (logits if self.config.logit_scale == 1.0 else logits / self.config.logit_scale).float()
 
     def forward_full(self, token_ids: Tensor) -> Tensor:
         """Logits [tokens, vocab] for one sequence from scratch; a convenience for tests."""

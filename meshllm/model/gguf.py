@@ -37,10 +37,10 @@ _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K
                 GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
-                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3"}
-# its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too, SmolLM3
-# by the same converter)
-_PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral", "smollm3"}
+                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite"}
+# its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
+# and Granite's converters are Llama's)
+_PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral", "smollm3", "granite"}
 
 # metadata value type id -> struct format of one scalar
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -562,6 +562,11 @@ def config_dict(file: GGUFFile) -> dict:
                                                          config["intermediate_size"])))
     if arch == "smollm3":  # not in the file: llama.cpp runs every fourth layer without rope (as transformers)
         config["no_rope_layer_interval"] = 4
+    if arch == "granite":  # its converter writes the multipliers as scales
+        for key_name, field in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                                ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+            if f"{arch}.{key_name}" in meta:
+                config[field] = float(meta[f"{arch}.{key_name}"])
     if arch == "gemma3":
         config.update(_gemma3(file, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
                               config["rope_scaling"]))

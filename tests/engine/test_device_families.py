@@ -55,8 +55,8 @@ def _graphs(decoder):
     return decoder.fast_path if isinstance(decoder.fast_path, cuda_graphs.GraphedDecode) else None
 
 
-@pytest.mark.parametrize("variant", ["mistral", "phi3", "phi3-longrope", "phi3-partial", "smollm3", "gemma3",
-                                     "qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["mistral", "phi3", "phi3-longrope", "phi3-partial", "smollm3", "granite",
+                                     "gemma3", "qwen3-moe", "mixtral"])
 def test_a_family_on_the_gpu_decodes_the_cpus_greedy_tokens(tiny_model_dir, aidreams_path, variant):
     source = SafetensorsSource(tiny_model_dir(variant))
     config = source.config()

@@ -41,6 +41,10 @@ def _folder_with(tmp_path, text: str):
                        normalize_expert_weights=False, qk_norm=True)),
     ("mixtral", dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
                      normalize_expert_weights=True, qk_norm=False)),
+    ("phi3-partial", dict(model_type="phi3", rotary_dim=8, rope_factors=(1.0, 1.5, 2.0, 2.5))),
+    ("smollm3", dict(model_type="smollm3", rope_layers=(True, True, True, False), tie_word_embeddings=True)),
+    ("granite", dict(model_type="granite", embedding_scale=3.0, attention_scale=array("f", [0.15])[0],
+                     residual_scale=array("f", [0.4])[0], logit_scale=2.5)),
 ])
 def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, expect):
     config = ModelConfig.from_folder(tiny_model_dir(variant))
@@ -51,7 +55,7 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma3", "qwen3-moe",
-                                     "mixtral"])
+                                     "mixtral", "smollm3", "granite"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts.
     folder = tiny_model_dir(variant)

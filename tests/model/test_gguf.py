@@ -93,6 +93,11 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             for index, projection in enumerate(("gate", "up", "down")):
                 stacked = torch.stack([tensors.pop(expert[index]) for expert in names])
                 w.add_tensor(f"blk.{i}.ffn_{projection}_exps.weight", stacked.numpy())
+    if arch == "granite":  # conversion/granite.py GraniteModel: the multipliers as scales
+        w.add_attention_scale(cfg.attention_scale)
+        w.add_embedding_scale(cfg.embedding_scale)
+        w.add_residual_scale(cfg.residual_scale)
+        w.add_logit_scale(cfg.logit_scale)
     if arch == "phi3":  # conversion/phi.py Phi3MiniModel
         w.add_sliding_window(cfg.sliding_window or 0)
         rope = hf.get("rope_parameters") or {}
@@ -109,7 +114,7 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             w.add_tensor(f"blk.{i}.ffn_up.weight", torch.cat(gate_up).numpy())
     for name, tensor in tensors.items():
         array = tensor.numpy()
-        if arch in ("llama", "smollm3") and (".q_proj." in name or ".k_proj." in name):
+        if arch in ("llama", "smollm3", "granite") and (".q_proj." in name or ".k_proj." in name):
             array = _llama_cpp_permute(array, cfg.num_attention_heads if ".q_proj." in name
                                        else cfg.num_key_value_heads)
         w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(array))
@@ -280,7 +285,7 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
                                           ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
-                                          ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"),
+                                          ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                           ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
@@ -299,7 +304,7 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "max_position_embeddings", "rope_factors", "rope_attention_factor", "hidden_act",
                   "embedding_scale", "sandwich_norms", "attention_scale", "sliding_layers", "local_rope_theta",
                   "rope_linear_factor", "num_experts", "num_experts_per_tok", "expert_intermediate_size",
-                  "normalize_expert_weights", "rope_layers"):
+                  "normalize_expert_weights", "rope_layers", "residual_scale", "logit_scale"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())

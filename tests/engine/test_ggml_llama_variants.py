@@ -1,8 +1,9 @@
-"""Rotary variants on ggml's path, each against the torch path (which tests/model/test_decoder.py
+"""Llama variants on ggml's path, each against the torch path (which tests/model/test_decoder.py
 checks against transformers): a partial rotary (Phi-4-mini turns 96 of each head's 128 dims:
 ggml's rope over fewer dims than the head turns the first ones and copies the rest, as
-transformers does), and layers without any (SmolLM3's NoPE layers, every fourth). Dense float32
-weights agree to float32 rounding over chunked prefill and batched decode steps."""
+transformers does), layers without any (SmolLM3's NoPE layers, every fourth), and Granite's
+multipliers (embedding, attention, residual joins, logits). Dense float32 weights agree to
+float32 rounding over chunked prefill and batched decode steps."""
 
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ from tests.engine.test_ggml_sliding_window import _logits, assert_ggml_matches_t
 SEQS = [[(7 * i + 13 * j) % 90 + 3 for j in range(20)] for i in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["phi3-partial", "smollm3"])
+@pytest.mark.parametrize("variant", ["phi3-partial", "smollm3", "granite"])
 @pytest.mark.parametrize("prompt_len, chunk", [(8, 3), (20, 20), (2, 2)],
                          ids=["chunked-prefill", "prefill", "mostly-decode"])
-def test_a_rotary_variant_on_ggml_matches_the_torch_path(rt, tiny_model_dir, variant, prompt_len, chunk):
+def test_a_llama_variant_on_ggml_matches_the_torch_path(rt, tiny_model_dir, variant, prompt_len, chunk):
     config = SafetensorsSource(tiny_model_dir(variant)).config()
     if variant == "phi3-partial":
         assert config.rotary_dim == 8  # of head_dim 16
-    else:
+    elif variant == "smollm3":
         assert config.rope_layers == (True, True, True, False)
+    else:
+        assert (config.embedding_scale, config.residual_scale, config.logit_scale) == pytest.approx((3.0, 0.4, 2.5))
     decoder = load_stage_decoder(SafetensorsSource(tiny_model_dir(variant)), config)
     assert isinstance(decoder.fast_path, GGMLStage)
     assert_ggml_matches_torch(decoder, SEQS, prompt_len, chunk, atol=1e-4)  # 4e-6 measured
