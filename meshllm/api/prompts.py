@@ -78,7 +78,8 @@ def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRe
                 checked_text(tokenizer, message[field], model.max_context, f"messages[{i}].{field}")
     final = messages[-1]["content"]
     messages, template_tools = model.tool_format.template_inputs(messages, tools)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.opens_turn, tools=template_tools)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.opens_turn, tools=template_tools,
+                                         variables=body.chat_template_kwargs)
     if body.continue_final_message:
         text = _cut_after(text, final)
     text = checked_text(tokenizer, text, model.max_context, "the rendered chat")

@@ -10,7 +10,7 @@ would change what the client gets.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -169,6 +169,11 @@ class SamplingFields(GenerationFields):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+# What meshllm passes every chat template itself (model/tokenizer.py apply_chat_template), besides
+# the model's special tokens (bos_token, eos_token, ...)
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -183,6 +188,19 @@ class ChatCompletionRequest(SamplingFields):
     # words ("prefill"), instead of starting a new turn; and whether the template opens one.
     continue_final_message: bool = False
     add_generation_prompt: bool | None = None
+    # vLLM's and llama.cpp server's: more variables for the model's chat template (Qwen3's and
+    # SmolLM3's read enable_thinking: false turns their reasoning off)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in kwargs or ():
+            if not name.isidentifier():
+                raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
+            if name in TEMPLATE_VARIABLES or name.endswith("_token"):
+                raise ValueError(f"chat_template_kwargs may not set {name!r}: the request and the model set it")
+        return kwargs
 
     @model_validator(mode="after")
     def _check_chat(self):

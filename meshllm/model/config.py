@@ -280,7 +280,7 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         raise UnsupportedArchitecture(f"{origin}: hidden_act {act!r} is not supported (meshllm runs silu MLPs)")
     if d.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{origin}: mlp_bias=true is not supported (meshllm runs bias-free MLPs)")
-    if model_type in ("llama", "qwen3", "qwen3_moe", "granite", *gemma.MODEL_TYPES) and d.get("attention_bias"):
+    if model_type in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", *gemma.MODEL_TYPES) and d.get("attention_bias"):
         # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
         raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
                                       f"is not supported")

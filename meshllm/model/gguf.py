@@ -567,6 +567,8 @@ def config_dict(file: GGUFFile) -> dict:
                                 ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
             if f"{arch}.{key_name}" in meta:
                 config[field] = float(meta[f"{arch}.{key_name}"])
+        # a file without one: llama.cpp scales attention the usual way (src/models/granite.cpp)
+        config.setdefault("attention_multiplier", head_dim ** -0.5)
     if arch == "gemma3":
         config.update(_gemma3(file, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
                               config["rope_scaling"]))

@@ -146,18 +146,23 @@ class Tokenizer:
         return DecodeStream(self, skip_special_tokens, context)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, variables: dict | None = None) -> str:
         """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]); `tools` (OpenAI
-        function definitions) go to the template as transformers passes them.
+        function definitions) go to the template as transformers passes them; `variables` are
+        more for the template (a request's chat_template_kwargs, such as enable_thinking), which
+        never replace the ones set here.
 
         Raises BadRequest when the template rejects the conversation (e.g. roles that do not
         alternate): that is the caller's input, and the template's message says what is wrong.
         """
-        variables = {name: text for name, text in self.special_tokens.items() if text is not None}
+        # JSON round trips: the template sees plain data, as transformers' does
+        context = {**json.loads(json.dumps(variables or {})),
+                   **{name: text for name, text in self.special_tokens.items() if text is not None},
+                   "messages": json.loads(json.dumps(messages)),
+                   "tools": json.loads(json.dumps(tools)) if tools else None,
+                   "documents": None, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=json.loads(json.dumps(messages)),
-                                         tools=json.loads(json.dumps(tools)) if tools else None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)
+            return self._template.render(**context)
         except jinja2.TemplateError as e:
             raise BadRequest(f"the model's chat template rejected these messages: {e}") from None
         except TypeError as e:  # e.g. a message whose content is not text, for the plain template
@@ -312,6 +317,7 @@ _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "ll
                          "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "stablelm2": _QWEN2_SPLIT,
                          "qwen35": _QWEN35_SPLIT, "tekken": _TEKKEN_SPLIT,
                          "gpt-4o": _GPT4O_SPLIT, "llama4": _GPT4O_SPLIT, "kanana2": _GPT4O_SPLIT,
+                         "talkie": _GPT4O_SPLIT, "minimax-m2": _GPT4O_SPLIT,
                          "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
                          "command-r": _DIGITS_THEN_GPT2, "codeshell": _DIGITS_THEN_GPT2,
                          "exaone": _DIGITS_THEN_GPT2, "minerva-7b": _DIGITS_THEN_GPT2,

@@ -1,0 +1,76 @@
+"""chat_template_kwargs (vLLM's and llama.cpp server's extra-body field): more variables for the
+model's chat template. Qwen3's and SmolLM3's templates read `enable_thinking`; false writes an
+empty reasoning block after the generation prompt, so the model answers without one.
+
+A tiny random Qwen2 model with a Hermes template ending as Qwen3's does, served over HTTP and
+asked through the official openai client."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from meshllm.api.backend import build_local_backend
+from meshllm.pipeline.cluster import ServingOptions
+from tests.api.conftest import serve
+from tests.api.tool_families import HERMES_TEMPLATE, tiny_family_model
+
+# Qwen3's generation prompt (its template's last lines)
+THINKING_TEMPLATE = HERMES_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+ASK = [{"role": "user", "content": "Is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_model_dir, tmp_path_factory):
+    assert THINKING_TEMPLATE != HERMES_TEMPLATE
+    folder = tmp_path_factory.mktemp("thinking")
+    source = tiny_family_model(tiny_model_dir, "hermes", seed=31)
+    for f in source.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    backend = build_local_backend(folder, ServingOptions(context_length=512, max_batch=2))
+    try:
+        with serve(backend) as server:
+            yield server
+    finally:
+        backend.close()
+
+
+def _prompt_tokens(live, **extra) -> int:
+    reply = live.client().chat.completions.create(model=live.backend.model_id, messages=ASK, max_tokens=1,
+                                                  temperature=0, **extra)
+    return reply.usage.prompt_tokens
+
+
+def test_enable_thinking_reaches_the_template(live):
+    tokenizer = live.backend.tokenizer
+    block = len(tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+    plain = _prompt_tokens(live)
+    assert _prompt_tokens(live, extra_body={"chat_template_kwargs": {"enable_thinking": False}}) == plain + block
+    assert _prompt_tokens(live, extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == plain
+    assert _prompt_tokens(live, extra_body={"chat_template_kwargs": {}}) == plain
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"messages": []}, ["'messages'", "may not set"]),
+    ({"add_generation_prompt": False}, ["'add_generation_prompt'"]),
+    ({"eos_token": "x"}, ["'eos_token'"]),
+    ({"not a name": 1}, ["'not a name'", "template variable name"]),
+])
+def test_variables_the_request_sets_itself_are_refused_by_name(live, kwargs, words):
+    with pytest.raises(openai.BadRequestError) as info:
+        _prompt_tokens(live, extra_body={"chat_template_kwargs": kwargs})
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_chat_template_kwargs_must_be_an_object(live):
+    with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+        _prompt_tokens(live, extra_body={"chat_template_kwargs": ["enable_thinking"]})
