@@ -59,6 +59,20 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class YarnScaling:
+    """YaRN ("rope_type": "yarn"; Qwen3's and Qwen2.5's long-context configs, Ministral): each
+    frequency between its extrapolated and its interpolated (divided by `factor`) value, by a
+    ramp between the dims that turn beta_fast and beta_slow times over the original context. The
+    cos/sin scale it implies goes in ModelConfig.rope_attention_factor."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # the ramp's ends rounded out to whole dims (all but GPT-OSS)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_type: str
     vocab_size: int
@@ -71,7 +85,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
+    rope_scaling: RopeScaling | YarnScaling | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 adds a bias on q, k and v
     qk_norm: bool = False  # Qwen3 normalises q and k per head
@@ -235,7 +249,9 @@ class ModelConfig:
                 rotary_dim=None if rotary_dim == int(head_dim) else rotary_dim,
                 rope_layers=_rope_layers(d, model_type, int(d["num_hidden_layers"])),
                 rope_factors=None if long_rope is None else long_rope[0],
-                rope_attention_factor=1.0 if long_rope is None else long_rope[1],
+                rope_attention_factor=long_rope[1] if long_rope is not None else
+                _yarn_attention_factor(d.get("rope_parameters") or d.get("rope_scaling"), rope_scaling)
+                if isinstance(rope_scaling, YarnScaling) else 1.0,
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
             )
@@ -335,9 +351,11 @@ def _parse_rope(d: dict, origin: str) -> tuple[float, RopeScaling | None]:
     rope_type = raw.get("rope_type", raw.get("type"))
     if rope_type in (None, "default", *_LONG_ROPE_TYPES):
         return rope_theta, None
+    if rope_type == "yarn":
+        return rope_theta, _yarn(d, raw)
     if rope_type != "llama3":
         raise UnsupportedArchitecture(f"rope scaling type {rope_type!r} is not supported (supported: llama3, "
-                                      f"longrope)")
+                                      f"yarn, longrope)")
     try:
         scaling = RopeScaling(
             factor=float(raw["factor"]),
@@ -349,6 +367,32 @@ def _parse_rope(d: dict, origin: str) -> tuple[float, RopeScaling | None]:
     except KeyError as e:
         raise ModelLoadError(f"llama3 rope scaling lacks required field {e.args[0]!r}") from None
     return rope_theta, scaling
+
+
+def _yarn(d: dict, raw: dict) -> YarnScaling:
+    """A yarn rope config, its original context as transformers finds it (the top-level field
+    first, then the rope's, then max_position_embeddings)."""
+    original = d.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings") \
+        or d.get("max_position_embeddings")
+    factor = raw.get("factor") or (int(d["max_position_embeddings"]) / int(original) if original else None)
+    if not factor or not original or float(factor) < 1.0 or int(original) <= 0:
+        raise ModelLoadError(f"yarn rope scaling needs a factor >= 1 and an original context, got factor {factor} "
+                             f"and original_max_position_embeddings {original}")
+    return YarnScaling(factor=float(factor), original_max_position_embeddings=int(original),
+                       beta_fast=float(raw.get("beta_fast") or 32.0), beta_slow=float(raw.get("beta_slow") or 1.0),
+                       truncate=bool(raw.get("truncate", True)))
+
+
+def _yarn_attention_factor(raw: dict, yarn: YarnScaling) -> float:
+    """YaRN's cos/sin scale, as transformers computes it (_compute_yarn_parameters), in float32."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    given = raw.get("attention_factor")
+    if given is None:
+        m, m_all = raw.get("mscale"), raw.get("mscale_all_dim")
+        given = mscale(yarn.factor, m) / mscale(yarn.factor, m_all) if m and m_all else mscale(yarn.factor)
+    return array("f", [float(given)]).tolist()[0]
 
 
 _LONG_ROPE_TYPES = ("longrope", "su")  # "su": Phi-3's first name for it

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshllm.engine.kv_cache import KVLayout, SequenceKV
-from meshllm.model.config import ModelConfig
+from meshllm.model.config import ModelConfig, YarnScaling
 from meshllm.model.gemma import MODEL_TYPES as GEMMA_TYPES
 
 
@@ -151,6 +151,8 @@ def _inv_freq(config: ModelConfig, theta: float | None = None, linear: float = 1
     s = config.rope_scaling
     if s is None:
         return inv_freq
+    if isinstance(s, YarnScaling):
+        return _yarn_inv_freq(s, powers, config.rope_theta if theta is None else theta, dim)
     # Llama 3: keep high frequencies, divide low ones by `factor`, blend in between.
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
@@ -161,6 +163,24 @@ def _inv_freq(config: ModelConfig, theta: float | None = None, linear: float = 1
     smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
     is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(s: YarnScaling, powers: Tensor, base: float, dim: int) -> Tensor:
+    """YaRN's frequencies, as transformers computes them (_compute_yarn_parameters): the dims that
+    turn more than beta_fast times over the original context keep their frequency, those under
+    beta_slow times are divided by the factor, a linear ramp between."""
+    def turned_at(rotations: float) -> float:  # the dim turning `rotations` times over the original context
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = turned_at(s.beta_fast), turned_at(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero (transformers' guard)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolated = 1 - ramp
+    return 1.0 / (s.factor * powers) * (1 - extrapolated) + 1.0 / powers * extrapolated
 
 
 class Attention(nn.Module):

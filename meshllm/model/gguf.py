@@ -602,6 +602,24 @@ def _gemma3(file: GGUFFile, heads: int, hidden: int, head_dim: int, rope_theta: 
     }
 
 
+def _yarn(meta: dict, arch: str) -> dict:
+    """A yarn rope config from GGUF metadata, as llama.cpp reads it (src/llama-context.cpp): the
+    original context defaults to the trained one; its cos/sin scale is transformers' default,
+    times rope.scaling.attn_factor, or DeepSeek's ratio where a log multiplier is given."""
+    key = lambda name: meta.get(f"{arch}.rope.scaling.{name}")  # noqa: E731
+    if key("factor") is None:
+        raise CorruptWeights(f"{arch}.rope.scaling.type is yarn but {arch}.rope.scaling.factor is missing")
+    factor = float(key("factor"))
+    config = {"rope_type": "yarn", "factor": factor,
+              "original_max_position_embeddings": int(key("original_context_length") or meta[f"{arch}.context_length"]),
+              "beta_fast": key("yarn_beta_fast"), "beta_slow": key("yarn_beta_slow")}
+    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
+    log_multiplier = float(key("yarn_log_multiplier") or 0.0)
+    attention = mscale(1.0) / mscale(log_multiplier) if log_multiplier else mscale(1.0)
+    config["attention_factor"] = attention * float(key("attn_factor") or 1.0)
+    return config
+
+
 def _rope_scaling(file: GGUFFile, arch: str, head_dim: int, rope_theta: float) -> dict | None:
     short = file.tensors.get("rope_factors_short.weight")
     if short is not None:
@@ -615,6 +633,8 @@ def _rope_scaling(file: GGUFFile, arch: str, head_dim: int, rope_theta: float) -
                 "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
                 "attention_factor": meta.get(f"{arch}.rope.scaling.attn_factor")}  # None: computed
     scaling_type = file.metadata.get(f"{arch}.rope.scaling.type")
+    if scaling_type == "yarn":
+        return _yarn(file.metadata, arch)
     if scaling_type not in (None, "none"):
         # ModelConfig rejects what the decoder cannot run, with a message naming the type.
         return {"rope_type": scaling_type, "factor": file.metadata.get(f"{arch}.rope.scaling.factor")}

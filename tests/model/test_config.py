@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from meshllm.errors import ModelLoadError, UnsupportedArchitecture
-from meshllm.model.config import ModelConfig, RopeScaling
+from meshllm.model.config import ModelConfig, RopeScaling, YarnScaling
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
@@ -42,6 +42,8 @@ def _folder_with(tmp_path, text: str):
     ("mixtral", dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
                      normalize_expert_weights=True, qk_norm=False)),
     ("phi3-partial", dict(model_type="phi3", rotary_dim=8, rope_factors=(1.0, 1.5, 2.0, 2.5))),
+    ("qwen3-yarn", dict(rope_scaling=YarnScaling(8.0, 32), rope_attention_factor=array("f", [1 + 0.1 * math.log(8)])[0],
+                        max_position_embeddings=256)),
     ("smollm3", dict(model_type="smollm3", rope_layers=(True, True, True, False), tie_word_embeddings=True)),
     ("granite", dict(model_type="granite", embedding_scale=3.0, attention_scale=array("f", [0.15])[0],
                      residual_scale=array("f", [0.4])[0], logit_scale=2.5)),
@@ -191,6 +193,30 @@ def test_phi4_mini_turns_three_quarters_of_each_head():
         ModelConfig.from_dict({**phi4, "partial_rotary_factor": 1.5})
 
 
+def test_yarn_from_config_json_and_from_gguf_metadata():
+    from meshllm.model.gguf import _yarn
+
+    qwen = {**LLAMA, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "max_position_embeddings": 131072}
+    config = ModelConfig.from_dict({**qwen, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 32768}})
+    assert config.rope_scaling == YarnScaling(4.0, 32768) and config.max_position_embeddings == 131072
+    assert config.rope_attention_factor == pytest.approx(1 + 0.1 * math.log(4))
+    # no factor: the context's ratio to the original, as transformers takes it; a given attention factor wins
+    implied = ModelConfig.from_dict({**qwen, "rope_scaling": {"type": "yarn", "original_max_position_embeddings": 32768,
+                                                              "attention_factor": 1.25, "beta_fast": 16}})
+    assert implied.rope_scaling == YarnScaling(4.0, 32768, beta_fast=16.0) and implied.rope_attention_factor == 1.25
+    with pytest.raises(ModelLoadError, match="yarn"):
+        ModelConfig.from_dict({**qwen, "rope_scaling": {"rope_type": "yarn", "factor": 0.5}})
+    # a GGUF: llama.cpp's cos/sin scale times rope.scaling.attn_factor; DeepSeek's log multiplier as a ratio
+    meta = {"qwen3.rope.scaling.factor": 4.0, "qwen3.rope.scaling.original_context_length": 32768,
+            "qwen3.context_length": 131072}
+    assert _yarn(meta, "qwen3")["attention_factor"] == pytest.approx(1 + 0.1 * math.log(4))
+    assert _yarn({**meta, "qwen3.rope.scaling.attn_factor": 2.0}, "qwen3")["attention_factor"] == \
+        pytest.approx(2 * (1 + 0.1 * math.log(4)))
+    assert _yarn({**meta, "qwen3.rope.scaling.yarn_log_multiplier": 0.707}, "qwen3")["attention_factor"] == \
+        pytest.approx((1 + 0.1 * math.log(4)) / (1 + 0.0707 * math.log(4)))
+
+
 def test_smollm3_skips_the_rotary_on_every_fourth_layer():
     smol = {**LLAMA, "model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "num_hidden_layers": 8}
     assert ModelConfig.from_dict(smol).rope_layers == (True, True, True, False) * 2  # transformers' default
@@ -206,7 +232,7 @@ def test_smollm3_skips_the_rotary_on_every_fourth_layer():
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["'gpt2'", "LlamaForCausalLM", "qwen3"]),
     ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, ["'qwen2_moe'", "MixtralForCausalLM"]),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["'yarn'", "llama3"]),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, ["'dynamic'", "llama3", "yarn"]),
     ({"hidden_act": "gelu"}, ["hidden_act", "'gelu'"]),
     ({"mlp_bias": True}, ["mlp_bias"]),
     ({"attention_bias": True}, ["attention_bias", "o_proj"]),

@@ -93,6 +93,11 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             for index, projection in enumerate(("gate", "up", "down")):
                 stacked = torch.stack([tensors.pop(expert[index]) for expert in names])
                 w.add_tensor(f"blk.{i}.ffn_{projection}_exps.weight", stacked.numpy())
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type") == "yarn":  # conversion/base.py: type, factor and original context
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "granite":  # conversion/granite.py GraniteModel: the multipliers as scales
         w.add_attention_scale(cfg.attention_scale)
         w.add_embedding_scale(cfg.embedding_scale)
@@ -286,6 +291,7 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
                                           ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
                                           ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
+                                          ("qwen3-yarn", "qwen3"),
                                           ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
