@@ -141,10 +141,17 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
             raise UnknownModel(f"model {model!r} is not served here; GET /v1/models lists {backend.model_id!r}")
         return ModelEntry(id=backend.model_id, created=started, max_model_len=backend.max_context)
 
+    def with_template_defaults(body: ChatCompletionRequest) -> ChatCompletionRequest:
+        """The server's chat_template_kwargs (--chat-template-kwargs) under the request's own."""
+        if not config.chat_template_kwargs:
+            return body
+        merged = {**config.chat_template_kwargs, **(body.chat_template_kwargs or {})}
+        return body.model_copy(update={"chat_template_kwargs": merged})
+
     @app.post("/v1/chat/completions", response_model=None, responses=generating)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response | ChatCompletion:
         leader = leader_for(body.model)
-        choices = await run_in_threadpool(chat_choices, model_text, body)
+        choices = await run_in_threadpool(chat_choices, model_text, with_template_defaults(body))
         ctx = ReplyContext.new("chatcmpl", backend.model_id, formatter, body.logprobs)
         return await answer(request, leader, choices, body, ctx, chat=True)
 
@@ -162,7 +169,7 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         history = stored_responses.conversation(body.previous_response_id) if body.previous_response_id else []
         messages = chat_messages(body, history)
         try:  # the chat machinery's errors, in this API's terms
-            chat = chat_request(body, history, messages)
+            chat = with_template_defaults(chat_request(body, history, messages))
             choices = await run_in_threadpool(chat_choices, model_text, chat)
             run = ResponseRun(body, states_of(choices, chat)[0], messages, formatter, backend.model_id)
             stream = (lambda g: open_response_stream(g, run, stored_responses, metrics)) if body.stream else None

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshllm.api.schemas import checked_template_kwargs
 
 API_KEY_ENV = "MESHLLM_API_KEY"
 MIB = 1024 * 1024
@@ -23,6 +27,20 @@ def add_api_guard_arguments(parser: argparse.ArgumentParser) -> None:
     default_mib = APIConfig().max_body_bytes / MIB
     parser.add_argument("--max-body-mib", type=float, default=default_mib,
                         help=f"largest request body in MiB, refused unread above (default {default_mib:g})")
+    parser.add_argument("--chat-template-kwargs", type=_json_object, default={}, metavar="JSON",
+                        help="variables for the model's chat template in every chat request, under the "
+                             "request's own chat_template_kwargs, e.g. '{\"enable_thinking\": false}' (Qwen3, "
+                             "SmolLM3: no reasoning)")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +52,7 @@ class APIConfig:
     # Bodies over this are refused unread (413). 8 MiB holds ~2M characters of prompt, far more
     # than any served context; token-id prompts take ~6 bytes a token.
     max_body_bytes: int = 8 * MIB
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under each request's own
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -42,5 +61,6 @@ class APIConfig:
             raise ValueError(f"--request-timeout must be positive seconds, got {self.request_timeout_s}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"--max-body-mib must allow at least 1 KiB, got {self.max_body_bytes} bytes")
+        checked_template_kwargs(self.chat_template_kwargs)  # ValueError names the variable
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key is empty; give a key or leave the flag out to serve without one")

@@ -174,6 +174,17 @@ class SamplingFields(GenerationFields):
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
 
 
+def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Variables for a chat template (a request's chat_template_kwargs, serve's default ones):
+    names a template can read, none of those every render sets (ValueError says which)."""
+    for name in kwargs:
+        if not name.isidentifier():
+            raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
+        if name in TEMPLATE_VARIABLES or name.endswith("_token"):
+            raise ValueError(f"chat_template_kwargs may not set {name!r}: the request and the model set it")
+    return kwargs
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -195,12 +206,7 @@ class ChatCompletionRequest(SamplingFields):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
-        for name in kwargs or ():
-            if not name.isidentifier():
-                raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable name")
-            if name in TEMPLATE_VARIABLES or name.endswith("_token"):
-                raise ValueError(f"chat_template_kwargs may not set {name!r}: the request and the model set it")
-        return kwargs
+        return None if kwargs is None else checked_template_kwargs(kwargs)
 
     @model_validator(mode="after")
     def _check_chat(self):

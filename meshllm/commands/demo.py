@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"meshllm demo: --port must be in [0, 65535], got {args.port}")
     try:
         api = APIConfig(host="127.0.0.1", port=args.port, api_key=api_key_from(args.api_key),
-                        max_body_bytes=int(args.max_body_mib * MIB))
+                        max_body_bytes=int(args.max_body_mib * MIB), chat_template_kwargs=args.chat_template_kwargs)
     except ValueError as e:
         raise SystemExit(f"meshllm demo: {e}") from None
     sock = listen(api.host, api.port, "--port")  # before any node starts: a taken port fails at once

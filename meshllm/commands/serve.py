@@ -85,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def api_config(args: argparse.Namespace) -> APIConfig:
     return APIConfig(host=args.api_host, port=args.api_port, api_key=api_key_from(args.api_key),
-                     request_timeout_s=args.request_timeout, max_body_bytes=int(args.max_body_mib * MIB))
+                     request_timeout_s=args.request_timeout, max_body_bytes=int(args.max_body_mib * MIB),
+                     chat_template_kwargs=args.chat_template_kwargs)
 
 
 def serving_options(args: argparse.Namespace) -> ServingOptions:

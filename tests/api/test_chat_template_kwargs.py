@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from meshllm.api.backend import build_local_backend
+from meshllm.api.config import APIConfig
 from meshllm.pipeline.cluster import ServingOptions
 from tests.api.conftest import serve
 from tests.api.tool_families import HERMES_TEMPLATE, tiny_family_model
@@ -27,7 +28,7 @@ ASK = [{"role": "user", "content": "Is the sky blue?"}]
 
 
 @pytest.fixture(scope="module")
-def live(tiny_model_dir, tmp_path_factory):
+def thinking_model(tiny_model_dir, tmp_path_factory):
     assert THINKING_TEMPLATE != HERMES_TEMPLATE
     folder = tmp_path_factory.mktemp("thinking")
     source = tiny_family_model(tiny_model_dir, "hermes", seed=31)
@@ -36,11 +37,14 @@ def live(tiny_model_dir, tmp_path_factory):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
     backend = build_local_backend(folder, ServingOptions(context_length=512, max_batch=2))
-    try:
-        with serve(backend) as server:
-            yield server
-    finally:
-        backend.close()
+    yield backend
+    backend.close()
+
+
+@pytest.fixture(scope="module")
+def live(thinking_model):
+    with serve(thinking_model) as server:
+        yield server
 
 
 def _prompt_tokens(live, **extra) -> int:
@@ -74,3 +78,18 @@ def test_variables_the_request_sets_itself_are_refused_by_name(live, kwargs, wor
 def test_chat_template_kwargs_must_be_an_object(live):
     with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
         _prompt_tokens(live, extra_body={"chat_template_kwargs": ["enable_thinking"]})
+
+
+def test_the_servers_defaults_sit_under_the_requests_own(thinking_model, live):
+    # serve --chat-template-kwargs '{"enable_thinking": false}': every chat request renders with
+    # it unless the request says otherwise; the Responses API's prompts too
+    plain = _prompt_tokens(live)
+    no_thinking = _prompt_tokens(live, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    with serve(thinking_model, APIConfig(port=0, chat_template_kwargs={"enable_thinking": False})) as server:
+        assert _prompt_tokens(server) == no_thinking
+        assert _prompt_tokens(server, extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == plain
+        response = server.client().responses.create(model=server.backend.model_id, input="Is the sky blue?",
+                                                    max_output_tokens=1, temperature=0)
+        assert response.usage.input_tokens == no_thinking
+    with pytest.raises(ValueError, match="may not set 'messages'"):
+        APIConfig(chat_template_kwargs={"messages": []})
