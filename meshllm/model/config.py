@@ -249,9 +249,7 @@ class ModelConfig:
                 rotary_dim=None if rotary_dim == int(head_dim) else rotary_dim,
                 rope_layers=_rope_layers(d, model_type, int(d["num_hidden_layers"])),
                 rope_factors=None if long_rope is None else long_rope[0],
-                rope_attention_factor=long_rope[1] if long_rope is not None else
-                _yarn_attention_factor(d.get("rope_parameters") or d.get("rope_scaling"), rope_scaling)
-                if isinstance(rope_scaling, YarnScaling) else 1.0,
+                rope_attention_factor=_rope_attention_factor(d, long_rope, rope_scaling),
                 bos_token_id=None if d.get("bos_token_id") is None else int(d["bos_token_id"]),
                 eos_token_ids=eos_ids,
             )
@@ -296,7 +294,8 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         raise UnsupportedArchitecture(f"{origin}: hidden_act {act!r} is not supported (meshllm runs silu MLPs)")
     if d.get("mlp_bias"):
         raise UnsupportedArchitecture(f"{origin}: mlp_bias=true is not supported (meshllm runs bias-free MLPs)")
-    if model_type in ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", *gemma.MODEL_TYPES) and d.get("attention_bias"):
+    o_proj_bias_families = ("llama", "qwen3", "qwen3_moe", "granite", "smollm3", *gemma.MODEL_TYPES)
+    if model_type in o_proj_bias_families and d.get("attention_bias"):
         # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
         raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
                                       f"is not supported")
@@ -338,7 +337,7 @@ def _positive_int(d: dict, key: str) -> int:
     return value
 
 
-def _parse_rope(d: dict, origin: str) -> tuple[float, RopeScaling | None]:
+def _parse_rope(d: dict, origin: str) -> tuple[float, RopeScaling | YarnScaling | None]:
     """(rope_theta, scaling) from either layout of config.json.
 
     transformers < 5 writes `rope_theta` and `rope_scaling` at the top level; transformers >= 5
@@ -381,6 +380,15 @@ def _yarn(d: dict, raw: dict) -> YarnScaling:
     return YarnScaling(factor=float(factor), original_max_position_embeddings=int(original),
                        beta_fast=float(raw.get("beta_fast") or 32.0), beta_slow=float(raw.get("beta_slow") or 1.0),
                        truncate=bool(raw.get("truncate", True)))
+
+
+def _rope_attention_factor(d: dict, long_rope, scaling) -> float:
+    """The scale on cos and sin: LongRoPE's, YaRN's, or none (1.0)."""
+    if long_rope is not None:
+        return long_rope[1]
+    if isinstance(scaling, YarnScaling):
+        return _yarn_attention_factor(d.get("rope_parameters") or d.get("rope_scaling"), scaling)
+    return 1.0
 
 
 def _yarn_attention_factor(raw: dict, yarn: YarnScaling) -> float:

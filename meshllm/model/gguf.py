@@ -563,7 +563,8 @@ def config_dict(file: GGUFFile) -> dict:
     if arch == "smollm3":  # not in the file: llama.cpp runs every fourth layer without rope (as transformers)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":  # its converter writes the multipliers as scales
-        for key_name, field in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+        for key_name, field in (("attention.scale", "attention_multiplier"),
+                                ("embedding_scale", "embedding_multiplier"),
                                 ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
             if f"{arch}.{key_name}" in meta:
                 config[field] = float(meta[f"{arch}.{key_name}"])
