@@ -49,6 +49,9 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     # Granite 3.x: scaled embedding lookups, attention scores, residual joins and logits
     "granite": ("GraniteConfig", dict(embedding_multiplier=3.0, attention_multiplier=0.15, residual_multiplier=0.4,
                                       logits_scaling=2.5)),
+    # GLM-4: q/k/v biases, fused gate/up, norms after attention and the MLP, half of each head
+    # turned in interleaved pairs (transformers' default partial_rotary_factor 0.5)
+    "glm4": ("Glm4Config", {}),
     # Four norms a layer (scaling by 1 + w), GELU, a scaled embedding, queries scaled by 24 ** -0.5
     # (not head_dim's 16), and both kinds of layer: windowed ones with their own rope base, and
     # full ones with linear rope scaling.

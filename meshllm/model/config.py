@@ -33,6 +33,9 @@ SUPPORTED_MODEL_TYPES = {
     "smollm3": {},
     # Granite 3.x: Llama with four multipliers (embedding, attention, residual, logits)
     "granite": {},
+    # GLM-4 (0414, Z1): q/k/v biases, fused gate/up, norms after attention and the MLP too, half of
+    # each head turned in interleaved pairs (model/rope_rows.py reorders q/k at load)
+    "glm4": {"attention_bias": True},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -45,6 +48,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Glm4ForCausalLM": "glm4",
 }
 
 
@@ -203,7 +207,7 @@ class ModelConfig:
             eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             head_dim = d.get("head_dim") or hidden // heads
             # as transformers rounds it; a GGUF's dict (model/gguf.py) gives the file's count exactly
-            rotary_dim = int(d.get("_rotated_dims") or int(head_dim) * _partial_rotary_factor(d))
+            rotary_dim = int(d.get("_rotated_dims") or int(head_dim) * _partial_rotary_factor(d, model_type))
             rope_theta, rope_scaling = _parse_rope(d, origin) if model_type not in gemma.MODEL_TYPES else (0.0, None)
             long_rope = _long_rope(d)
             max_positions = int(d.get("max_position_embeddings") or 2048)
@@ -223,6 +227,8 @@ class ModelConfig:
                 if model_type in gemma.MODEL_TYPES else {}
             if model_type in moe.MODEL_TYPES:
                 family = moe.moe_fields(d, model_type, origin)
+            if model_type == "glm4":
+                family = dict(sandwich_norms=True)
             if model_type == "granite":  # transformers' GraniteConfig defaults
                 # rounded to float32, as torch multiplies by them and a GGUF stores them
                 scales = array("f", [float(d.get(k, 1.0)) for k in ("embedding_multiplier", "attention_multiplier",
@@ -302,10 +308,10 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
     if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and d.get("use_sliding_window"):
         raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
                                       f"some layers only) is not supported; set it to false")
-    partial = _partial_rotary_factor(d)
-    if partial != 1.0 and model_type != "phi3":  # of the families here, only Phi-3's attention has it
+    partial = _partial_rotary_factor(d, model_type)
+    if partial != 1.0 and model_type not in ("phi3", "glm4"):  # of the families here, their attention only
         raise UnsupportedArchitecture(f"{origin}: partial_rotary_factor {partial} on {model_type} is not supported "
-                                      f"(meshllm rotates part of the head for phi3 only)")
+                                      f"(meshllm rotates part of the head for phi3 and glm4 only)")
     if not 0.0 < partial <= 1.0:
         raise ModelLoadError(f"{origin}: partial_rotary_factor must be in (0, 1], got {partial}")
 
@@ -322,12 +328,13 @@ def _rope_layers(d: dict, model_type: str, layers: int) -> tuple[bool, ...] | No
     return tuple(bool(f) for f in flags)
 
 
-def _partial_rotary_factor(d: dict) -> float:
-    """The share of each head the rotary turns (Phi-4-mini: 0.75), from either config layout."""
+def _partial_rotary_factor(d: dict, model_type: str) -> float:
+    """The share of each head the rotary turns (Phi-4-mini: 0.75), from either config layout;
+    transformers' Glm4Config defaults it to 0.5."""
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     inner = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
     value = d.get("partial_rotary_factor", inner)
-    return 1.0 if value is None else float(value)
+    return (0.5 if model_type == "glm4" else 1.0) if value is None else float(value)
 
 
 def _positive_int(d: dict, key: str) -> int:

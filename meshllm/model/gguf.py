@@ -28,6 +28,7 @@ from meshllm.errors import CorruptWeights, ModelLoadError, TensorParallelUnsplit
 from meshllm.model import moe
 from meshllm.model.config import ModelConfig, RopeScaling
 from meshllm.model.fused import split_fused
+from meshllm.model.rope_rows import INTERLEAVED_ROPE_TYPES, rope_rows_to_half
 from meshllm.model.tensor_slice import TensorSlice
 from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
@@ -37,7 +38,7 @@ _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K
                 GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
-                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite"}
+                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4"}
 # its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
 # and Granite's converters are Llama's)
 _PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral", "smollm3", "granite"}
@@ -264,6 +265,9 @@ _LAYER_NAMES = {
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm",
                       "post_ffw_norm": "post_feedforward_layernorm"}
+# GLM-4's norms after attention and after the MLP, by transformers' names for them
+_GLM4_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_self_attn_layernorm",
+                     "post_ffw_norm": "post_mlp_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -271,7 +275,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not use."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    layer_names = _GEMMA_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    layer_names = {"gemma3": _GEMMA_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if stem in _GLOBAL_NAMES:
@@ -313,11 +317,7 @@ class GGUFSource:
                 raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
             tensor = dequantize(self.file, info, dtype)
             self.file.release(info)
-            if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (
-                    ".q_proj." in name or ".k_proj." in name):
-                heads = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
-                tensor = _unpermute_rope_rows(tensor, heads)
-            out[name] = tensor
+            out[name] = self._in_half_rope_order(name, tensor)
             self._bytes_read += info.num_bytes
         return out
 
@@ -346,10 +346,7 @@ class GGUFSource:
         assert info.ggml_type in _BLOCK_TYPES and len(info.shape) == 2, (name, info.ggml_type, info.shape)
         rows = torch.from_numpy(self.file.raw(info).copy())  # [rows, bytes per row]; off the read-only map
         self.file.release(info)
-        if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
-            # Whole rows move, so undoing the permutation on the blocks is exact.
-            heads = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
-            rows = _unpermute_rope_rows(rows, heads)
+        rows = self._in_half_rope_order(name, rows)  # whole rows move: exact on the blocks too
         self._bytes_read += info.num_bytes
         return BlockMatrix(rows.contiguous(), info.ggml_type, info.shape[1])
 
@@ -379,8 +376,7 @@ class GGUFSource:
         info = self._by_hf_name.get(name)
         if info is None:
             raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
-        permuted = self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name)
-        return None if permuted or len(info.shape) != 2 else info
+        return None if _interleaved_rope_rows(self._config, name) or len(info.shape) != 2 else info
 
     def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Only the asked rows or columns of each tensor, cut from the stored blocks before dequantizing.
@@ -411,14 +407,17 @@ class GGUFSource:
                 shape = (*info.shape[:-1], s.stop - s.start)
             tensor = _dequantize_raw(np.ascontiguousarray(part), info.ggml_type, shape, dtype)
             self.file.release(info)
-            if self._config.model_type in _PERMUTED_QK_ARCHITECTURES and (".q_proj." in name or ".k_proj." in name):
-                # Tensor-parallel row slices hold whole heads, and the permutation stays inside a head.
-                total = self._config.num_attention_heads if ".q_proj." in name else self._config.num_key_value_heads
-                assert s.dim == 0 and (s.stop - s.start) * total % info.shape[0] == 0, (name, s)
-                tensor = _unpermute_rope_rows(tensor, (s.stop - s.start) * total // info.shape[0])
-            out[name] = tensor
+            if _interleaved_rope_rows(self._config, name):
+                # Tensor-parallel row slices hold whole heads, and the reordering stays inside a head.
+                assert s.dim == 0 and (s.stop - s.start) % self._config.head_dim == 0, (name, s)
+            out[name] = self._in_half_rope_order(name, tensor)
             self._bytes_read += part.nbytes
         return out
+
+    def _in_half_rope_order(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """q/k rows (of whole heads) as meshllm's rotary turns them (model/rope_rows.py)."""
+        rotated = _interleaved_rope_rows(self._config, name)
+        return rows if rotated is None else rope_rows_to_half(rows, self._config.head_dim, rotated)
 
     def fingerprint(self) -> str:
         """sha256 over every tensor's GGUF name, type, shape and raw (still quantized) bytes."""
@@ -482,11 +481,16 @@ def _split_fused(path: Path, config: ModelConfig, by_hf_name: dict[str, GGUFTens
     return by_hf_name
 
 
-def _unpermute_rope_rows(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # llama.cpp stores each head's rows as interleaved (x0, x1) rotary pairs; HF keeps the first
-    # halves then the second halves. Same as transformers' reverse_permute_weights.
-    rows = w.shape[0]
-    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def _interleaved_rope_rows(config: ModelConfig, name: str) -> int | None:
+    """How many of each head's rows a q/k tensor of this file stores in interleaved rotary pairs
+    (model/rope_rows.py): llama.cpp's converter permutes Llama's whole heads (transformers'
+    reverse_permute_weights undoes it too); GLM-4 is trained so, on its turned dims. None for
+    other tensors and families."""
+    if ".q_proj." not in name and ".k_proj." not in name:
+        return None
+    if config.model_type in _PERMUTED_QK_ARCHITECTURES:
+        return config.head_dim
+    return config.rotated_dims if config.model_type in INTERLEAVED_ROPE_TYPES else None
 
 
 def config_dict(file: GGUFFile) -> dict:
@@ -522,9 +526,9 @@ def config_dict(file: GGUFFile) -> dict:
         kv_heads = kv_heads[0]
     head_dim = int(key("attention.key_length", hidden // heads))
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dims != head_dim and arch != "phi3":  # Phi-4-mini turns 96 of 128
+    if rope_dims != head_dim and arch not in ("phi3", "glm4"):  # Phi-4-mini turns 96 of 128, GLM-4 half
         raise UnsupportedArchitecture(f"{file.path} rotates {rope_dims} of {head_dim} head dims (partial rotary); "
-                                      f"meshllm runs that for phi3 only")
+                                      f"meshllm runs that for phi3 and glm4 only")
     embed = file.tensors.get("token_embd.weight")
     if embed is None:
         raise CorruptWeights(f"{file.path} has no token_embd.weight tensor")

@@ -46,7 +46,11 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
         hf, ours = f"model.layers.{i}", f"layers.{local}"
         attn = f"{hf}.self_attn"
         names[f"{ours}.input_layernorm.weight"] = [f"{hf}.input_layernorm.weight"]
-        if config.sandwich_norms:  # Gemma: HF's post_attention_layernorm follows attention, not the MLP's input
+        if config.sandwich_norms and config.model_type == "glm4":  # GLM's own names for the two after
+            names[f"{ours}.post_attention_layernorm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
+            names[f"{ours}.attn_out_norm.weight"] = [f"{hf}.post_self_attn_layernorm.weight"]
+            names[f"{ours}.mlp_out_norm.weight"] = [f"{hf}.post_mlp_layernorm.weight"]
+        elif config.sandwich_norms:  # Gemma: HF's post_attention_layernorm follows attention, not the MLP's input
             names[f"{ours}.post_attention_layernorm.weight"] = [f"{hf}.pre_feedforward_layernorm.weight"]
             names[f"{ours}.attn_out_norm.weight"] = [f"{hf}.post_attention_layernorm.weight"]
             names[f"{ours}.mlp_out_norm.weight"] = [f"{hf}.post_feedforward_layernorm.weight"]

@@ -91,12 +91,13 @@ class Tokenizer:
             index = meta.get(f"tokenizer.ggml.{key}")
             return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-        special = {"bos_token": token_at("bos_token_id"), "eos_token": token_at("eos_token_id"),
+        no_bos = meta.get("tokenizer.ggml.pre") in _NO_BOS_PRE
+        special = {"bos_token": None if no_bos else token_at("bos_token_id"), "eos_token": token_at("eos_token_id"),
                    "unk_token": token_at("unknown_token_id"), "pad_token": token_at("padding_token_id")}
         _keep_whole(backend, special)
         # llama.cpp's default: sentencepiece vocabularies add BOS unless the file says otherwise.
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"
-                                or meta.get("tokenizer.ggml.pre") in _WHOLE_WORD_PRE))
+        by_default = meta.get("tokenizer.ggml.model") == "llama" or meta.get("tokenizer.ggml.pre") in _WHOLE_WORD_PRE
+        add_bos = not no_bos and bool(meta.get("tokenizer.ggml.add_bos_token", by_default))
         _set_bos_eos(backend, special, add_bos, bool(meta.get("tokenizer.ggml.add_eos_token", False)))
         # Generation ends at EOS and at the end-of-turn tokens llama.cpp knows about.
         eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
@@ -308,6 +309,9 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
                 r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
                 r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
+# GLM-4's (llama.cpp's CHATGLM4): Llama 3's, its contractions spelled out in both cases
+_GLM4_SPLIT = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",)
 _DIGITS_THEN_GPT2 = (r"\p{N}", _GPT2_SPLIT)  # every digit a piece of its own, then GPT-2's split
 _DEEPSEEK_CODER_SPLIT = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
                          r"\p{N}")
@@ -318,6 +322,7 @@ _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "ll
                          "qwen35": _QWEN35_SPLIT, "tekken": _TEKKEN_SPLIT,
                          "gpt-4o": _GPT4O_SPLIT, "llama4": _GPT4O_SPLIT, "kanana2": _GPT4O_SPLIT,
                          "talkie": _GPT4O_SPLIT, "minimax-m2": _GPT4O_SPLIT,
+                         "glm4": _GLM4_SPLIT, "glm5": _GLM4_SPLIT, "chatglm-bpe": _GLM4_SPLIT,
                          "smollm": _DIGITS_THEN_GPT2, "starcoder": _DIGITS_THEN_GPT2, "refact": _DIGITS_THEN_GPT2,
                          "command-r": _DIGITS_THEN_GPT2, "codeshell": _DIGITS_THEN_GPT2,
                          "exaone": _DIGITS_THEN_GPT2, "minerva-7b": _DIGITS_THEN_GPT2,
@@ -325,6 +330,9 @@ _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "ll
 # llama.cpp's Llama 3 family of pre-tokenizers (and Mistral's tekken): a word that is a whole token
 # is that token (the BPE "ignore_merges"), and BOS is added unless the file says otherwise.
 _WHOLE_WORD_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})
+# GLM's: llama.cpp adds no BOS whatever the file says, and glm4's keeps whole-token words too
+_NO_BOS_PRE = frozenset({"chatglm-bpe", "glm4", "glm5"})
+_IGNORE_MERGES_PRE = _WHOLE_WORD_PRE | {"glm4", "glm5"}
 # Tokens llama.cpp ends generation at whatever the metadata names (a Llama 3 Instruct file
 # converted with only eos = <|end_of_text|> still stops at <|eot_id|>).
 _END_OF_GENERATION = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
@@ -367,7 +375,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str | None) -> Ba
              for i, t in enumerate(tokens)}
     backend = Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
                                  continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                                 ignore_merges=pre in _WHOLE_WORD_PRE))
+                                 ignore_merges=pre in _IGNORE_MERGES_PRE))
     splits = _PRE_TOKENIZER_SPLITS.get(pre)
     if splits is None and pre not in (None, "default", "gpt2", "gpt-2"):
         log.warning("tokenizer pre-type %r is not one meshllm knows: splitting text as GPT-2 does, which may "

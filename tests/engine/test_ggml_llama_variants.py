@@ -2,8 +2,10 @@
 checks against transformers): a partial rotary (Phi-4-mini turns 96 of each head's 128 dims:
 ggml's rope over fewer dims than the head turns the first ones and copies the rest, as
 transformers does), layers without any (SmolLM3's NoPE layers, every fourth), and Granite's
-multipliers (embedding, attention, residual joins, logits), and YaRN's frequencies and cos/sin
-scale (ggml's rope with freq factors and attn_factor, as LongRoPE's). Dense float32 weights agree to
+multipliers (embedding, attention, residual joins, logits), YaRN's frequencies and cos/sin scale
+(ggml's rope with freq factors and attn_factor, as LongRoPE's), and GLM-4 (q/k/v biases, fused
+gate/up, norms after attention and the MLP, half of each head turned, its q/k rows reordered at
+load from interleaved pairs). Dense float32 weights agree to
 float32 rounding over chunked prefill and batched decode steps."""
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tests.engine.test_ggml_sliding_window import _logits, assert_ggml_matches_t
 SEQS = [[(7 * i + 13 * j) % 90 + 3 for j in range(20)] for i in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["phi3-partial", "smollm3", "granite", "qwen3-yarn"])
+@pytest.mark.parametrize("variant", ["phi3-partial", "smollm3", "granite", "qwen3-yarn", "glm4"])
 @pytest.mark.parametrize("prompt_len, chunk", [(8, 3), (20, 20), (2, 2)],
                          ids=["chunked-prefill", "prefill", "mostly-decode"])
 def test_a_llama_variant_on_ggml_matches_the_torch_path(rt, tiny_model_dir, variant, prompt_len, chunk):
@@ -33,8 +35,10 @@ def test_a_llama_variant_on_ggml_matches_the_torch_path(rt, tiny_model_dir, vari
         assert config.rope_layers == (True, True, True, False)
     elif variant == "granite":
         assert (config.embedding_scale, config.residual_scale, config.logit_scale) == pytest.approx((3.0, 0.4, 2.5))
-    else:
+    elif variant == "qwen3-yarn":
         assert config.rope_scaling.factor == 8.0 and config.rope_attention_factor == pytest.approx(1 + 0.1 * math.log(8))
+    else:
+        assert (config.rotary_dim, config.attention_bias, config.sandwich_norms) == (8, True, True)
     decoder = load_stage_decoder(SafetensorsSource(tiny_model_dir(variant)), config)
     assert isinstance(decoder.fast_path, GGMLStage)
     assert_ggml_matches_torch(decoder, SEQS, prompt_len, chunk, atol=1e-4)  # 4e-6 measured

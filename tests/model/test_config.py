@@ -45,6 +45,7 @@ def _folder_with(tmp_path, text: str):
     ("qwen3-yarn", dict(rope_scaling=YarnScaling(8.0, 32), rope_attention_factor=array("f", [1 + 0.1 * math.log(8)])[0],
                         max_position_embeddings=256)),
     ("smollm3", dict(model_type="smollm3", rope_layers=(True, True, True, False), tie_word_embeddings=True)),
+    ("glm4", dict(model_type="glm4", rotary_dim=8, attention_bias=True, sandwich_norms=True)),
     ("granite", dict(model_type="granite", embedding_scale=3.0, attention_scale=array("f", [0.15])[0],
                      residual_scale=array("f", [0.4])[0], logit_scale=2.5)),
 ])
@@ -57,7 +58,7 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma3", "qwen3-moe",
-                                     "mixtral", "smollm3", "granite"])
+                                     "mixtral", "smollm3", "granite", "glm4"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts.
     folder = tiny_model_dir(variant)

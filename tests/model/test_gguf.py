@@ -37,13 +37,16 @@ _TO_GGUF = {
 # Gemma 3's four norms (llama.cpp's names; its ffn_norm is the one before the MLP)
 _GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+# GLM-4's norms after attention and the MLP
+_GLM4_TO_GGUF = {**_TO_GGUF, "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm"}
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:
     if hf.startswith("model.layers."):
         _, _, index, rest = hf.split(".", 3)
         stem, suffix = rest.rsplit(".", 1)
-        return f"blk.{index}.{(_GEMMA_TO_GGUF if arch == 'gemma3' else _TO_GGUF)[stem]}.{suffix}"
+        names = {"gemma3": _GEMMA_TO_GGUF, "glm4": _GLM4_TO_GGUF}.get(arch, _TO_GGUF)
+        return f"blk.{index}.{names[stem]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
 
@@ -103,6 +106,14 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
         w.add_embedding_scale(cfg.embedding_scale)
         w.add_residual_scale(cfg.residual_scale)
         w.add_logit_scale(cfg.logit_scale)
+    if arch == "glm4":  # conversion/glm.py Glm4Model: q/k rows as trained (interleaved pairs), gate-up ffn_up
+        for i in range(cfg.num_hidden_layers):
+            layer = f"model.layers.{i}"
+            gate_up = [tensors.pop(f"{layer}.mlp.{p}_proj.weight") for p in ("gate", "up")]
+            w.add_tensor(f"blk.{i}.ffn_up.weight", torch.cat(gate_up).numpy())
+            qk = (f"{layer}.self_attn.q_proj.", f"{layer}.self_attn.k_proj.")
+            for name in [n for n in tensors if n.startswith(qk)]:
+                tensors[name] = _interleaved(tensors[name], cfg.head_dim, cfg.rotated_dims)
     if arch == "phi3":  # conversion/phi.py Phi3MiniModel
         w.add_sliding_window(cfg.sliding_window or 0)
         rope = hf.get("rope_parameters") or {}
@@ -127,6 +138,14 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     _finish(w)
     return out
+
+
+def _interleaved(w: torch.Tensor, head_dim: int, rotated: int) -> torch.Tensor:
+    """The inverse of model/rope_rows.py: each head's first `rotated` rows back in pairs."""
+    heads = w.reshape(-1, head_dim, *w.shape[1:])
+    halves = heads[:, :rotated].reshape(heads.shape[0], 2, rotated // 2, *w.shape[1:]).transpose(1, 2)
+    turned = halves.reshape(heads.shape[0], rotated, *w.shape[1:])
+    return torch.cat((turned, heads[:, rotated:]), dim=1).reshape(w.shape)
 
 
 def _finish(w: GGUFWriter) -> None:
@@ -291,7 +310,7 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
                                           ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
                                           ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                          ("qwen3-yarn", "qwen3"),
+                                          ("qwen3-yarn", "qwen3"), ("glm4", "glm4"),
                                           ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}

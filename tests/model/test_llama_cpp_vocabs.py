@@ -64,3 +64,25 @@ def test_gpt4o_texts_split_as_its_tokenizer_json_splits_them():
     pieces = [p for p, _ in _byte_level_bpe(["a"], [], "gpt-4o").pre_tokenizer.pre_tokenize_str(
         "Hello world's 12345 ÉCOLE's\n\nok  x")]
     assert pieces == ["Hello", "Ġworld's", "Ġ", "123", "45", "ĠÃīCOLE's", "ĊĊ", "ok", "Ġ", "Ġx"]
+
+
+def test_glm4_files_split_as_llama_cpp_and_add_no_bos(tmp_path):
+    # llama.cpp's CHATGLM4 split (Llama 3's, its contractions spelled out), and no BOS whatever the file says
+    from gguf import GGUFWriter
+
+    from meshllm.model.tokenizer import _byte_level_bpe
+    from tests.quantized_gguf import copy_tokenizer
+
+    pieces = [p for p, _ in _byte_level_bpe(["a"], [], "glm4").pre_tokenizer.pre_tokenize_str("It's 2024 I'D x")]
+    assert pieces == ["It", "'s", "Ġ", "202", "4", "ĠI", "'D", "Ġx"]
+    smol = GGUFFile.open(VOCABS / "ggml-vocab-gpt-2.gguf")
+    out = tmp_path / "glm4-vocab.gguf"
+    w = GGUFWriter(out, "glm4")
+    copy_tokenizer({**smol.metadata, "tokenizer.ggml.pre": "glm4", "tokenizer.ggml.add_bos_token": True,
+                    "tokenizer.ggml.bos_token_id": 0}, w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    tokenizer = Tokenizer.from_gguf(GGUFFile.open(out))
+    assert tokenizer.encode("hello") == tokenizer.encode("hello", add_special_tokens=False)
+    assert tokenizer.special_tokens["bos_token"] is None
