@@ -529,6 +529,11 @@ def config_dict(file: GGUFFile) -> dict:
     if rope_dims != head_dim and arch not in ("phi3", "glm4"):  # Phi-4-mini turns 96 of 128, GLM-4 half
         raise UnsupportedArchitecture(f"{file.path} rotates {rope_dims} of {head_dim} head dims (partial rotary); "
                                       f"meshllm runs that for phi3 and glm4 only")
+    sections = meta.get(f"{arch}.rope.dimension_sections")
+    if sections is not None and any(int(x) for x in np.asarray(sections).ravel()):
+        # GLM-4V's text model: multimodal rope sections, its q/k already in halves for them
+        raise UnsupportedArchitecture(f"{file.path} uses multimodal rope sections (M-RoPE, a vision model's text "
+                                      f"part); meshllm runs text models' rope only")
     embed = file.tensors.get("token_embd.weight")
     if embed is None:
         raise CorruptWeights(f"{file.path} has no token_embd.weight tensor")

@@ -556,3 +556,13 @@ def test_files_meshllm_cannot_run_say_what_they_are(tmp_path):
     _finish(w)
     with pytest.raises(UnsupportedArchitecture, match="shared experts"):
         GGUFSource(tmp_path / "shared.gguf")
+
+    # GLM-4V's text model: M-RoPE sections, its q/k already reordered for them (not GLM-4's pairs)
+    w = GGUFWriter(tmp_path / "glm4v.gguf", "glm4")
+    w.add_head_count(4)
+    w.add_embedding_length(64)
+    w.add_rope_dimension_sections([2, 3, 3, 0])
+    w.add_tensor("token_embd.weight", _values(4, 32, 0))
+    _finish(w)
+    with pytest.raises(UnsupportedArchitecture, match="multimodal rope sections"):
+        GGUFSource(tmp_path / "glm4v.gguf")
