@@ -170,8 +170,10 @@ class SamplingFields(GenerationFields):
 
 
 # What meshllm passes every chat template itself (model/tokenizer.py apply_chat_template), besides
-# the model's special tokens (bos_token, eos_token, ...)
-TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# the model's special tokens (bos_token, eos_token, ...), and the functions it gives templates
+# (a variable of the same name would hide them)
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception",
+                                "strftime_now"})
 
 
 def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
