@@ -34,9 +34,10 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=32, rope_parameters=dict(
         rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + 0.35 * i for i in range(8)],
         long_factor=[2.0 + i for i in range(8)]))),
-    # YaRN (Qwen3's long-context config): frequencies past the ramp divided by 8, cos/sin scaled
-    "qwen3-yarn": ("Qwen3Config", dict(rope_parameters=dict(rope_type="yarn", factor=8.0, rope_theta=10000.0,
-                                                            original_max_position_embeddings=32))),
+    # YaRN (Qwen3's long-context config): frequencies past the ramp divided by 8, cos/sin scaled;
+    # an original context long enough that both ends of the ramp fall inside the head
+    "qwen3-yarn": ("Qwen3Config", dict(max_position_embeddings=32768, rope_parameters=dict(
+        rope_type="yarn", factor=8.0, rope_theta=10000.0, original_max_position_embeddings=4096))),
     # Phi-4-mini's partial rotary: the first half of each head turns, the rest passes through;
     # with LongRoPE's factors over the turned dims (4 of them for 8 dims).
     "phi3-partial": ("Phi3Config", dict(partial_rotary_factor=0.5, original_max_position_embeddings=32,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import jinja2.defaults
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshllm.engine.sampler import MAX_LOGPROBS
@@ -173,7 +174,7 @@ class SamplingFields(GenerationFields):
 # the model's special tokens (bos_token, eos_token, ...), and the functions it gives templates
 # (a variable of the same name would hide them)
 TEMPLATE_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception",
-                                "strftime_now"})
+                                "strftime_now", "self", *jinja2.defaults.DEFAULT_NAMESPACE})  # namespace, range, ...
 
 
 def checked_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -545,7 +545,9 @@ def config_dict(file: GGUFFile) -> dict:
         "vocab_size": int(meta.get(f"{arch}.vocab_size", embed.shape[0])),
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
+        # GLM-4.5's and GLM-OCR's files carry their multi-token-prediction layers as the last
+        # blocks; llama.cpp skips them, and so does the decoder (their tensors are never read)
+        "num_hidden_layers": int(key("block_count")) - int(meta.get(f"{arch}.nextn_predict_layers", 0) or 0),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
         "head_dim": head_dim,
@@ -615,7 +617,9 @@ def _gemma3(file: GGUFFile, heads: int, hidden: int, head_dim: int, rope_theta: 
 def _yarn(meta: dict, arch: str) -> dict:
     """A yarn rope config from GGUF metadata, as llama.cpp reads it (src/llama-context.cpp): the
     original context defaults to the trained one; its cos/sin scale is transformers' default,
-    times rope.scaling.attn_factor, or DeepSeek's ratio where a log multiplier is given."""
+    times rope.scaling.attn_factor, or DeepSeek's ratio where a log multiplier is given. The
+    betas are read for every family, as transformers reads them from the source config
+    (llama.cpp 0.3.36 reads them only for Grok and Mistral 3, and 32 / 1 otherwise)."""
     key = lambda name: meta.get(f"{arch}.rope.scaling.{name}")  # noqa: E731
     if key("factor") is None:
         raise CorruptWeights(f"{arch}.rope.scaling.type is yarn but {arch}.rope.scaling.factor is missing")

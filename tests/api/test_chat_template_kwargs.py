@@ -67,6 +67,7 @@ def test_enable_thinking_reaches_the_template(live):
     ({"add_generation_prompt": False}, ["'add_generation_prompt'"]),
     ({"eos_token": "x"}, ["'eos_token'"]),
     ({"raise_exception": 1}, ["'raise_exception'"]),  # a function templates call
+    ({"namespace": 0}, ["'namespace'"]),  # jinja's own (Qwen3's template calls it)
     ({"not a name": 1}, ["'not a name'", "template variable name"]),
 ])
 def test_variables_the_request_sets_itself_are_refused_by_name(live, kwargs, words):

@@ -56,14 +56,19 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray | None = None) -> Path:
+def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray | None = None,
+                     nextn: int = 0) -> Path:
     """Convert a HF safetensors folder to an F32 GGUF as llama.cpp would (metadata, names, q/k
-    permutation; for phi3 fused attn_qkv and gate-up ffn_up, the sliding window and LongRoPE)."""
+    permutation; for phi3 fused attn_qkv and gate-up ffn_up, the sliding window and LongRoPE).
+    `nextn`: that many multi-token-prediction blocks after the model's (GLM-4.5's, GLM-OCR's),
+    here copies of its last block's tensors, which a reader must skip."""
     source = SafetensorsSource(folder)
     cfg = source.config()
     hf = json.loads((folder / "config.json").read_text())
     w = GGUFWriter(out, arch)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + nextn)
+    if nextn:
+        w.add_nextn_predict_layers(nextn)
     w.add_context_length(int(hf["max_position_embeddings"]))
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -136,6 +141,11 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
         w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(array))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    last = f"blk.{cfg.num_hidden_layers - 1}."
+    for extra in range(cfg.num_hidden_layers, cfg.num_hidden_layers + nextn):
+        for name, info in list(w.tensors[0].items()):
+            if name.startswith(last):
+                w.add_tensor(name.replace(last, f"blk.{extra}.", 1), info.tensor)
     _finish(w)
     return out
 
@@ -342,6 +352,33 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
         assert torch.equal(tensor, want + 1 if arch == "gemma3" and name.endswith("norm.weight") else want), name
     tokens = torch.randint(0, theirs.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(gguf, tokens), _logits(hf, tokens))
+
+
+def test_multi_token_prediction_blocks_are_skipped(tiny_model_dir, tmp_path):
+    # GLM-4.5 and GLM-OCR files end with nextn_predict_layers blocks that llama.cpp skips; run as
+    # layers they moved logits by ~3 (found by a QA pass)
+    folder = tiny_model_dir("glm4")
+    hf = SafetensorsSource(folder)
+    gguf = GGUFSource(write_model_gguf(folder, tmp_path / "m.gguf", "glm4", nextn=1))
+    assert f"blk.{hf.config().num_hidden_layers}.attn_q.weight" in gguf.file.tensors
+    assert gguf.config().num_hidden_layers == hf.config().num_hidden_layers
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(gguf, tokens), _logits(hf, tokens))
+
+
+def test_glm4_rows_are_written_as_the_checkpoint_stores_them(tiny_model_dir, tmp_path):
+    # the conversion above writes q/k back in GLM's pairs: exactly the checkpoint's own rows
+    from safetensors.torch import load_file
+
+    folder = tiny_model_dir("glm4")
+    stored = load_file(folder / "model.safetensors")
+    gguf = GGUFSource(write_model_gguf(folder, tmp_path / "m.gguf", "glm4"))
+    for name in ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias"):
+        info = gguf.file.tensors[f"blk.1.{name}"]
+        hf_name = "model.layers.1.self_attn." + {"attn_q": "q_proj", "attn_k": "k_proj"}[name.split(".")[0]] + \
+            "." + name.split(".")[1]
+        assert np.array_equal(np.asarray(gguf.file.raw(info)).view(np.float32).reshape(stored[hf_name].shape),
+                              stored[hf_name].numpy()), name
 
 
 def test_layer_range_reads_only_its_tensors(tiny_model_dir, tmp_path):
