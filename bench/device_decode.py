@@ -19,8 +19,8 @@ Figures per row as bench/decode.py's (decode batch 1 / 8, prefill 512), plus the
 weights take and the peak while running, CUDA kernels launched per batch-1 decode step, and how
 many of 32 greedy tokens after a real prompt ours and transformers agree on (a prefix length).
 "matrix_products": one product with Llama-8B-sized matrices in each fused type: the fused
-kernel (and the same with its depth split, triton_blocks.SPLIT_K), the torch path and a dense
-bf16 matrix (microseconds, replayed as a CUDA graph; GB/s of the bytes read).
+kernel, the torch path and a dense bf16 matrix (microseconds, replayed as a CUDA graph; GB/s of
+the bytes read).
 
     python bench/device_decode.py [--model PATH] [--device cuda] [--dtype bfloat16]
 
@@ -244,14 +244,11 @@ def matrix_products(device) -> dict:
                 error = ((y.float() - want).abs().max() / want.abs().max()).item()
                 torch_path = timed(lambda: F.linear(x, dequantize(blocks, ggml_type, k, torch.bfloat16)))
                 dense_us = timed(lambda: F.linear(x, dense))
-                row = out[f"{n}x{k} {ggml_type.name} rows={rows}"] = {
+                out[f"{n}x{k} {ggml_type.name} rows={rows}"] = {
                     "fused_us": round(fused, 1), "torch_path_us": round(torch_path, 1),
                     "dense_bf16_us": round(dense_us, 1), "fused_gb_s": round(blocks.numel() / fused / 1e3, 1),
                     "dense_bf16_gb_s": round(dense.numel() * 2 / dense_us / 1e3, 1),
                     "fused_max_error_rel": float(f"{error:.2g}")}
-                splits = triton_blocks.split_count(triton_blocks.depth_steps(k, ggml_type))
-                split_k = timed(lambda: triton_blocks.rows_times_planes(x, planes, ggml_type, y, splits=splits))
-                row.update(fused_split_k_us=round(split_k, 1), split_k=splits)
     return out
 
 

@@ -7,8 +7,8 @@ value the Q4_1 blocks hold, rounded to bf16), the target a 4-bit draft of itself
     python bench/gguf_variant.py --random SKELETON.gguf OUT.gguf
 
 A skeleton is a GGUF's metadata and tensor list without the tensors (SmolLM2's: ~2 MB); from
-it `--random` writes a file of the same shapes, types and vocabulary with random weights, by the
-gguf package's quantizer (plain types). Speed does not depend on the weights' values: a GPU host,
+it `--random` writes a file of the same shapes, types and vocabulary with random weights (plain
+block types where ggml is not built). Speed does not depend on the weights' values: a GPU host,
 which can be sent 64 MiB and no registry, measures the 98 MB demo model that way.
 
 Metadata is copied key by key; 1-D tensors (norms) stay as they are; the others are
@@ -32,9 +32,6 @@ def write_variant(source: Path, kind: str, out: Path) -> Path:
     from gguf import quants
     from gguf.constants import GGMLQuantizationType as GGML
 
-    from meshllm.engine.ggml_lib import runtime
-    from meshllm.engine.ggml_weights import quantize
-
     target = GGML[kind]
     reader, writer, tmp = _copy_metadata(source, out)
     for t in reader.tensors:
@@ -42,18 +39,29 @@ def write_variant(source: Path, kind: str, out: Path) -> Path:
         if len(shape) == 1:
             writer.add_tensor(t.name, np.asarray(t.data))
             continue
-        # [rows, cols], or [experts, rows, cols] (a mixture of experts' stacked matrices) as rows of cols
-        dense = torch.from_numpy(np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type),
-                                                      dtype=np.float32)).reshape(-1, shape[-1])
-        if target == GGML.F32:
-            writer.add_tensor(t.name, dense.reshape(shape).numpy())
-        elif target == GGML.BF16:
-            raw = dense.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
-            writer.add_tensor(t.name, raw, raw_shape=(*shape[:-1], shape[-1] * 2), raw_dtype=GGML.BF16)
-        else:
-            blocks = quantize(runtime(), dense, target).data.numpy()
-            writer.add_tensor(t.name, blocks, raw_shape=(*shape[:-1], blocks.shape[-1]), raw_dtype=target)
+        dense = torch.from_numpy(np.ascontiguousarray(quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        _add_matrix(writer, t.name, dense, shape, target)
     return _finish(writer, tmp, out)
+
+
+def _add_matrix(writer, name: str, dense: torch.Tensor, shape: list[int], target) -> None:
+    """A float matrix of `shape` ([rows, cols], or [experts, rows, cols]: a mixture of experts'
+    stacked matrices, as rows of cols) written as `target` (F32, BF16, or blocks by ggml's
+    quantizer, or gguf's port of it where ggml is not built: the same bytes)."""
+    from gguf.constants import GGMLQuantizationType as GGML
+
+    from meshllm.engine.ggml_lib import runtime
+    from meshllm.engine.ggml_weights import quantize
+
+    dense = dense.reshape(-1, shape[-1])
+    if target == GGML.F32:
+        writer.add_tensor(name, dense.reshape(shape).numpy())
+    elif target == GGML.BF16:
+        raw = dense.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+        writer.add_tensor(name, raw, raw_shape=(*shape[:-1], shape[-1] * 2), raw_dtype=GGML.BF16)
+    else:
+        blocks = quantize(runtime(), dense, target).data.numpy()
+        writer.add_tensor(name, blocks, raw_shape=(*shape[:-1], blocks.shape[-1]), raw_dtype=target)
 
 
 SKELETON_KEY = "meshllm.skeleton.tensors"
@@ -95,7 +103,7 @@ def write_skeleton(source: Path, out: Path) -> Path:
 def write_random(skeleton: Path, out: Path, seed: int = 0) -> Path:
     """A GGUF of the skeleton's metadata, shapes and types with random weights: matrices drawn
     at unit scale over their width, 1-D tensors (norms) ones."""
-    from gguf import GGUFReader, quants
+    from gguf import GGUFReader
     from gguf.constants import GGMLQuantizationType as GGML
 
     tensors = json.loads(GGUFReader(skeleton).fields[SKELETON_KEY].contents())
@@ -105,16 +113,8 @@ def write_random(skeleton: Path, out: Path, seed: int = 0) -> Path:
         if len(shape) == 1:
             writer.add_tensor(name, np.ones(shape, dtype=np.float32))
             continue
-        dense = (rng.standard_normal(shape, dtype=np.float32) / np.float32(shape[-1] ** 0.5))
-        target = GGML[kind]
-        if target == GGML.F32:
-            writer.add_tensor(name, dense)
-        elif target == GGML.BF16:
-            raw = torch.from_numpy(dense).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
-            writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=target)
-        else:  # the plain types; gguf has no K-quant quantizer
-            blocks = quants.quantize(dense.reshape(-1, shape[-1]), target)
-            writer.add_tensor(name, blocks, raw_shape=(*shape[:-1], blocks.shape[-1]), raw_dtype=target)
+        dense = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) / np.float32(shape[-1] ** 0.5))
+        _add_matrix(writer, name, dense, shape, GGML[kind])
     return _finish(writer, tmp, out)
 
 

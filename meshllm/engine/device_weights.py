@@ -41,12 +41,12 @@ def _held(data: Tensor, ggml_type: GGML) -> Tensor:
     return block_planes.split(data, ggml_type) if ggml_type in block_planes.PLANAR else data
 
 
-def _dense(data: Tensor, ggml_type: GGML, cols: int, dtype: torch.dtype) -> Tensor:
-    """A held buffer (planes for the planar types, else the file's blocks) -> the dense [rows,
-    cols] matrix in `dtype`."""
+def _dense(data: Tensor, ggml_type: GGML, cols: int, dtype: torch.dtype, rows: slice = slice(None)) -> Tensor:
+    """A held buffer (planes for the planar types, else the file's blocks), or a range of its
+    rows -> the dense [rows, cols] matrix in `dtype`."""
     if ggml_type in block_planes.PLANAR:
-        return block_planes.dequantize(data, ggml_type, dtype)
-    return dequantize(data, ggml_type, cols, dtype)
+        return block_planes.dequantize(data, ggml_type, dtype, rows)
+    return dequantize(data[rows], ggml_type, cols, dtype)
 
 
 class BlockLinear(nn.Module):
@@ -78,7 +78,7 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # x: [rows, in_features] -> [rows, out_features]
-        if self.fusable and x.shape[0] <= triton_blocks.ROWS_MAX and triton_blocks.available(x.device):
+        if self._takes_fused(x):
             return self._fused(x.contiguous())
         return F.linear(x, self.weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
@@ -86,6 +86,10 @@ class BlockLinear(nn.Module):
     def fusable(self) -> bool:
         """Whether every part is of a type the fused decode kernel reads (engine/triton_blocks.py)."""
         return triton_blocks.ENABLED and self._fused_types
+
+    def _takes_fused(self, x: Tensor) -> bool:
+        """Whether a product with these activation rows runs the fused kernel."""
+        return self.fusable and x.shape[0] <= triton_blocks.ROWS_MAX and triton_blocks.available(x.device)
 
     def rows_product(self, x: Tensor, start: int, stop: int) -> Tensor:
         """x [n, in_features] times rows [start, stop) of W (one expert's, decoder.MoE), the
@@ -97,14 +101,11 @@ class BlockLinear(nn.Module):
             start, stop = start - data.shape[0], stop - data.shape[0]
         assert stop <= data.shape[0], "an expert's rows lie in one part"
         rows = slice(start, stop)
-        if t in triton_blocks.TYPES and self.fusable and x.shape[0] <= triton_blocks.ROWS_MAX \
-                and triton_blocks.available(x.device):
+        if self._takes_fused(x):
             out = torch.empty(x.shape[0], stop - start, dtype=x.dtype, device=x.device)
             triton_blocks.rows_times_planes(x.contiguous(), data, t, out, rows=rows)
-        elif t in block_planes.PLANAR:
-            out = F.linear(x, block_planes.dequantize(data, t, x.dtype, rows))
         else:
-            out = F.linear(x, dequantize(data[rows], t, self.in_features, x.dtype))
+            out = F.linear(x, _dense(data, t, self.in_features, x.dtype, rows))
         return out if bias is None else out + bias
 
     def _fused(self, x: Tensor) -> Tensor:

@@ -86,6 +86,8 @@ _TILED_GEMM_TYPES = frozenset(int(t) for t in (
 def _in_row_pieces(n: int) -> bool:
     """Whether a product of `n` activation rows over such a type runs in pieces (above)."""
     return _TILED_GEMM_MIN_ROWS <= n <= QUANT_FEW_ROWS_MAX
+
+
 _NO_WINDOW = 1 << 62  # a full-attention layer's window in _Step.windows: longer than any context
 _TABLE_FIELDS = 7  # per sequence: row, rows, start, K address, V address, position stride, head stride
 
@@ -364,14 +366,12 @@ class GGMLStage:
         if w["q_norm"] is not None:
             q = self._norm(s, q, w["q_norm"])
             k = self._norm(s, k, w["k_norm"])
-        # The layer's base and linear factor (Gemma 3's differ by layer); attn_factor scales cos and
-        # sin (LongRoPE's attention factor; 1 for other models)
-        theta, linear = w["rope"] or (0.0, 1.0)
-        rope = lambda t: g.ggml_rope_ext(ctx, t, pos, self.freq_factors, c.rotated_dims,  # noqa: E731
-                                         g.GGML_ROPE_TYPE_NEOX, 0,
-                                         theta, 1.0 / linear, 0.0, c.rope_attention_factor, 0.0, 0.0)
         if w["rope"] is not None:  # None: a NoPE layer (SmolLM3's every fourth)
-            q, k = rope(q), rope(k)
+            # The layer's base and linear factor (Gemma 3's differ by layer); attn_factor scales cos
+            # and sin (LongRoPE's and YaRN's; 1 for other models)
+            theta, linear = w["rope"]
+            q, k = (g.ggml_rope_ext(ctx, t, pos, self.freq_factors, c.rotated_dims, g.GGML_ROPE_TYPE_NEOX, 0,
+                                    theta, 1.0 / linear, 0.0, c.rope_attention_factor, 0.0, 0.0) for t in (q, k))
         if self.query_scale != 1.0:
             q = g.ggml_scale(ctx, q, self.query_scale)
         if table is not None:  # the batched form (ATTENTION_FEW_ROWS_MAX says why)

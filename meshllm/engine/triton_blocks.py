@@ -36,10 +36,6 @@ except ImportError:  # no Triton (CPU-only torch, macOS): the torch path runs
     triton = None
 
 ROWS_MAX = 16  # activation rows one kernel takes (tl.dot's smallest tile side)
-# Values each step of a product sums (every tile sums in steps of this depth, so in one order).
-# Timed at 128, 256 and 512 on an H200: none was faster throughout
-# (bench/results/device-decode-h200-families.json, fused_us_by_depth).
-DEPTH = 128
 TYPES = {GGML.Q8_0: 0, GGML.Q4_0: 1, GGML.Q4_1: 2}
 assert set(TYPES) == block_planes.PLANAR
 # Off: every product takes the torch path (bench/device_decode.py measures both in one run).
@@ -67,20 +63,20 @@ if triton is not None:
     # M is not specialized: a kernel compiled for one row serves every row count (warmed at load;
     # otherwise the first step of a batch compiles one, inside a request).
     @triton.jit(do_not_specialize=["M"])
-    def _rows_times_planes(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, M, N, stride_xm, stride_ym, stride_ys,
-                           NB: tl.constexpr, KIND: tl.constexpr, FP32: tl.constexpr, DEPTH: tl.constexpr,
-                           SPLIT_STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _rows_times_planes(x_ptr, q_ptr, d_ptr, m_ptr, y_ptr, M, N, stride_xm, stride_ym,
+                           NB: tl.constexpr, KIND: tl.constexpr, FP32: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * W[n, k], W held as planes (engine/block_planes.py): codes
         # [N, NB * QB] at q_ptr, f16 scales [N, NB] at d_ptr (minimums at m_ptr for Q4_1). Each
         # program takes BLOCK_N rows, BLOCKS_K blocks of each per step; a block's codes are one
         # 16-byte-aligned run. Q4 codes hold value t low and t + 16 high: the two halves are two
-        # products, each against x gathered at those positions. Every product is DEPTH values deep
+        # products, each against x gathered at those positions. Every product is 128 values deep
         # whatever the tile (BLOCK_N, warps, stages are what tuning picks), so the sums run in one
         # order on every process, and a row's result does not depend on the rows beside it.
-        # Split-K: program (i, s) sums steps [s * SPLIT_STEPS, (s + 1) * SPLIT_STEPS) into y's
-        # slice s (the caller adds the slices, in order); the split depends on the shape alone.
+        # (Depths of 256 and 512, and the depth split over several programs, were tried on an
+        # H200: none timed faster; bench/results/device-decode-h200-families.json.)
         QB: tl.constexpr = 32 if KIND == 0 else 16
-        BLOCKS_K: tl.constexpr = DEPTH // QB
+        BLOCKS_K: tl.constexpr = 128 // QB
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         n_ok, m_ok = offs_n < N, offs_m < M
@@ -88,9 +84,8 @@ if triton is not None:
         j = tl.arange(0, BLOCKS_K)
         t = tl.arange(0, QB)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        first = tl.program_id(1) * SPLIT_STEPS * BLOCKS_K
-        for step in range(0, SPLIT_STEPS):
-            blk = first + step * BLOCKS_K + j
+        for b0 in range(0, NB, BLOCKS_K):
+            blk = b0 + j
             ok = n_ok[:, None] & (blk < NB)[None, :]  # [BN, BK]
             at = n64[:, None] * NB + blk[None, :]  # each block's index in the scale planes
             d = tl.load(d_ptr + at, mask=ok, other=0.0).to(tl.float32)[:, :, None]
@@ -112,78 +107,34 @@ if triton is not None:
                                        tl.reshape(w_low, (BLOCK_N, BLOCKS_K * QB)), FP32)
                 acc = _plus_rows_times(acc, x_ptr, offs_m, m_ok, stride_xm, k + 16, k_ok,
                                        tl.reshape(w_high, (BLOCK_N, BLOCKS_K * QB)), FP32)
-        out = y_ptr + tl.program_id(1) * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+        out = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-    @triton.jit
-    def _add_splits(y_ptr, out_ptr, N, stride_ys, stride_ym, stride_om, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-        # out[m, n] = y[0, m, n] + y[1, m, n] + ... in split order: each element's sum runs one way
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < N
-        row = tl.program_id(1)
-        total = tl.load(y_ptr + row * stride_ym + offs, mask=ok, other=0.0)
-        for split in tl.static_range(1, SPLITS):
-            total += tl.load(y_ptr + split * stride_ys + row * stride_ym + offs, mask=ok, other=0.0)
-        tl.store(out_ptr + row * stride_om + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
 
     # Tuned per shape at load (device_weights.warm_fused_kernels), by timing on the device; on a
     # CPU under TRITON_INTERPRET (checking the kernel by hand) one fixed tile runs.
     PLANE_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
                      for n, w, s in ((16, 4, 2), (16, 4, 3), (32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 3),
                                      (128, 8, 3), (32, 8, 2))]
-    _tuned_planes = triton.autotune(configs=PLANE_CONFIGS,
-                                    key=["N", "NB", "KIND", "DEPTH", "SPLIT_STEPS"])(_rows_times_planes)
-
-
-# Split-K: several programs share one output tile's depth, each summing a run of steps, and a
-# second kernel adds their sums in order (the split depends on the shape alone, so results do not
-# depend on the tile). Why: one program per BLOCK_N rows walks the whole depth in sequence, and
-# a 4096-row matrix is then ~128 programs on a 132-SM GPU, each waiting on its loads in turn.
-# Off by default: checked exact on an H200 (tests/engine/test_block_planes.py at 4096 columns),
-# but its one timing there was of Python launches, not of the kernels (bench/device_decode.py now
-# times products replayed as a CUDA graph, as decode runs them); MESHLLM_FUSED_SPLIT_K=1 turns it on.
-SPLIT_K = os.environ.get("MESHLLM_FUSED_SPLIT_K", "0") == "1"
-SPLIT_MIN_STEPS, SPLIT_MAX = 4, 8
-
-
-def split_count(steps: int) -> int:
-    """Programs sharing a tile's depth of `steps` steps under split-K: each takes SPLIT_MIN_STEPS or more."""
-    return max(1, min(SPLIT_MAX, steps // SPLIT_MIN_STEPS))
-
-
-def depth_steps(cols: int, ggml_type: GGML) -> int:
-    """Steps of DEPTH values a product of `cols` columns sums in."""
-    return -(-cols // 32 // (DEPTH // (32 if ggml_type == GGML.Q8_0 else 16)))
+    _tuned_planes = triton.autotune(configs=PLANE_CONFIGS, key=["N", "NB", "KIND"])(_rows_times_planes)
 
 
 def rows_times_planes(x: Tensor, planes: Tensor, ggml_type: GGML, out: Tensor, config=None,
-                      rows: slice = slice(None), splits: int | None = None) -> None:
+                      rows: slice = slice(None)) -> None:
     """out[m, N] = x[m, K] @ W[rows].T for W a planar buffer (engine/block_planes.py) of
     `ggml_type`; m <= ROWS_MAX. `out` may be a column slice of a wider matrix (rows strided).
     `rows`: a range of W's rows (one expert's of an experts matrix; each plane's rows are
     contiguous, so a range of them is too). `config`: one of PLANE_CONFIGS instead of the tuned
-    one (tests: every tile sums alike). `splits`: the depth in that many programs (split-K),
-    whether or not SPLIT_K is on (tests, bench/device_decode.py)."""
+    one (tests: every tile sums alike)."""
     q, d, mins = (None if p is None else p[rows] for p in block_planes.parts(planes, ggml_type))
     m, n, nb = x.shape[0], d.shape[0], d.shape[1]
     assert 0 < m <= ROWS_MAX and x.shape[1] == nb * 32 and out.shape == (m, n), (x.shape, out.shape, d.shape)
     assert x.stride(1) == 1 and out.stride(1) == 1
-    steps = depth_steps(nb * 32, ggml_type)
-    splits = splits or (split_count(steps) if SPLIT_K else 1)
-    split_steps = triton.cdiv(steps, splits)
-    splits = triton.cdiv(steps, split_steps)
-    # one split writes out; several write fp32 partial sums, added in split order below
-    y = out if splits == 1 else torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
-    args = (x, q, d, d if mins is None else mins, y, m, n, x.stride(0), y.stride(-2), y.stride(0) if splits > 1 else 0)
-    constants = dict(NB=nb, KIND=TYPES[ggml_type], FP32=x.dtype == torch.float32, DEPTH=DEPTH,
-                     SPLIT_STEPS=split_steps, BLOCK_M=16)
+    args = (x, q, d, d if mins is None else mins, out, m, n, x.stride(0), out.stride(0))
+    constants = dict(NB=nb, KIND=TYPES[ggml_type], FP32=x.dtype == torch.float32, BLOCK_M=16)
     if config is not None:
-        _rows_times_planes[(triton.cdiv(n, config.kwargs["BLOCK_N"]), splits)](
+        _rows_times_planes[(triton.cdiv(n, config.kwargs["BLOCK_N"]),)](
             *args, **constants, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
     elif x.device.type == "cuda":
-        _tuned_planes[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), splits)](*args, **constants)
+        _tuned_planes[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **constants)
     else:
-        _rows_times_planes[(triton.cdiv(n, 32), splits)](*args, **constants, BLOCK_N=32)
-    if splits > 1:
-        _add_splits[(triton.cdiv(n, 1024), m)](y, out, n, y.stride(0), y.stride(1), out.stride(0), SPLITS=splits,
-                                              BLOCK=1024)
+        _rows_times_planes[(triton.cdiv(n, 32),)](*args, **constants, BLOCK_N=32)

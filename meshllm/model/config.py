@@ -398,15 +398,18 @@ def _rope_attention_factor(d: dict, long_rope, scaling) -> float:
     return 1.0
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude scale for a context `factor` times the original (transformers' get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def _yarn_attention_factor(raw: dict, yarn: YarnScaling) -> float:
     """YaRN's cos/sin scale, as transformers computes it (_compute_yarn_parameters), in float32."""
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     given = raw.get("attention_factor")
     if given is None:
         m, m_all = raw.get("mscale"), raw.get("mscale_all_dim")
-        given = mscale(yarn.factor, m) / mscale(yarn.factor, m_all) if m and m_all else mscale(yarn.factor)
+        given = yarn_mscale(yarn.factor, m) / yarn_mscale(yarn.factor, m_all) if m and m_all \
+            else yarn_mscale(yarn.factor)
     return array("f", [float(given)]).tolist()[0]
 
 

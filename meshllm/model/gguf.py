@@ -26,9 +26,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 from meshllm.errors import CorruptWeights, ModelLoadError, TensorParallelUnsplittable, UnsupportedArchitecture
 from meshllm.model import moe
-from meshllm.model.config import ModelConfig, RopeScaling
+from meshllm.model.config import ModelConfig, RopeScaling, yarn_mscale
 from meshllm.model.fused import split_fused
-from meshllm.model.rope_rows import INTERLEAVED_ROPE_TYPES, rope_rows_to_half
+from meshllm.model.rope_rows import is_qk, rope_rows_to_half, trained_in_pairs
 from meshllm.model.tensor_slice import TensorSlice
 from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
@@ -486,11 +486,9 @@ def _interleaved_rope_rows(config: ModelConfig, name: str) -> int | None:
     (model/rope_rows.py): llama.cpp's converter permutes Llama's whole heads (transformers'
     reverse_permute_weights undoes it too); GLM-4 is trained so, on its turned dims. None for
     other tensors and families."""
-    if ".q_proj." not in name and ".k_proj." not in name:
-        return None
-    if config.model_type in _PERMUTED_QK_ARCHITECTURES:
+    if config.model_type in _PERMUTED_QK_ARCHITECTURES and is_qk(name):
         return config.head_dim
-    return config.rotated_dims if config.model_type in INTERLEAVED_ROPE_TYPES else None
+    return trained_in_pairs(config, name)
 
 
 def config_dict(file: GGUFFile) -> dict:
@@ -627,9 +625,8 @@ def _yarn(meta: dict, arch: str) -> dict:
     config = {"rope_type": "yarn", "factor": factor,
               "original_max_position_embeddings": int(key("original_context_length") or meta[f"{arch}.context_length"]),
               "beta_fast": key("yarn_beta_fast"), "beta_slow": key("yarn_beta_slow")}
-    mscale = lambda m: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0  # noqa: E731
     log_multiplier = float(key("yarn_log_multiplier") or 0.0)
-    attention = mscale(1.0) / mscale(log_multiplier) if log_multiplier else mscale(1.0)
+    attention = yarn_mscale(factor) / yarn_mscale(factor, log_multiplier) if log_multiplier else yarn_mscale(factor)
     config["attention_factor"] = attention * float(key("attn_factor") or 1.0)
     return config
 

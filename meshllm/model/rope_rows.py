@@ -11,8 +11,21 @@ from __future__ import annotations
 
 import torch
 
+from meshllm.model.config import ModelConfig
+
 # Families whose checkpoints (folders and GGUF files alike) store q/k in interleaved pairs
 INTERLEAVED_ROPE_TYPES = frozenset({"glm4"})
+
+
+def is_qk(name: str) -> bool:
+    """Whether an HF tensor name is a q or k projection's (weight or bias)."""
+    return ".q_proj." in name or ".k_proj." in name
+
+
+def trained_in_pairs(config: ModelConfig, name: str) -> int | None:
+    """How many of each head's rows a q/k tensor of this family's checkpoints holds in pairs (its
+    turned dims: GLM-4's); None for other tensors and families."""
+    return config.rotated_dims if config.model_type in INTERLEAVED_ROPE_TYPES and is_qk(name) else None
 
 
 def rope_rows_to_half(w: torch.Tensor, head_dim: int, rotated: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from meshllm.errors import CorruptWeights, ModelLoadError
 from meshllm.model.config import ModelConfig
 from meshllm.model.fused import split_fused, visible_names
-from meshllm.model.rope_rows import INTERLEAVED_ROPE_TYPES, rope_rows_to_half
+from meshllm.model.rope_rows import rope_rows_to_half, trained_in_pairs
 from meshllm.model.tensor_slice import TensorSlice
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -128,12 +128,9 @@ class SafetensorsSource:
                             out[name] = (view[rows[0]:rows[1]] if cols is None else
                                          view[rows[0]:rows[1], cols[0]:cols[1]]).to(dtype)
                         self._bytes_read += (entry.end - entry.begin) * out[name].numel() // math.prod(entry.shape)
-                        if self._config.model_type in INTERLEAVED_ROPE_TYPES and (".q_proj." in name or
-                                                                                 ".k_proj." in name):
-                            # GLM-4's q/k rows turn in pairs: put as meshllm turns them (whole heads,
-                            # also in a tensor-parallel slice)
-                            out[name] = rope_rows_to_half(out[name], self._config.head_dim,
-                                                          self._config.rotated_dims)
+                        pairs = trained_in_pairs(self._config, name)
+                        if pairs:  # GLM-4's q/k: put as meshllm turns them (whole heads, a TP slice's too)
+                            out[name] = rope_rows_to_half(out[name], self._config.head_dim, pairs)
             except SafetensorError as e:
                 raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
         return out

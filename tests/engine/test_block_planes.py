@@ -76,22 +76,13 @@ def _kernel_device() -> str:
                 "(TRITON_INTERPRET=1 with triton installed); run on a GPU host")
 
 
-def _splits(split_k: bool, cols: int, ggml_type) -> int:
-    """The kernel's default (one program a tile's depth), or split-K's count for the shape."""
-    return triton_blocks.split_count(triton_blocks.depth_steps(cols, ggml_type)) if split_k else 1
-
-
-# 576: SmolLM2's width, blocks per row not a multiple of any tile, too shallow to split; 4096:
-# Llama-8B's, under split-K the depth in 4 (Q4) or 8 (Q8_0) programs whose sums are added after;
-# 11008: Llama-7B's MLP, 8 programs of uneven depth (Q8_0: 7 of 11 steps and one of 9)
-@pytest.mark.parametrize("split_k", [False, True], ids=["one-program", "split-k"])
-@pytest.mark.parametrize("cols", [576, 4096, 11008])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("ggml_type", PLANAR, ids=lambda t: t.name)
-def test_the_fused_kernel_multiplies_planes_by_the_reference_weights(ggml_type, dtype, cols, split_k):
+def test_the_fused_kernel_multiplies_planes_by_the_reference_weights(ggml_type, dtype):
     device = _kernel_device()
     if device == "cpu" and dtype != torch.float32:
         pytest.skip("Triton's interpreter gets 16-bit dot products wrong; the GPU run checks them")
+    cols = 18 * 32  # SmolLM2's 576: blocks per row not a multiple of any tile
     weight = np.random.default_rng(ggml_type.value).standard_normal((200, cols)).astype(np.float32) * 0.05
     blocks = torch.from_numpy(gguf_quants.quantize(weight, ggml_type).copy())
     planes = block_planes.split(blocks, ggml_type).to(device)
@@ -99,8 +90,7 @@ def test_the_fused_kernel_multiplies_planes_by_the_reference_weights(ggml_type, 
     x = torch.randn(16, cols, generator=torch.Generator().manual_seed(0)).to(dtype).to(device)
     wide = torch.zeros(16, 300, device=device, dtype=dtype)
     out = wide[:, 50:250]  # a column slice of a wider output, as a fused qkv's parts are written
-    splits = _splits(split_k, cols, ggml_type)
-    triton_blocks.rows_times_planes(x, planes, ggml_type, out, splits=splits)
+    triton_blocks.rows_times_planes(x, planes, ggml_type, out)
     want = x.float() @ reference.T
     # fp32 multiplies IEEE (no TF32); 16-bit the same products, fp32 sums in another order, one rounding out
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
@@ -109,28 +99,25 @@ def test_the_fused_kernel_multiplies_planes_by_the_reference_weights(ggml_type, 
     # and a row's result does not depend on the rows beside it (a verify pass = its one-row steps)
     for m in (1, 5):
         alone = torch.empty(m, 200, device=device, dtype=dtype)
-        triton_blocks.rows_times_planes(x[:m].contiguous(), planes, ggml_type, alone, splits=splits)
+        triton_blocks.rows_times_planes(x[:m].contiguous(), planes, ggml_type, alone)
         assert torch.equal(alone, out[:m])
 
 
-@pytest.mark.parametrize("split_k", [False, True], ids=["one-program", "split-k"])
-# split-K: Q8_0's depth in 2, 8 and 8 uneven programs; Q4's in 1, 4 and 8 uneven
-@pytest.mark.parametrize("cols", [40 * 32, 4096, 11008])
 @pytest.mark.parametrize("ggml_type", PLANAR, ids=lambda t: t.name)
-def test_every_tile_the_kernel_may_pick_sums_in_the_same_order(ggml_type, cols, split_k):
+def test_every_tile_the_kernel_may_pick_sums_in_the_same_order(ggml_type):
     # Tuning picks a tile per shape by timing it, separately in each process: a pipeline's stages
     # and the single process they are compared with must still get the same bits.
     device = _kernel_device()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cols = 40 * 32
     weight = np.random.default_rng(1).standard_normal((300, cols)).astype(np.float32) * 0.05
     planes = block_planes.split(torch.from_numpy(gguf_quants.quantize(weight, ggml_type).copy()), ggml_type)
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(2)).to(dtype).to(device)
     planes = planes.to(device)
     want = torch.empty(3, 300, device=device, dtype=dtype)
-    splits = _splits(split_k, cols, ggml_type)
-    triton_blocks.rows_times_planes(x, planes, ggml_type, want, splits=splits)
+    triton_blocks.rows_times_planes(x, planes, ggml_type, want)
     configs = triton_blocks.PLANE_CONFIGS
     for config in configs if device == "cuda" else configs[:3]:
         got = torch.empty_like(want)
-        triton_blocks.rows_times_planes(x, planes, ggml_type, got, config=config, splits=splits)
+        triton_blocks.rows_times_planes(x, planes, ggml_type, got, config=config)
         assert torch.equal(got, want), config

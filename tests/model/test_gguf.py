@@ -51,11 +51,6 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
             "lm_head.weight": "output.weight"}[hf]
 
 
-def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    # convert_hf_to_gguf.py LlamaModel.permute: HF half-rotated rows -> ggml interleaved pairs
-    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray | None = None,
                      nextn: int = 0) -> Path:
     """Convert a HF safetensors folder to an F32 GGUF as llama.cpp would (metadata, names, q/k
@@ -111,14 +106,10 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
         w.add_embedding_scale(cfg.embedding_scale)
         w.add_residual_scale(cfg.residual_scale)
         w.add_logit_scale(cfg.logit_scale)
-    if arch == "glm4":  # conversion/glm.py Glm4Model: q/k rows as trained (interleaved pairs), gate-up ffn_up
+    if arch == "glm4":  # conversion/glm.py Glm4Model: gate-up ffn_up
         for i in range(cfg.num_hidden_layers):
-            layer = f"model.layers.{i}"
-            gate_up = [tensors.pop(f"{layer}.mlp.{p}_proj.weight") for p in ("gate", "up")]
+            gate_up = [tensors.pop(f"model.layers.{i}.mlp.{p}_proj.weight") for p in ("gate", "up")]
             w.add_tensor(f"blk.{i}.ffn_up.weight", torch.cat(gate_up).numpy())
-            qk = (f"{layer}.self_attn.q_proj.", f"{layer}.self_attn.k_proj.")
-            for name in [n for n in tensors if n.startswith(qk)]:
-                tensors[name] = _interleaved(tensors[name], cfg.head_dim, cfg.rotated_dims)
     if arch == "phi3":  # conversion/phi.py Phi3MiniModel
         w.add_sliding_window(cfg.sliding_window or 0)
         rope = hf.get("rope_parameters") or {}
@@ -133,12 +124,13 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             gate_up = [tensors.pop(f"{layer}.mlp.{p}_proj.weight") for p in ("gate", "up")]
             w.add_tensor(f"blk.{i}.attn_qkv.weight", torch.cat(qkv).numpy())
             w.add_tensor(f"blk.{i}.ffn_up.weight", torch.cat(gate_up).numpy())
+    # q/k rows in pairs: Llama's converter (LlamaModel.permute) turns whole heads so for ggml's rope;
+    # GLM-4 is trained so on its turned dims, and its converter writes them as they are
+    pairs = {"llama": cfg.head_dim, "smollm3": cfg.head_dim, "granite": cfg.head_dim, "glm4": cfg.rotated_dims}
     for name, tensor in tensors.items():
-        array = tensor.numpy()
-        if arch in ("llama", "smollm3", "granite") and (".q_proj." in name or ".k_proj." in name):
-            array = _llama_cpp_permute(array, cfg.num_attention_heads if ".q_proj." in name
-                                       else cfg.num_key_value_heads)
-        w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(array))
+        if arch in pairs and (".q_proj." in name or ".k_proj." in name):
+            tensor = _interleaved(tensor, cfg.head_dim, pairs[arch])
+        w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(tensor.numpy()))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     last = f"blk.{cfg.num_hidden_layers - 1}."
