@@ -61,6 +61,11 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
                          "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})),
+    # Gemma 2: Gemma's four norms, GELU and scaled lookups, every other layer windowed, one rope
+    # base, no q/k norms, and attention scores and logits soft-capped; caps this low bend the
+    # scores and logits of these unit-scale weights (Gemma 2's own are 50 and 30).
+    "gemma2": ("Gemma2Config", dict(sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=4.0,
+                                    final_logit_softcapping=5.0)),
     # Mixtures of experts: 4 experts, 2 a token; Qwen3-MoE's weights as the router gave them,
     # Mixtral's renormalized to sum to 1.
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,

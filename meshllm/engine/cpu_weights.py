@@ -121,14 +121,19 @@ class Int8Linear(nn.Module):
 
 def pack_bf16(module: nn.Module) -> nn.Module:
     """Replace every bf16 nn.Linear inside `module` with a PackedBF16Linear, in place."""
-    assert all(p.dtype == torch.bfloat16 for p in module.parameters()), "pack_bf16 needs a bf16 model"
+    assert _linears_in_bf16(module), "pack_bf16 needs a bf16 model"
     return _swap_linears(module, PackedBF16Linear)
 
 
 def use_fast_bf16(module: nn.Module) -> nn.Module:
     """Replace every bf16 nn.Linear inside `module` with a FastBF16Linear, in place."""
-    assert all(p.dtype == torch.bfloat16 for p in module.parameters()), "use_fast_bf16 needs a bf16 model"
+    assert _linears_in_bf16(module), "use_fast_bf16 needs a bf16 model"
     return _swap_linears(module, FastBF16Linear)
+
+
+def _linears_in_bf16(module: nn.Module) -> bool:
+    # the matrices swapped, not every parameter: Gemma's norm weights stay float32 in a bf16 model
+    return all(m.weight.dtype == torch.bfloat16 for m in module.modules() if type(m) is nn.Linear)
 
 
 def quantize_int8(module: nn.Module) -> nn.Module:

@@ -244,7 +244,8 @@ class GGMLStage:
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
         op = q4_remainder_op()  # Q4_1 matrices held as Q4_0 (ggml_weights.split_q4_1); else ggml's own ops
         self._remainder_op = None if op is None else self.g.ggml_custom_op_t(op)
-        attention_fits = c.head_dim % 16 == 0 and c.head_dim <= 256  # what few_rows_attention.c takes
+        # what few_rows_attention.c takes; soft-capped scores (Gemma 2's) go through ggml's own
+        attention_fits = c.head_dim % 16 == 0 and c.head_dim <= 256 and c.attn_softcap is None
         op = attention_op() if attention_fits else None
         self._attention_op = None if op is None else self.g.ggml_custom_op_t(op)
         ops = batched_attention_ops() if attention_fits else None
@@ -433,7 +434,7 @@ class GGMLStage:
                 # tok/s with this). The f32 copy is exact and costs one pass over the attended KV.
                 keys, values = g.ggml_cast(ctx, keys, g.GGML_TYPE_F32), g.ggml_cast(ctx, values, g.GGML_TYPE_F32)
             out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q_seq, 0, 2, 1, 3), keys, values, mask,
-                                        1.0 / math.sqrt(hd), 0.0, 0.0)  # [hd, heads, t]
+                                        1.0 / math.sqrt(hd), 0.0, c.attn_softcap or 0.0)  # [hd, heads, t]
             g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
             outs.append(out)
         attn = outs[0]
@@ -614,6 +615,8 @@ class GGMLStage:
             (h, _, _), = self._linear(s, self.head, self._norm(s, h, self.norm))
             if c.logit_scale != 1.0:  # Granite's logits divided, as llama.cpp scales them
                 h = g.ggml_scale(ctx, h, 1.0 / c.logit_scale)
+            if c.final_softcap is not None:  # Gemma 2's, as llama.cpp caps them
+                h = g.ggml_scale(ctx, g.ggml_tanh(ctx, g.ggml_scale(ctx, h, 1.0 / c.final_softcap)), c.final_softcap)
             head_rows = sum(rows for _, _, rows, _ in self.head.parts)  # the vocabulary
             step.out_shape = (n if logit_rows is None else logit_rows.numel(), head_rows)
         step.out = h

@@ -24,7 +24,8 @@ SUPPORTED_MODEL_TYPES = {
     # Phi-3 and Phi-4 are Llama computed from fused q/k/v and gate/up tensors (the sources split
     # them, model/fused.py), with Mistral's sliding window when the config sets one.
     "phi3": {},
-    # Gemma 3's text model: see model/gemma.py for what sets it apart.
+    # Gemma 2 and Gemma 3's text model: see model/gemma.py for what sets them apart.
+    "gemma2": {},
     "gemma3_text": {},
     # Mixtures of experts (model/moe.py): Qwen3 attention with expert MLPs, and Mixtral (Mistral's)
     "qwen3_moe": {"qk_norm": True},
@@ -43,6 +44,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
@@ -121,6 +123,9 @@ class ModelConfig:
     # stream; the logits divided by logit_scale. 1.0 for every other family.
     residual_scale: float = 1.0
     logit_scale: float = 1.0
+    # Gemma 2: attention scores and logits pass through cap * tanh(x / cap); None: not capped
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
@@ -140,6 +145,9 @@ class ModelConfig:
         if not (self.logit_scale > 0 and self.residual_scale > 0 and self.embedding_scale > 0):
             raise ModelLoadError(f"multipliers must be positive: logits_scaling {self.logit_scale}, residual "
                                  f"{self.residual_scale}, embedding {self.embedding_scale}")
+        if any(cap is not None and not cap > 0 for cap in (self.attn_softcap, self.final_softcap)):
+            raise ModelLoadError(f"logit soft caps must be positive or null: attention {self.attn_softcap}, "
+                                 f"final {self.final_softcap}")
         if self.rope_layers is not None and len(self.rope_layers) != self.num_hidden_layers:
             raise ModelLoadError(f"{len(self.rope_layers)} no_rope_layers entries for {self.num_hidden_layers} layers")
         if self.sliding_layers is not None and len(self.sliding_layers) != self.num_hidden_layers:
@@ -223,7 +231,7 @@ class ModelConfig:
             if sliding and int(sliding) >= max_positions:
                 sliding = None  # a window as long as the context hides nothing (Phi-3.5's is 262144)
             # Gemma's switches replace the generic ones they overlap (rope, window, norms)
-            family = gemma.gemma_fields(d, int(d["num_hidden_layers"]), origin) \
+            family = gemma.gemma_fields(d, model_type, int(d["num_hidden_layers"]), origin) \
                 if model_type in gemma.MODEL_TYPES else {}
             if model_type in moe.MODEL_TYPES:
                 family = moe.moe_fields(d, model_type, origin)

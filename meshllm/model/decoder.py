@@ -183,6 +183,23 @@ def _yarn_inv_freq(s: YarnScaling, powers: Tensor, base: float, dim: int) -> Ten
     return 1.0 / (s.factor * powers) * (1 - extrapolated) + 1.0 / powers * extrapolated
 
 
+def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, is_causal: bool,
+                         scale: float, cap: float) -> Tensor:
+    """Attention with scores capped as cap * tanh(score / cap) before the softmax (Gemma 2), in
+    float32 as transformers' eager path: q [1, heads, t, dim], keys/values [1, kv_heads, s, dim]."""
+    group = q.shape[1] // keys.shape[1]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if is_causal:  # the t queries are the last t of the s keys
+        t, s = scores.shape[-2:]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, layer: int):
         super().__init__()
@@ -193,6 +210,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.sliding_window = config.layer_window(layer)
         self.scale = config.attention_scale  # None: torch's default, head_dim ** -0.5
+        self.softcap = config.attn_softcap  # Gemma 2's; torch's fused attention has no such step
         h = config.hidden_size
         # q, k and v fused into one matmul: one weight read, one dispatch.
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype)
@@ -238,14 +256,13 @@ class Attention(nn.Module):
         if t == 1 and not windowed:
             # Decode: fold the query heads of a group into the query axis; every key is visible.
             qg = q.view(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-            out = F.scaled_dot_product_attention(qg, keys, values, scale=self.scale)
+            out = self._sdpa(qg, keys, values)
             return out.reshape(1, self.num_heads, self.head_dim)  # CUDA's kernels may return it strided
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, t, dim]
         if start == 0 and not windowed:
-            out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, enable_gqa=True, scale=self.scale)
+            out = self._sdpa(qh, keys, values, is_causal=True)
         else:
-            out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=self._mask(start, t, q.device),
-                                                 enable_gqa=True, scale=self.scale)
+            out = self._sdpa(qh, keys, values, mask=self._mask(start, t, q.device))
         return out[0].transpose(0, 1)
 
     def _attend_static(self, q: Tensor, k: Tensor, v: Tensor, s: StaticSlice, layer: int) -> Tensor:
@@ -254,7 +271,7 @@ class Attention(nn.Module):
         keys.index_copy_(1, s.at, k.transpose(0, 1).to(keys.dtype))
         values.index_copy_(1, s.at, v.transpose(0, 1).to(values.dtype))
         qg = q.view(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        out = F.scaled_dot_product_attention(qg, keys[None], values[None], attn_mask=s.visible, scale=self.scale)
+        out = self._sdpa(qg, keys[None], values[None], mask=s.visible)
         return out.reshape(1, self.num_heads, self.head_dim)
 
     def _attend_one(self, q: Tensor, s: SeqSlice, layer: int, end: int) -> Tensor:
@@ -262,8 +279,17 @@ class Attention(nn.Module):
         first = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
         keys, values = s.kv.k[layer, None, :, first:end], s.kv.v[layer, None, :, first:end]
         qg = q.reshape(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        return F.scaled_dot_product_attention(qg, keys, values, scale=self.scale).reshape(1, self.num_heads,
+        return self._sdpa(qg, keys, values).reshape(1, self.num_heads,
                                                                                            self.head_dim)
+
+    def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None,
+              is_causal: bool = False) -> Tensor:
+        """q [1, heads, t, dim] against keys and values [1, kv_heads, s, dim] (fewer heads: grouped)."""
+        if self.softcap is None:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal,
+                                                  enable_gqa=keys.shape[1] != q.shape[1], scale=self.scale)
+        return softcapped_attention(q, keys, values, mask, is_causal, self.scale or self.head_dim ** -0.5,
+                                    self.softcap)
 
     def _mask(self, start: int, t: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
@@ -462,7 +488,12 @@ class Decoder(nn.Module):
         if logit_rows is not None:
             h = h.index_select(0, logit_rows)
         logits = self.lm_head(self.norm(h))
-        return (logits if self.config.logit_scale == 1.0 else logits / self.config.logit_scale).float()
+        if self.config.logit_scale != 1.0:
+            logits = logits / self.config.logit_scale
+        if self.config.final_softcap is not None:  # Gemma 2's, in float32 as transformers caps them
+            cap = self.config.final_softcap
+            return torch.tanh(logits.float() / cap) * cap
+        return logits.float()
 
     def forward_full(self, token_ids: Tensor) -> Tensor:
         """Logits [tokens, vocab] for one sequence from scratch; a convenience for tests."""

@@ -37,7 +37,8 @@ _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: tor
 _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q3_K,
                 GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
-_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma3": "gemma3_text",
+_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+                  "gemma3": "gemma3_text",
                   "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4"}
 # its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
 # and Granite's converters are Llama's)
@@ -260,7 +261,7 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_qkv": "self_attn.qkv_proj",  # Phi-3's fused q/k/v (model/fused.py splits it)
 }
-# Gemma 3 has a norm on each side of attention and of the MLP: llama.cpp's ffn_norm is the one
+# Gemma 2 and 3 have a norm on each side of attention and of the MLP: llama.cpp's ffn_norm is the one
 # before the MLP, which transformers names pre_feedforward_layernorm for Gemma.
 _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                       "post_attention_norm": "post_attention_layernorm",
@@ -275,7 +276,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not use."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    layer_names = {"gemma3": _GEMMA_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    layer_names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
+                   "glm4": _GLM4_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if stem in _GLOBAL_NAMES:
@@ -579,37 +581,51 @@ def config_dict(file: GGUFFile) -> dict:
                 config[field] = float(meta[f"{arch}.{key_name}"])
         # a file without one: llama.cpp scales attention the usual way (src/models/granite.cpp)
         config.setdefault("attention_multiplier", head_dim ** -0.5)
-    if arch == "gemma3":
-        config.update(_gemma3(file, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
-                              config["rope_scaling"]))
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma(file, arch, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
+                             config["rope_scaling"]))
     return config
 
 
-def _gemma3(file: GGUFFile, heads: int, hidden: int, head_dim: int, rope_theta: float, layers: int,
-            scaling: dict | None) -> dict:
-    """Gemma 3's config.json fields from its GGUF metadata, as llama.cpp reads them (src/models/gemma3.cpp)."""
-    meta = file.metadata
-    window = int(meta.get("gemma3.attention.sliding_window", 0) or 0)
-    pattern = meta.get("gemma3.attention.sliding_window_pattern", 6)
+# Per family, as llama.cpp reads its files (src/models/gemma2.cpp, gemma3.cpp): the layer
+# pattern (every n-th layer attends to everything), the window, the layer count of the 27B
+# model (whose queries scale by hidden / heads, the others' by head_dim), and the soft caps
+# where the file names none (Gemma 2's are always on; Gemma 3 has a final one only if named).
+_GEMMA_DEFAULTS = {"gemma2": dict(pattern=2, window=4096, layers_27b=46, attn_softcap=50.0, final_softcap=30.0),
+                   "gemma3": dict(pattern=6, window=0, layers_27b=62, attn_softcap=None, final_softcap=None)}
+
+
+def _gemma(file: GGUFFile, arch: str, heads: int, hidden: int, head_dim: int, rope_theta: float, layers: int,
+           scaling: dict | None) -> dict:
+    """Gemma 2's or 3's config.json fields from its GGUF metadata, as llama.cpp reads them."""
+    meta, defaults = file.metadata, _GEMMA_DEFAULTS[arch]
+    window = int(meta.get(f"{arch}.attention.sliding_window", defaults["window"]) or 0)
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", defaults["pattern"])
     if isinstance(pattern, (list, np.ndarray)):  # one flag per layer
         sliding = [bool(p) for p in pattern]
     else:  # every n-th layer attends to everything; 0: none does (llama.cpp's set_swa_pattern)
         sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
-    linear = scaling is not None and scaling.get("rope_type") == "linear"
-    return {
+    local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else rope_theta))
+    fields = {
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": window or None,
         "layer_types": ["sliding_attention" if window and s else "full_attention" for s in sliding],
-        "rope_parameters": {
-            "full_attention": {"rope_type": "linear" if linear else "default", "rope_theta": rope_theta,
-                               **({"factor": float(scaling["factor"])} if linear else {})},
-            "sliding_attention": {"rope_type": "default",
-                                  "rope_theta": float(meta.get("gemma3.rope.freq_base_swa", 10000.0))}},
         # Not in the file: llama.cpp scales queries by the 27B model's hidden / heads, others' head_dim
-        "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
-        "final_logit_softcapping": meta.get("gemma3.final_logit_softcapping") or None,
+        "query_pre_attn_scalar": hidden // heads if layers == defaults["layers_27b"] else head_dim,
+        "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping", defaults["final_softcap"]) or None,
         "norm_weights_include_one": True,  # llama.cpp's converter adds Gemma's 1 to every norm weight
     }
+    if arch == "gemma2":
+        if local_theta != rope_theta:
+            raise UnsupportedArchitecture(f"{file.path}: gemma2.rope.freq_base_swa {local_theta} differs from "
+                                          f"rope.freq_base {rope_theta}; meshllm runs Gemma 2 with one rope base")
+        return {**fields, "rope_theta": rope_theta,
+                "attn_logit_softcapping": meta.get("gemma2.attn_logit_softcapping", defaults["attn_softcap"]) or None}
+    linear = scaling is not None and scaling.get("rope_type") == "linear"
+    return {**fields, "rope_parameters": {
+        "full_attention": {"rope_type": "linear" if linear else "default", "rope_theta": rope_theta,
+                           **({"factor": float(scaling["factor"])} if linear else {})},
+        "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
 
 
 def _yarn(meta: dict, arch: str) -> dict:

@@ -37,6 +37,10 @@ def _folder_with(tmp_path, text: str):
                     rope_theta=1e6, rope_linear_factor=8.0, local_rope_theta=10000.0, attention_scale=24 ** -0.5,
                     embedding_scale=8.0, sandwich_norms=True, norm_weight_offset=1.0, hidden_act="gelu_tanh",
                     qk_norm=True, tie_word_embeddings=True)),
+    ("gemma2", dict(model_type="gemma2", sliding_window=5, sliding_layers=(True, False, True, False),
+                    rope_theta=10000.0, rope_linear_factor=1.0, attention_scale=24 ** -0.5, embedding_scale=8.0,
+                    sandwich_norms=True, norm_weight_offset=1.0, hidden_act="gelu_tanh", qk_norm=False,
+                    attn_softcap=4.0, final_softcap=5.0, tie_word_embeddings=True)),
     ("qwen3-moe", dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
                        normalize_expert_weights=False, qk_norm=True)),
     ("mixtral", dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
@@ -57,7 +61,7 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
         assert getattr(config, key) == value, key
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma3", "qwen3-moe",
+@pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe",
                                      "mixtral", "smollm3", "granite", "glm4"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts.
@@ -122,16 +126,42 @@ def test_gemma3_written_by_transformers_4_parses_as_by_5():
     assert config.tie_word_embeddings and config.attention_scale == 0.25
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"final_logit_softcapping": 30.0}, ["final_logit_softcapping", "Gemma 2"]),
-    ({"attn_logit_softcapping": 50.0}, ["attn_logit_softcapping"]),
-    ({"hidden_activation": "gelu"}, ["hidden_activation", "'gelu'"]),
-    ({"use_bidirectional_attention": True}, ["use_bidirectional_attention"]),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, ["'yarn'", "gemma3"]),
-    ({"attention_bias": True}, ["attention_bias"]),
+def test_gemma2_as_its_checkpoints_say_parses():
+    # What google/gemma-2-2b-it's config.json says (transformers 4.4x): no layer_types, rope_theta
+    # at the top, the caps and query_pre_attn_scalar named
+    v4 = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "vocab_size": 96, "hidden_size": 64,
+          "intermediate_size": 112, "num_hidden_layers": 5, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "max_position_embeddings": 8192, "query_pre_attn_scalar": 16, "sliding_window": 4096,
+          "rope_theta": 10000.0, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+          "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+          "cache_implementation": "hybrid"}
+    config = ModelConfig.from_dict(v4)
+    assert config.sliding_layers == (True, False, True, False, True)  # even layers windowed, as transformers
+    assert config.layer_rope(0) == config.layer_rope(1) == (10000.0, 1.0)
+    assert (config.attn_softcap, config.final_softcap, config.attention_scale) == (50.0, 30.0, 0.25)
+    assert config.tie_word_embeddings and not config.qk_norm
+    # caps left out take Gemma 2's own; null turns one off
+    config = ModelConfig.from_dict({k: v for k, v in v4.items() if not k.endswith("softcapping")})
+    assert (config.attn_softcap, config.final_softcap) == (50.0, 30.0)
+    assert ModelConfig.from_dict({**v4, "final_logit_softcapping": None}).final_softcap is None
+    with pytest.raises(ModelLoadError, match="soft caps must be positive"):
+        ModelConfig.from_dict({**v4, "attn_logit_softcapping": 0.0})
+    # Gemma 3 caps nothing unless its config says so
+    gemma3 = {**LLAMA, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    assert ModelConfig.from_dict(gemma3).final_softcap is None
+    assert ModelConfig.from_dict({**gemma3, "final_logit_softcapping": 30.0}).final_softcap == 30.0
+
+
+@pytest.mark.parametrize("model_type, change, words", [
+    ("gemma3_text", {"hidden_activation": "gelu"}, ["hidden_activation", "'gelu'"]),
+    ("gemma3_text", {"use_bidirectional_attention": True}, ["use_bidirectional_attention"]),
+    ("gemma3_text", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, ["'yarn'", "gemma"]),
+    ("gemma3_text", {"attention_bias": True}, ["attention_bias"]),
+    ("gemma2", {"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, ["'linear'", "gemma"]),
+    ("gemma2", {"attention_bias": True}, ["attention_bias"]),
 ])
-def test_gemma_features_meshllm_lacks_are_refused(change, words):
-    gemma = {**LLAMA, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+def test_gemma_features_meshllm_lacks_are_refused(model_type, change, words):
+    gemma = {**LLAMA, "model_type": model_type}
     with pytest.raises(UnsupportedArchitecture) as info:
         ModelConfig.from_dict({**gemma, **change})
     for word in words:

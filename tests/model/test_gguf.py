@@ -34,7 +34,7 @@ _TO_GGUF = {
 }
 
 
-# Gemma 3's four norms (llama.cpp's names; its ffn_norm is the one before the MLP)
+# Gemma's four norms (llama.cpp's names; its ffn_norm is the one before the MLP)
 _GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 # GLM-4's norms after attention and the MLP
@@ -45,7 +45,7 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
     if hf.startswith("model.layers."):
         _, _, index, rest = hf.split(".", 3)
         stem, suffix = rest.rsplit(".", 1)
-        names = {"gemma3": _GEMMA_TO_GGUF, "glm4": _GLM4_TO_GGUF}.get(arch, _TO_GGUF)
+        names = {"gemma2": _GEMMA_TO_GGUF, "gemma3": _GEMMA_TO_GGUF, "glm4": _GLM4_TO_GGUF}.get(arch, _TO_GGUF)
         return f"blk.{index}.{names[stem]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
@@ -83,6 +83,11 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
         if cfg.rope_linear_factor != 1.0:
             w.add_rope_scaling_type(RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(cfg.rope_linear_factor)
+    if arch == "gemma2":  # conversion/gemma.py Gemma2Model: the caps and the window, no pattern
+        w.add_attn_logit_softcapping(cfg.attn_softcap)
+        w.add_final_logit_softcapping(cfg.final_softcap)
+        w.add_sliding_window(cfg.sliding_window)
+    if arch in ("gemma2", "gemma3"):
         for name in [n for n in tensors if n.endswith("norm.weight")]:
             tensors[name] = tensors[name] + 1  # its converter stores Gemma's 1 + w
     if cfg.num_experts:  # conversion: each projection's experts stacked [experts, rows, cols]; F32 router
@@ -311,12 +316,13 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
                                           ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
+                                          ("gemma2", "gemma2"),
                                           ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                           ("qwen3-yarn", "qwen3"), ("glm4", "glm4"),
                                           ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
-    if variant == "gemma3":  # a GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (27B aside)
+    if variant in ("gemma2", "gemma3"):  # a GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (27B aside)
         overrides = {"query_pre_attn_scalar": 16}
     if variant == "qwen3-moe":  # llama.cpp renormalizes Qwen3-MoE's chosen experts, as its models all say
         overrides = {"norm_topk_prob": True}
@@ -331,17 +337,19 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "max_position_embeddings", "rope_factors", "rope_attention_factor", "hidden_act",
                   "embedding_scale", "sandwich_norms", "attention_scale", "sliding_layers", "local_rope_theta",
                   "rope_linear_factor", "num_experts", "num_experts_per_tok", "expert_intermediate_size",
-                  "normalize_expert_weights", "rope_layers", "residual_scale", "logit_scale"):
+                  "normalize_expert_weights", "rope_layers", "residual_scale", "logit_scale",
+                  "attn_softcap", "final_softcap"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())
     names = hf.tensor_names()
     # q/k rows come back in HF order: llama.cpp's permutation is undone exactly
     # Gemma's norm weights are stored as 1 + w, and so its config adds nothing at load
-    assert (ours.norm_weight_offset, theirs.norm_weight_offset) == ((0.0, 1.0) if arch == "gemma3" else (0.0, 0.0))
+    gemma = arch in ("gemma2", "gemma3")
+    assert (ours.norm_weight_offset, theirs.norm_weight_offset) == ((0.0, 1.0) if gemma else (0.0, 0.0))
     for name, tensor in gguf.read(names, torch.float32).items():
         want = hf.read([name], torch.float32)[name]
-        assert torch.equal(tensor, want + 1 if arch == "gemma3" and name.endswith("norm.weight") else want), name
+        assert torch.equal(tensor, want + 1 if gemma and name.endswith("norm.weight") else want), name
     tokens = torch.randint(0, theirs.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(gguf, tokens), _logits(hf, tokens))
 

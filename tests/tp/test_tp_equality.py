@@ -30,6 +30,7 @@ CASES = {
     "qwen2-bias": ("qwen2", None),  # q/k/v biases sliced with their rows; tied embeddings
     "phi3-fused": ("phi3", None),  # fused q/k/v and gate/up stored: each rank reads its rows of them
     "gemma3": ("gemma3", None),  # four norms a layer, windowed and full layers, scaled embedding lookups
+    "gemma2": ("gemma2", None),  # each rank's heads' scores soft-capped; the gathered logits capped
     "glm4": ("glm4", None),  # q/k rows reordered from interleaved pairs in each rank's slice of heads
     # The group as the second stage: hidden states cross the command channel in frames of 64
     # words, so every prefill chunk's command spans several frames.
