@@ -71,6 +71,12 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # GPT-OSS: biases on q/k/v/o, the router and every expert; a sink logit per head; every other
+    # layer windowed; the softmax over the chosen experts' logits; a clamped SwiGLU; YaRN (GPT-OSS's
+    # own, its ramp's ends not rounded: over dims 2.02 .. 4.35 of these 8 frequencies). Experts
+    # 64 wide so a GGUF of it can hold them in 32-column blocks.
+    "gpt-oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                     sliding_window=5, swiglu_limit=1.5, max_position_embeddings=131072)),
 }
 
 

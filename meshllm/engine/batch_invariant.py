@@ -33,7 +33,8 @@ class TiledLinear(nn.Linear):
 
     def rows_product(self, x: Tensor, start: int, stop: int) -> Tensor:
         """x times rows [start, stop) of the weight (one expert's, decoder.MoE), tiled the same way."""
-        return _tiled_product(x, self.weight[start:stop])
+        out = _tiled_product(x, self.weight[start:stop])
+        return out + self.bias[start:stop] if self.bias is not None else out
 
 
 def _tiled_product(x: Tensor, weight: Tensor) -> Tensor:

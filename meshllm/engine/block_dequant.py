@@ -102,8 +102,20 @@ def _q6_k(b: Tensor) -> Tensor:
     return (scale * q).reshape(n, QK_K)
 
 
+_E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # MXFP4's codes, times 2
+
+
+def _mxfp4(b: Tensor) -> Tensor:
+    # An E8M0 exponent byte, its value halved (ggml_e8m0_to_fp32_half: the codes are doubled)
+    e = b[:, :1].to(torch.int32)
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    codes = torch.tensor(_E2M1_DOUBLED, dtype=torch.float32, device=b.device)
+    return d * codes[_nibbles(b[:, 1:]).long()]
+
+
 _BLOCKS = {GGML.Q8_0: _q8_0, GGML.Q4_0: _q4_0, GGML.Q4_1: _q4_1, GGML.Q5_0: _q5_0, GGML.Q5_1: _q5_1,
-           GGML.Q4_K: _q4_k, GGML.Q5_K: _q5_k, GGML.Q6_K: _q6_k}
+           GGML.Q4_K: _q4_k, GGML.Q5_K: _q5_k, GGML.Q6_K: _q6_k, GGML.MXFP4: _mxfp4}
 SUPPORTED = frozenset((*_BLOCKS, GGML.BF16, GGML.F16))
 
 

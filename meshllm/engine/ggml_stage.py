@@ -31,7 +31,7 @@ from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_o
                                                q4_kx8_few_rows_op, q4_remainder_op, q8_0x8_ops, q8_few_rows_op)
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
-from meshllm.model.decoder import Decoder, MoE, SeqSlice, _inv_freq
+from meshllm.model.decoder import _SWIGLU_ALPHA, Decoder, MoE, SeqSlice, _inv_freq
 
 _F32 = 4
 # Graph capacity: ~25 nodes per layer (~50 with Q4_1 remainders) plus 14 per sequence and layer
@@ -193,13 +193,19 @@ class GGMLStage:
                 e = c.num_experts
                 mlp_weights = dict(router=_Weights(self._ctx, mlp.router), experts_gate=_experts(self._ctx, mlp.gate_proj, e),
                                    experts_up=_experts(self._ctx, mlp.up_proj, e),
-                                   experts_down=_experts(self._ctx, mlp.down_proj, e))
+                                   experts_down=_experts(self._ctx, mlp.down_proj, e),
+                                   # GPT-OSS's [experts, rows] biases, as ggml's add_id reads them
+                                   **{f"experts_{name}_bias": None if proj.bias is None else
+                                      wrap_f32(proj.bias.view(e, -1))
+                                      for name, proj in (("gate", mlp.gate_proj), ("up", mlp.up_proj),
+                                                         ("down", mlp.down_proj))})
             else:
                 mlp_weights = dict(gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj))
             self.layers.append(dict(
                 attn_norm=wrap_f32(layer.input_layernorm.weight), mlp_norm=wrap_f32(layer.post_attention_layernorm.weight),
                 qkv=_Weights(self._ctx, attn.qkv_proj), o=_Weights(self._ctx, attn.o_proj), **mlp_weights,
                 q_norm=wrap_norm(attn.q_norm), k_norm=wrap_norm(attn.k_norm),
+                sinks=None if attn.sinks is None else wrap_f32(attn.sinks),  # GPT-OSS's, one per head
                 # Gemma 3: norms on the attention's and the MLP's outputs, and per-layer windows and rotary
                 attn_out_norm=wrap_norm(layer.attn_out_norm), mlp_out_norm=wrap_norm(layer.mlp_out_norm),
                 window=c.layer_window(index), rope=c.layer_rope(index)))
@@ -244,8 +250,10 @@ class GGMLStage:
         self._few_rows_op = None if op is None else self.g.ggml_custom_op_t(op)
         op = q4_remainder_op()  # Q4_1 matrices held as Q4_0 (ggml_weights.split_q4_1); else ggml's own ops
         self._remainder_op = None if op is None else self.g.ggml_custom_op_t(op)
-        # what few_rows_attention.c takes; soft-capped scores (Gemma 2's) go through ggml's own
-        attention_fits = c.head_dim % 16 == 0 and c.head_dim <= 256 and c.attn_softcap is None
+        # what few_rows_attention.c takes; soft-capped scores (Gemma 2's) and sinks (GPT-OSS's) go
+        # through ggml's own
+        attention_fits = c.head_dim % 16 == 0 and c.head_dim <= 256 and c.attn_softcap is None and \
+            not c.attention_sinks
         op = attention_op() if attention_fits else None
         self._attention_op = None if op is None else self.g.ggml_custom_op_t(op)
         ops = batched_attention_ops() if attention_fits else None
@@ -435,6 +443,8 @@ class GGMLStage:
                 keys, values = g.ggml_cast(ctx, keys, g.GGML_TYPE_F32), g.ggml_cast(ctx, values, g.GGML_TYPE_F32)
             out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q_seq, 0, 2, 1, 3), keys, values, mask,
                                         1.0 / math.sqrt(hd), 0.0, c.attn_softcap or 0.0)  # [hd, heads, t]
+            if w["sinks"] is not None:
+                g.ggml_flash_attn_ext_add_sinks(out, w["sinks"])
             g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
             outs.append(out)
         attn = outs[0]
@@ -463,16 +473,24 @@ class GGMLStage:
         g, ctx, c = s.g, s.ctx, self.config
         k, experts, h = c.num_experts_per_tok, c.num_experts, c.hidden_size
         (logits, _, _), = self._linear(s, w["router"], x)  # [experts, n]
-        probs = g.ggml_soft_max(ctx, logits)
-        chosen = g.ggml_argsort_top_k(ctx, probs, k)  # [k, n] expert ids, most probable first
-        weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, experts, n), chosen)  # [1, k, n]
+        if c.softmax_after_topk:  # GPT-OSS: the softmax of the chosen experts' logits
+            chosen = g.ggml_argsort_top_k(ctx, logits, k)
+            weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, logits, 1, experts, n), chosen)  # [1, k, n]
+            weights = g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, g.ggml_reshape_2d(ctx, weights, k, n)), 1, k, n)
+        else:
+            probs = g.ggml_soft_max(ctx, logits)
+            chosen = g.ggml_argsort_top_k(ctx, probs, k)  # [k, n] expert ids, most probable first
+            weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, experts, n), chosen)  # [1, k, n]
         if c.normalize_expert_weights:
             flat = g.ggml_reshape_2d(ctx, weights, k, n)
             weights = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, flat, g.ggml_sum_rows(ctx, flat)), 1, k, n)
         rows = g.ggml_reshape_3d(ctx, x if g.ggml_is_contiguous(x) else g.ggml_cont(ctx, x), h, 1, n)
-        gate = g.ggml_mul_mat_id(ctx, w["experts_gate"], rows, chosen)  # [width, k, n]
-        up = g.ggml_mul_mat_id(ctx, w["experts_up"], rows, chosen)
-        out = g.ggml_mul_mat_id(ctx, w["experts_down"], g.ggml_swiglu_split(ctx, gate, up), chosen)  # [h, k, n]
+        with_bias = lambda t, name: t if w[name] is None else g.ggml_add_id(ctx, t, w[name], chosen)  # noqa: E731
+        gate = with_bias(g.ggml_mul_mat_id(ctx, w["experts_gate"], rows, chosen), "experts_gate_bias")  # [width, k, n]
+        up = with_bias(g.ggml_mul_mat_id(ctx, w["experts_up"], rows, chosen), "experts_up_bias")
+        act = g.ggml_swiglu_split(ctx, gate, up) if c.swiglu_limit is None else \
+            g.ggml_swiglu_oai(ctx, gate, up, _SWIGLU_ALPHA, c.swiglu_limit)  # GPT-OSS's clamped one
+        out = with_bias(g.ggml_mul_mat_id(ctx, w["experts_down"], act, chosen), "experts_down_bias")  # [h, k, n]
         out = g.ggml_mul(ctx, out, weights)
         total = None
         for slot in range(k):

@@ -27,7 +27,7 @@ from meshllm.errors import ModelLoadError
 
 # Types kept quantized in memory; gguf's numbering is ggml's.
 KEPT_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K,
-              GGML.Q2_K, GGML.Q3_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.BF16, GGML.F16)
+              GGML.Q2_K, GGML.Q3_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.MXFP4, GGML.BF16, GGML.F16)
 
 
 @dataclass(frozen=True, eq=False)

@@ -58,7 +58,10 @@ class QuantizedLinear(nn.Module):
     def rows_product(self, x: Tensor, start: int, stop: int) -> Tensor:
         """x [n, in_features] times rows [start, stop) of W (one expert's, engine/moe): [n, stop - start]."""
         (matrix,) = self.matrices
-        return matrix.matmul_rows(x.reshape(-1, self.in_features), start, stop).to(x.dtype)
+        y = matrix.matmul_rows(x.reshape(-1, self.in_features), start, stop)
+        if self.bias is not None:
+            y = y + self.bias[start:stop]
+        return y.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, ggml {'+'.join(self.weight_types)}"

@@ -37,6 +37,9 @@ SUPPORTED_MODEL_TYPES = {
     # GLM-4 (0414, Z1): q/k/v biases, fused gate/up, norms after attention and the MLP too, half of
     # each head turned in interleaved pairs (model/rope_rows.py reorders q/k at load)
     "glm4": {"attention_bias": True},
+    # GPT-OSS: a mixture of experts with biases everywhere, attention sinks, every other layer
+    # windowed (model/moe.py); runs from its GGUF file (model/gguf.py)
+    "gpt_oss": {"attention_bias": True},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -51,6 +54,7 @@ SUPPORTED_ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Glm4ForCausalLM": "glm4",
+    "GptOssForCausalLM": "gpt_oss",
 }
 
 
@@ -119,6 +123,16 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     expert_intermediate_size: int = 0
     normalize_expert_weights: bool = False  # the chosen experts' weights rescaled to sum to 1
+    # GPT-OSS: the router and every expert's projections have biases; a token's weights are the
+    # softmax of its chosen experts' logits (not of all of them); its SwiGLU is clamped
+    # (gate <= limit, |up| <= limit, gate * sigmoid(1.702 gate) * (up + 1))
+    expert_biases: bool = False
+    softmax_after_topk: bool = False
+    swiglu_limit: float | None = None
+    # GPT-OSS's attention: a bias on o_proj, and a learned logit per head (a "sink") that joins
+    # each row's softmax and takes its share of the weight without a value
+    o_proj_bias: bool = False
+    attention_sinks: bool = False
     # Granite: each layer's attention and MLP outputs times residual_scale before they join the
     # stream; the logits divided by logit_scale. 1.0 for every other family.
     residual_scale: float = 1.0
@@ -188,10 +202,12 @@ class ModelConfig:
         h, i = self.hidden_size, self.intermediate_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        bias = (q + 2 * kv) if self.attention_bias else 0
+        bias = ((q + 2 * kv) if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
         norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
-        mlp = 3 * h * i if not self.num_experts else self.num_experts * (3 * h * self.expert_intermediate_size + h)
-        return h * (q + 2 * kv) + q * h + mlp + bias + norms
+        sinks = self.num_attention_heads if self.attention_sinks else 0
+        e, w = self.num_experts, self.expert_intermediate_size
+        mlp = 3 * h * i if not e else e * (3 * h * w + h) + (e * (2 * w + h + 1) if self.expert_biases else 0)
+        return h * (q + 2 * kv) + q * h + mlp + bias + norms + sinks
 
     def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
         layers = self.num_hidden_layers if num_layers is None else num_layers
@@ -234,7 +250,7 @@ class ModelConfig:
             family = gemma.gemma_fields(d, model_type, int(d["num_hidden_layers"]), origin) \
                 if model_type in gemma.MODEL_TYPES else {}
             if model_type in moe.MODEL_TYPES:
-                family = moe.moe_fields(d, model_type, origin)
+                family = moe.moe_fields(d, model_type, int(d["num_hidden_layers"]), origin)
             if model_type == "glm4":
                 family = dict(sandwich_norms=True)
             if model_type == "granite":  # transformers' GraniteConfig defaults

@@ -183,21 +183,27 @@ def _yarn_inv_freq(s: YarnScaling, powers: Tensor, base: float, dim: int) -> Ten
     return 1.0 / (s.factor * powers) * (1 - extrapolated) + 1.0 / powers * extrapolated
 
 
-def softcapped_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, is_causal: bool,
-                         scale: float, cap: float) -> Tensor:
-    """Attention with scores capped as cap * tanh(score / cap) before the softmax (Gemma 2), in
-    float32 as transformers' eager path: q [1, heads, t, dim], keys/values [1, kv_heads, s, dim]."""
+def explicit_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, is_causal: bool, scale: float,
+                       cap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+    """Attention step by step, in float32 as transformers' eager path, for what torch's fused
+    kernel cannot do: scores capped as cap * tanh(score / cap) before the softmax (Gemma 2), and
+    a sink logit per query head joining each row's softmax without a value (GPT-OSS).
+    q [1, a, b, dim] (heads as a or a x b), keys/values [1, kv_heads, s, dim]; sinks [1, a, b, 1]."""
     group = q.shape[1] // keys.shape[1]
     if group > 1:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     scores = torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if is_causal:  # the t queries are the last t of the s keys
         t, s = scores.shape[-2:]
         mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
+    if sinks is None:
+        return torch.matmul(scores.softmax(dim=-1), values.float()).to(q.dtype)
+    scores = torch.cat((scores, sinks.float().expand(*scores.shape[:-1], 1)), dim=-1)
+    return torch.matmul(scores.softmax(dim=-1)[..., :-1], values.float()).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -211,10 +217,13 @@ class Attention(nn.Module):
         self.sliding_window = config.layer_window(layer)
         self.scale = config.attention_scale  # None: torch's default, head_dim ** -0.5
         self.softcap = config.attn_softcap  # Gemma 2's; torch's fused attention has no such step
+        # GPT-OSS's per-head sink logits [heads]
+        self.sinks = nn.Parameter(torch.empty(config.num_attention_heads, dtype=dtype)) \
+            if config.attention_sinks else None
         h = config.hidden_size
         # q, k and v fused into one matmul: one weight read, one dispatch.
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype)
-        self.o_proj = nn.Linear(self.q_size, h, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
         # Attend one query row at a time with the decode kernel, so a row's bits never depend on
@@ -285,11 +294,12 @@ class Attention(nn.Module):
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None,
               is_causal: bool = False) -> Tensor:
         """q [1, heads, t, dim] against keys and values [1, kv_heads, s, dim] (fewer heads: grouped)."""
-        if self.softcap is None:
+        if self.softcap is None and self.sinks is None:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=is_causal,
                                                   enable_gqa=keys.shape[1] != q.shape[1], scale=self.scale)
-        return softcapped_attention(q, keys, values, mask, is_causal, self.scale or self.head_dim ** -0.5,
-                                    self.softcap)
+        sinks = None if self.sinks is None else self.sinks.view(1, q.shape[1], -1, 1)  # as q's heads are laid out
+        return explicit_attention(q, keys, values, mask, is_causal, self.scale or self.head_dim ** -0.5,
+                                  self.softcap, sinks)
 
     def _mask(self, start: int, t: int, device: torch.device) -> Tensor:
         q_pos = torch.arange(start, start + t, device=device).unsqueeze(1)
@@ -314,6 +324,9 @@ class MLP(nn.Module):
         return self.down_proj(act * up)
 
 
+_SWIGLU_ALPHA = 1.702  # GPT-OSS's gate * sigmoid(alpha * gate) (model/moe.py checks a config's)
+
+
 class MoE(nn.Module):
     """A mixture of SwiGLU experts (model/moe.py). Each projection holds every expert's rows, expert
     after expert ([experts * rows, cols]): one matrix per projection, which ggml's expert product
@@ -325,13 +338,18 @@ class MoE(nn.Module):
         self.width, self.top_k, self.normalize = i, config.num_experts_per_tok, config.normalize_expert_weights
         # transformers' Qwen3-MoE rounds the chosen weights to the model's dtype; its Mixtral keeps float32
         self.round_weights = config.model_type == "qwen3_moe"
-        self.router = nn.Linear(h, e, bias=False, dtype=dtype)
-        self.gate_proj = nn.Linear(h, e * i, bias=False, dtype=dtype)
-        self.up_proj = nn.Linear(h, e * i, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(i, e * h, bias=False, dtype=dtype)
+        self.softmax_after_topk, self.swiglu_limit = config.softmax_after_topk, config.swiglu_limit
+        bias = config.expert_biases  # GPT-OSS's: each expert's rows of the bias too
+        self.router = nn.Linear(h, e, bias=bias, dtype=dtype)
+        self.gate_proj = nn.Linear(h, e * i, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(h, e * i, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(i, e * h, bias=bias, dtype=dtype)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, experts) [tokens, top_k] of each token, as transformers computes them."""
+        if self.softmax_after_topk:  # GPT-OSS: the softmax of the chosen experts' logits
+            logits, experts = self.router(x).topk(self.top_k, dim=-1)
+            return F.softmax(logits, dim=-1, dtype=torch.float32).to(x.dtype), experts
         probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
@@ -356,17 +374,22 @@ class MoE(nn.Module):
         # another way, last bits apart) depends on the row count: a row's bits would depend on how
         # many others chose the expert.
         gate, up = torch.cat((gate, up), dim=1).split(i, dim=1)
-        return _rows_product(self.down_proj, F.silu(gate) * up, e * h, (e + 1) * h)
+        if self.swiglu_limit is None:
+            return _rows_product(self.down_proj, F.silu(gate) * up, e * h, (e + 1) * h)
+        # GPT-OSS's clamped SwiGLU, as transformers' GptOssExperts
+        limit = self.swiglu_limit
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return _rows_product(self.down_proj, gate * torch.sigmoid(gate * _SWIGLU_ALPHA) * (up + 1), e * h, (e + 1) * h)
 
 
 def _rows_product(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:
     """x times rows [start, stop) of a linear's weight: one expert's slice of an experts matrix.
     Forms with their own product (ggml's blocks, batch-invariant tiles) say how, as rows_product."""
     own = getattr(linear, "rows_product", None)
-    if own is not None:
+    if own is not None:  # with the rows' bias, as each form's forward (GPT-OSS's experts have biases)
         return own(x, start, stop)
     assert isinstance(linear, nn.Linear), f"{type(linear).__name__} cannot multiply an expert's rows"
-    return F.linear(x, linear.weight[start:stop])
+    return F.linear(x, linear.weight[start:stop], None if linear.bias is None else linear.bias[start:stop])
 
 
 class DecoderLayer(nn.Module):

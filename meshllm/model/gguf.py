@@ -35,11 +35,12 @@ from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
 # Block-quantized types gguf.quants dequantizes (the brief's list plus their common siblings).
 _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q3_K,
-                GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS}
+                GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.MXFP4}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
                   "gemma3": "gemma3_text",
-                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4"}
+                  "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4",
+                  "gpt-oss": "gpt_oss"}
 # its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
 # and Granite's converters are Llama's)
 _PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral", "smollm3", "granite"}
@@ -269,6 +270,8 @@ _GEMMA_LAYER_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
 # GLM-4's norms after attention and after the MLP, by transformers' names for them
 _GLM4_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_self_attn_layernorm",
                      "post_ffw_norm": "post_mlp_layernorm"}
+# GPT-OSS's norm before the MLP is llama.cpp's post_attention_norm (transformers' name for it)
+_GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -276,8 +279,10 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for tensors we do not use."""
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
-    layer_names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES,
-                   "glm4": _GLM4_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    layer_names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES,
+                   "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] == "attn_sinks" and arch == "gpt-oss":
+        return f"model.layers.{parts[1]}.self_attn.sinks"  # a parameter of its own in transformers
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     if stem in _GLOBAL_NAMES:
@@ -447,18 +452,24 @@ def _expert_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor
         router = file.tensors.get(f"blk.{layer}.ffn_gate_inp.weight")
         if router is not None:
             out[moe.router_name(config.model_type, layer)] = router
+        router_bias = file.tensors.get(f"blk.{layer}.ffn_gate_inp.bias")
+        if router_bias is not None:  # GPT-OSS
+            out[moe.router_bias_name(layer)] = router_bias
         for index, projection in enumerate(("gate", "up", "down")):
-            info = file.tensors.get(f"blk.{layer}.ffn_{projection}_exps.weight")
-            if info is None:
-                continue
-            if len(info.shape) != 3 or info.shape[0] != config.num_experts:
-                raise CorruptWeights(f"{file.path}: {info.name} has shape {list(info.shape)}, not "
-                                     f"[{config.num_experts}, rows, cols] for {config.num_experts} experts")
-            expert_bytes = info.num_bytes // config.num_experts
-            for e in range(config.num_experts):
-                name = moe.expert_names(config.model_type, layer, e)[index]
-                out[name] = GGUFTensorInfo(f"{info.name}[{e}]", info.shape[1:], info.ggml_type,
-                                           info.offset + e * expert_bytes, expert_bytes)
+            for kind in ("weight", "bias"):  # GPT-OSS's biases: [experts, rows]
+                info = file.tensors.get(f"blk.{layer}.ffn_{projection}_exps.{kind}")
+                if info is None:
+                    continue
+                if len(info.shape) != (3 if kind == "weight" else 2) or info.shape[0] != config.num_experts:
+                    raise CorruptWeights(f"{file.path}: {info.name} has shape {list(info.shape)}, not "
+                                         f"[{config.num_experts}, rows{', cols' if kind == 'weight' else ''}] for "
+                                         f"{config.num_experts} experts")
+                expert_bytes = info.num_bytes // config.num_experts
+                names = moe.expert_names if kind == "weight" else (lambda _, i, e: moe.expert_bias_names(i, e))
+                for e in range(config.num_experts):
+                    out[names(config.model_type, layer, e)[index]] = GGUFTensorInfo(
+                        f"{info.name}[{e}]", info.shape[1:], info.ggml_type, info.offset + e * expert_bytes,
+                        expert_bytes)
     return out
 
 
@@ -505,9 +516,9 @@ def config_dict(file: GGUFFile) -> dict:
         raise UnsupportedArchitecture(f"{file.path} is a GGUF of architecture {arch!r}; meshllm runs GGUF "
                                       f"architectures {sorted(_ARCHITECTURES)}")
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
-    if experts and arch not in ("llama", "qwen3moe"):
+    if experts and arch not in ("llama", "qwen3moe", "gpt-oss"):
         raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts {arch} model; meshllm runs the "
-                                      f"experts of Mixtral (llama) and Qwen3-MoE (qwen3moe) files")
+                                      f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe) and GPT-OSS (gpt-oss) files")
     if int(meta.get(f"{arch}.expert_shared_count", 0) or 0):
         raise UnsupportedArchitecture(f"{file.path} has shared experts ({arch}.expert_shared_count), which "
                                       f"meshllm does not run")
@@ -567,7 +578,8 @@ def config_dict(file: GGUFFile) -> dict:
         "eos_token_id": sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
     }
     if experts:  # Mixtral is written as "llama"; llama.cpp renormalizes the chosen experts of both
-        config.update(model_type="mixtral" if arch == "llama" else "qwen3_moe", num_experts=experts,
+        config.update(model_type={"llama": "mixtral", "qwen3moe": "qwen3_moe"}.get(arch, "gpt_oss"), num_experts=experts,
+                      num_local_experts=experts,
                       num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=True,
                       moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length",
                                                          config["intermediate_size"])))
@@ -581,6 +593,16 @@ def config_dict(file: GGUFFile) -> dict:
                 config[field] = float(meta[f"{arch}.{key_name}"])
         # a file without one: llama.cpp scales attention the usual way (src/models/granite.cpp)
         config.setdefault("attention_multiplier", head_dim ** -0.5)
+    if arch == "gpt-oss":  # as llama.cpp reads it (src/models/openai-moe.cpp): every other layer windowed
+        window = int(key("attention.sliding_window"))
+        pattern = meta.get("gpt-oss.attention.sliding_window_pattern", 2)
+        sliding = [bool(p) for p in pattern] if isinstance(pattern, (list, np.ndarray)) else \
+            [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(config["num_hidden_layers"])]
+        config.update(sliding_window=window, layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+                      intermediate_size=config["moe_intermediate_size"])
+        if float(meta.get("gpt-oss.rope.freq_base_swa", rope_theta)) != rope_theta:
+            raise UnsupportedArchitecture(f"{file.path}: gpt-oss.rope.freq_base_swa differs from rope.freq_base; "
+                                          f"meshllm runs GPT-OSS with one rope base")
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma(file, arch, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
                              config["rope_scaling"]))
@@ -640,7 +662,10 @@ def _yarn(meta: dict, arch: str) -> dict:
     factor = float(key("factor"))
     config = {"rope_type": "yarn", "factor": factor,
               "original_max_position_embeddings": int(key("original_context_length") or meta[f"{arch}.context_length"]),
-              "beta_fast": key("yarn_beta_fast"), "beta_slow": key("yarn_beta_slow")}
+              "beta_fast": key("yarn_beta_fast"), "beta_slow": key("yarn_beta_slow"),
+              # GPT-OSS was trained with the ramp's ends where they fall (OpenAI's reference and
+              # transformers); llama.cpp rounds them out to whole dims for every model
+              "truncate": arch != "gpt-oss"}
     log_multiplier = float(key("yarn_log_multiplier") or 0.0)
     attention = yarn_mscale(factor) / yarn_mscale(factor, log_multiplier) if log_multiplier else yarn_mscale(factor)
     config["attention_factor"] = attention * float(key("attn_factor") or 1.0)

@@ -63,11 +63,20 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
             names[f"{ours}.self_attn.q_norm.weight"] = [f"{attn}.q_norm.weight"]
             names[f"{ours}.self_attn.k_norm.weight"] = [f"{attn}.k_norm.weight"]
         names[f"{ours}.self_attn.o_proj.weight"] = [f"{attn}.o_proj.weight"]
+        if config.o_proj_bias:
+            names[f"{ours}.self_attn.o_proj.bias"] = [f"{attn}.o_proj.bias"]
+        if config.attention_sinks:
+            names[f"{ours}.self_attn.sinks"] = [f"{attn}.sinks"]
         if config.num_experts:  # each projection: every expert's rows, expert after expert
             experts = [moe.expert_names(config.model_type, i, e) for e in range(config.num_experts)]
             names[f"{ours}.mlp.router.weight"] = [moe.router_name(config.model_type, i)]
             for index, projection in enumerate(("gate_proj", "up_proj", "down_proj")):
                 names[f"{ours}.mlp.{projection}.weight"] = [names_of[index] for names_of in experts]
+            if config.expert_biases:
+                names[f"{ours}.mlp.router.bias"] = [moe.router_bias_name(i)]
+                biases = [moe.expert_bias_names(i, e) for e in range(config.num_experts)]
+                for index, projection in enumerate(("gate_proj", "up_proj", "down_proj")):
+                    names[f"{ours}.mlp.{projection}.bias"] = [names_of[index] for names_of in biases]
         else:
             names[f"{ours}.mlp.gate_up_proj.weight"] = [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"]
             names[f"{ours}.mlp.down_proj.weight"] = [f"{hf}.mlp.down_proj.weight"]
@@ -208,7 +217,8 @@ def _part_rows(config: ModelConfig, ours: str, shape: torch.Size) -> list[int]:
         return [config.num_attention_heads * config.head_dim, kv, kv]
     if ".gate_up_proj." in ours:
         return [config.intermediate_size, config.intermediate_size]
-    if config.num_experts and ours.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")):
+    if config.num_experts and ours.endswith(tuple(f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down")
+                                                  for kind in ("weight", "bias"))):
         return [shape[0] // config.num_experts] * config.num_experts  # one part per expert
     return [shape[0]]
 

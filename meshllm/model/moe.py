@@ -1,19 +1,21 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Mixtral) read from config.json.
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, GPT-OSS) read from config.json.
 
 Each layer's MLP is `num_experts` SwiGLU experts of `expert_intermediate_size` and a router: a
 token's router logits go through a softmax, its `num_experts_per_tok` most probable experts run,
 and their outputs are summed weighted by those probabilities (renormalized to sum to 1 where the
-model says so: Mixtral always, Qwen3-MoE with norm_topk_prob).
+model says so: Mixtral always, Qwen3-MoE with norm_topk_prob). GPT-OSS differs: biases on the
+router and on each expert's projections, the softmax over the chosen experts' logits only, a
+clamped SwiGLU; and its attention has sinks and an o_proj bias, every other layer windowed.
 """
 
 from __future__ import annotations
 
-from meshllm.errors import UnsupportedArchitecture
+from meshllm.errors import ModelLoadError, UnsupportedArchitecture
 
-MODEL_TYPES = ("qwen3_moe", "mixtral")
+MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
 
 
-def moe_fields(d: dict, model_type: str, origin: str) -> dict:
+def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
     """ModelConfig fields of a mixture-of-experts config.json."""
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
     per_token = int(d.get("num_experts_per_tok") or 0)
@@ -27,15 +29,35 @@ def moe_fields(d: dict, model_type: str, origin: str) -> dict:
             raise UnsupportedArchitecture(f"{origin}: decoder_sparse_step {step} / mlp_only_layers {dense}: "
                                           f"meshllm runs Qwen3-MoE models whose every layer is sparse")
         width, normalize = int(d["moe_intermediate_size"]), bool(d.get("norm_topk_prob", False))
+    elif model_type == "gpt_oss":
+        return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=int(d["intermediate_size"]),
+                    expert_biases=True, softmax_after_topk=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
+                    o_proj_bias=True, attention_sinks=True, **_gpt_oss_windows(d, num_layers, origin))
     else:  # Mixtral: every layer sparse, the top two always renormalized
         width, normalize = int(d["intermediate_size"]), True
     return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=width,
                 normalize_expert_weights=normalize)
 
 
+def _gpt_oss_windows(d: dict, num_layers: int, origin: str) -> dict:
+    """GPT-OSS's windowed layers: every other one (the first included) unless layer_types says."""
+    alpha = float(d.get("swiglu_alpha", _SWIGLU_ALPHA))
+    if alpha != _SWIGLU_ALPHA:
+        raise UnsupportedArchitecture(f"{origin}: swiglu_alpha {alpha} is not supported (GPT-OSS's is {_SWIGLU_ALPHA})")
+    types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(f"{origin}: layer_types must name sliding_attention or full_attention for each of "
+                             f"the {num_layers} layers, got {types!r}")
+    window = int(d.get("sliding_window") or 0)
+    return dict(sliding_window=window or None, sliding_layers=tuple(t == "sliding_attention" for t in types))
+
+
+_SWIGLU_ALPHA = 1.702  # GPT-OSS's gate * sigmoid(alpha * gate), fixed in llama.cpp as in transformers
+
+
 def router_name(model_type: str, layer: int) -> str:
     """The HF name of a layer's router weight [experts, hidden]."""
-    return f"model.layers.{layer}.{_BLOCK[model_type]}.gate.weight"
+    return f"model.layers.{layer}.{_BLOCK[model_type]}.{'router' if model_type == 'gpt_oss' else 'gate'}.weight"
 
 
 def expert_names(model_type: str, layer: int, expert: int) -> tuple[str, str, str]:
@@ -44,5 +66,18 @@ def expert_names(model_type: str, layer: int, expert: int) -> tuple[str, str, st
     return tuple(f"{stem}.{name}.weight" for name in _PROJECTIONS[model_type])
 
 
-_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
-_PROJECTIONS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+def router_bias_name(layer: int) -> str:
+    """GPT-OSS's router bias [experts]."""
+    return router_name("gpt_oss", layer).removesuffix(".weight") + ".bias"
+
+
+def expert_bias_names(layer: int, expert: int) -> tuple[str, str, str]:
+    """GPT-OSS's (gate, up, down) biases of one expert (as a GGUF holds them: gate and up apart)."""
+    return tuple(name.removesuffix(".weight") + ".bias" for name in expert_names("gpt_oss", layer, expert))
+
+
+# gpt_oss: the names model/gguf.py gives each expert's slice of the file's experts tensors (a
+# GPT-OSS folder holds them fused and transposed, which meshllm does not read)
+_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp"}
+_PROJECTIONS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
+                "gpt_oss": ("gate_proj", "up_proj", "down_proj")}

@@ -103,6 +103,10 @@ class Tokenizer:
         eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if k in meta]
         eos_ids += [i for i, t in enumerate(tokens) if t in _END_OF_GENERATION]
+        if "<|return|>" in tokens and "<|call|>" in tokens:
+            # o200k_harmony (GPT-OSS): <|end|> closes a message, the reasoning's among them, and the
+            # reply goes on; it ends at <|return|> or <|call|> (llama.cpp drops <|end|> so too)
+            eos_ids = [i for i in eos_ids if tokens[i] != "<|end|>"]
         return cls(backend, special_tokens=special, chat_template=meta.get("tokenizer.chat_template"),
                    eos_token_ids=tuple(dict.fromkeys(eos_ids)))
 
@@ -336,7 +340,8 @@ _IGNORE_MERGES_PRE = _WHOLE_WORD_PRE | {"glm4", "glm5"}
 # Tokens llama.cpp ends generation at whatever the metadata names (a Llama 3 Instruct file
 # converted with only eos = <|end_of_text|> still stops at <|eot_id|>).
 _END_OF_GENERATION = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-                                "<|end_of_text|>", "<EOT>", "<|return|>", "<\uff5cend\u2581of\u2581sentence\uff5c>"})
+                                "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>",
+                                "<\uff5cend\u2581of\u2581sentence\uff5c>"})
 
 
 def _gguf_backend(file: "GGUFFile") -> Backend:

@@ -22,6 +22,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from meshllm.errors import CorruptWeights, ModelLoadError
+from meshllm.model import gpt_oss_experts
 from meshllm.model.config import ModelConfig
 from meshllm.model.fused import split_fused, visible_names
 from meshllm.model.rope_rows import rope_rows_to_half, trained_in_pairs
@@ -78,8 +79,17 @@ class SafetensorsSource:
         shapes = {name: entry.shape for name, entry in self._entries.items()}
         for name, part in self._parts.items():
             shapes[name] = (part.stop - part.start, *shapes[part.fused][1:])
+        # GPT-OSS's experts, stored fused and transposed: shown one per expert and projection
+        self._expert_views = {} if self._config.model_type != "gpt_oss" else gpt_oss_experts.expert_views(
+            self._config.num_hidden_layers, self._config.num_experts, shapes, str(self.path))
+        stored_experts = {view.stored for view in self._expert_views.values()}
+        for name, view in self._expert_views.items():
+            if view.stored in shapes:
+                shapes[name] = gpt_oss_experts.view_shape(view, shapes[view.stored])
+        shown = [n for n in visible_names(self._entries.keys(), self._parts) if n not in stored_experts]
+        shown += [n for n, view in self._expert_views.items() if view.stored in shapes]
         # The names it shows, once: a mixture of experts has tens of thousands (Qwen3-30B-A3B: 18k)
-        self._shapes = {name: shapes[name] for name in visible_names(self._entries.keys(), self._parts)}
+        self._shapes = {name: shapes[name] for name in shown}
         self._bytes_read = 0
 
     def config(self) -> ModelConfig:
@@ -120,7 +130,11 @@ class SafetensorsSource:
                     for name in file_names:
                         stored, rows, cols = self._region(name, parts[name])
                         entry = self._entries[stored]
-                        if rows is None and cols is None:
+                        view = self._expert_views.get(name)
+                        if view is not None:  # one expert's slice of the stored experts, as read
+                            assert parts[name] is None, "a GPT-OSS expert is read whole (no TP for experts)"
+                            out[name] = gpt_oss_experts.take(view, f.get_slice(stored)[view.expert]).to(dtype)
+                        elif rows is None and cols is None:
                             out[name] = f.get_tensor(stored).to(dtype)
                         else:
                             view = f.get_slice(stored)
@@ -136,6 +150,9 @@ class SafetensorsSource:
         return out
 
     def _stored(self, name: str) -> str:
+        view = self._expert_views.get(name)
+        if view is not None:
+            return view.stored
         part = self._parts.get(name)
         return name if part is None else part.fused
 
@@ -144,7 +161,7 @@ class SafetensorsSource:
         part = self._parts.get(name)
         if part is None:
             if s is None:
-                return name, None, None
+                return self._stored(name), None, None
             return (name, (s.start, s.stop), None) if s.dim == 0 else (name, None, (s.start, s.stop))
         if s is None:
             return part.fused, (part.start, part.stop), None

@@ -1,8 +1,10 @@
 """Mixtures of experts on ggml's path: the router's top experts through ggml's expert product
 (mul_mat_id), against the torch path (which matches transformers, tests/model/test_decoder.py).
 
-Dense float32 experts (tiny random Qwen3-MoE and Mixtral from transformers) agree to float32
-rounding over chunked prefill, whole prefill and decode steps. Quantized experts (GGUF files laid
+Dense float32 experts (tiny random Qwen3-MoE, Mixtral and GPT-OSS from transformers) agree to
+float32 rounding over chunked prefill, whole prefill and decode steps (GPT-OSS: biases on the
+router and experts through ggml's add_id, the softmax over the chosen logits, the clamped SwiGLU,
+and its attention sinks through ggml's flash attention). Quantized experts (GGUF files laid
 out as llama.cpp lays them out) stay quantized, in ggml's plain layout, and two stages give one
 stage's logits bit for bit.
 """
@@ -10,6 +12,7 @@ stage's logits bit for bit.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,16 +23,18 @@ from meshllm.engine.device_weights import BlockLinear, DeviceBlockForm
 from meshllm.engine.ggml_stage import GGMLStage
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.decoder import MoE
+from meshllm.model.gguf import GGUFSource
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.model.weights import SafetensorsSource
 from tests.engine.test_ggml_sliding_window import _logits, assert_ggml_matches_torch
+from tests.model.test_gguf import write_model_gguf
 from tests.quantized_gguf import write_quantized_llama
 
 SEQS = [[(7 * i + 13 * j) % 90 + 3 for j in range(20)] for i in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss"])
 @pytest.mark.parametrize("prompt_len, chunk", [(8, 3), (20, 20), (2, 2)],
                          ids=["chunked-prefill", "prefill", "mostly-decode"])
 def test_dense_experts_on_ggml_match_the_torch_path(rt, tiny_model_dir, variant, prompt_len, chunk):
@@ -39,10 +44,16 @@ def test_dense_experts_on_ggml_match_the_torch_path(rt, tiny_model_dir, variant,
     assert_ggml_matches_torch(decoder, SEQS, prompt_len, chunk, atol=1e-4)  # 3e-6 measured
 
 
-@pytest.fixture(scope="module", params=[("qwen3moe", GGML.Q4_K), ("llama", GGML.Q8_0), ("qwen3moe", GGML.Q4_1)],
-                ids=["qwen3moe-Q4_K", "mixtral-Q8_0", "qwen3moe-Q4_1"])
-def quantized(rt, smollm2_gguf_path, tmp_path_factory, request):
+@pytest.fixture(scope="module", params=[("qwen3moe", GGML.Q4_K), ("llama", GGML.Q8_0), ("qwen3moe", GGML.Q4_1),
+                                        ("gpt-oss", GGML.MXFP4)],
+                ids=["qwen3moe-Q4_K", "mixtral-Q8_0", "qwen3moe-Q4_1", "gpt-oss-MXFP4"])
+def quantized(rt, smollm2_gguf_path, tiny_model_dir, tmp_path_factory, request):
     arch, ggml_type = request.param
+    if arch == "gpt-oss":  # the tiny transformers model converted as llama.cpp would, its experts MXFP4
+        path = write_model_gguf(tiny_model_dir("gpt-oss"), tmp_path_factory.mktemp("moe") / "gpt-oss.gguf", arch,
+                                experts_type=ggml_type)
+        source = GGUFSource(path)
+        return SimpleNamespace(source=source, config=source.config()), ggml_type
     path = write_quantized_llama(rt, smollm2_gguf_path, tmp_path_factory.mktemp("moe") / "moe.gguf", ggml_type,
                                  arch=arch, experts=4)
     return open_model(path), ggml_type
@@ -124,7 +135,7 @@ def test_experts_keep_their_rows_under_the_cpu_weight_forms(tiny_model_dir):
     assert (got - want).abs().max() < 0.1 * want.abs().max()  # attention in int8 now; the experts exact
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss"])
 def test_batch_invariant_experts_give_a_row_the_same_bits_in_any_batch(tiny_model_dir, variant):
     """Each expert multiplies however many rows chose it: in batch-invariant mode that product is
     tiled like every other, and its activation runs row by row (found by review: 3e-8 apart alone

@@ -43,6 +43,11 @@ def _folder_with(tmp_path, text: str):
                     attn_softcap=4.0, final_softcap=5.0, tie_word_embeddings=True)),
     ("qwen3-moe", dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
                        normalize_expert_weights=False, qk_norm=True)),
+    ("gpt-oss", dict(model_type="gpt_oss", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64,
+                     expert_biases=True, softmax_after_topk=True, swiglu_limit=1.5, o_proj_bias=True,
+                     attention_sinks=True, attention_bias=True, sliding_window=5,
+                     sliding_layers=(True, False, True, False), rope_theta=150000.0,
+                     rope_scaling=YarnScaling(32.0, 4096, truncate=False), tie_word_embeddings=False)),
     ("mixtral", dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
                      normalize_expert_weights=True, qk_norm=False)),
     ("phi3-partial", dict(model_type="phi3", rotary_dim=8, rope_factors=(1.0, 1.5, 2.0, 2.5))),
@@ -62,7 +67,7 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe",
-                                     "mixtral", "smollm3", "granite", "glm4"])
+                                     "mixtral", "smollm3", "granite", "glm4", "gpt-oss"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts.
     folder = tiny_model_dir(variant)

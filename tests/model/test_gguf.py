@@ -39,24 +39,30 @@ _GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
                   "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 # GLM-4's norms after attention and the MLP
 _GLM4_TO_GGUF = {**_TO_GGUF, "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm"}
+# GPT-OSS's norm before the MLP (llama.cpp's post_attention_norm) and its sinks
+_GPT_OSS_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm"}
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:
+    if hf.startswith("model.layers.") and hf.endswith(".self_attn.sinks"):
+        return f"blk.{hf.split('.')[2]}.attn_sinks.weight"
     if hf.startswith("model.layers."):
         _, _, index, rest = hf.split(".", 3)
         stem, suffix = rest.rsplit(".", 1)
-        names = {"gemma2": _GEMMA_TO_GGUF, "gemma3": _GEMMA_TO_GGUF, "glm4": _GLM4_TO_GGUF}.get(arch, _TO_GGUF)
+        names = {"gemma2": _GEMMA_TO_GGUF, "gemma3": _GEMMA_TO_GGUF, "glm4": _GLM4_TO_GGUF,
+                 "gpt-oss": _GPT_OSS_TO_GGUF}.get(arch, _TO_GGUF)
         return f"blk.{index}.{names[stem]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
 
 
 def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray | None = None,
-                     nextn: int = 0) -> Path:
+                     nextn: int = 0, experts_type: GGML | None = None) -> Path:
     """Convert a HF safetensors folder to an F32 GGUF as llama.cpp would (metadata, names, q/k
     permutation; for phi3 fused attn_qkv and gate-up ffn_up, the sliding window and LongRoPE).
     `nextn`: that many multi-token-prediction blocks after the model's (GLM-4.5's, GLM-OCR's),
-    here copies of its last block's tensors, which a reader must skip."""
+    here copies of its last block's tensors, which a reader must skip. `experts_type`: the
+    experts tensors quantized to it (GPT-OSS's files hold them MXFP4)."""
     source = SafetensorsSource(folder)
     cfg = source.config()
     hf = json.loads((folder / "config.json").read_text())
@@ -93,19 +99,35 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
     if cfg.num_experts:  # conversion: each projection's experts stacked [experts, rows, cols]; F32 router
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "gpt-oss"):
             w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+        if arch == "gpt-oss":  # conversion/gpt_oss.py GptOssModel (experts not MXFP4: as they are, de-interleaved)
+            w.add_sliding_window(cfg.sliding_window)
         for i in range(cfg.num_hidden_layers):
             w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors.pop(moe.router_name(cfg.model_type, i)).numpy())
             names = [moe.expert_names(cfg.model_type, i, e) for e in range(cfg.num_experts)]
             for index, projection in enumerate(("gate", "up", "down")):
-                stacked = torch.stack([tensors.pop(expert[index]) for expert in names])
-                w.add_tensor(f"blk.{i}.ffn_{projection}_exps.weight", stacked.numpy())
+                stacked = torch.stack([tensors.pop(expert[index]) for expert in names]).numpy()
+                if experts_type is None:
+                    w.add_tensor(f"blk.{i}.ffn_{projection}_exps.weight", stacked)
+                else:
+                    w.add_tensor(f"blk.{i}.ffn_{projection}_exps.weight", quants.quantize(stacked, experts_type),
+                                 raw_dtype=experts_type)
+            if cfg.expert_biases:
+                w.add_tensor(f"blk.{i}.ffn_gate_inp.bias", tensors.pop(moe.router_bias_name(i)).numpy())
+                biases = [moe.expert_bias_names(i, e) for e in range(cfg.num_experts)]
+                for index, projection in enumerate(("gate", "up", "down")):
+                    stacked = torch.stack([tensors.pop(expert[index]) for expert in biases])
+                    w.add_tensor(f"blk.{i}.ffn_{projection}_exps.bias", stacked.numpy())
     rope = hf.get("rope_parameters") or {}
-    if rope.get("rope_type") == "yarn":  # conversion/base.py: type, factor and original context
+    if rope.get("rope_type") == "yarn":  # conversion/base.py: type, factor, original context, betas if named
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        if rope.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        if rope.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     if arch == "granite":  # conversion/granite.py GraniteModel: the multipliers as scales
         w.add_attention_scale(cfg.attention_scale)
         w.add_embedding_scale(cfg.embedding_scale)
@@ -316,7 +338,7 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
 @pytest.mark.parametrize("variant,arch", [("llama", "llama"), ("llama-mha-tied", "llama"), ("qwen2", "qwen2"),
                                           ("qwen3", "qwen3"), ("llama3", "llama"), ("phi3", "phi3"),
                                           ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
-                                          ("gemma2", "gemma2"),
+                                          ("gemma2", "gemma2"), ("gpt-oss", "gpt-oss"),
                                           ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                           ("qwen3-yarn", "qwen3"), ("glm4", "glm4"),
                                           ("mixtral", "llama")])
@@ -324,6 +346,8 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
     if variant in ("gemma2", "gemma3"):  # a GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (27B aside)
         overrides = {"query_pre_attn_scalar": 16}
+    if variant == "gpt-oss":  # a GGUF has no swiglu_limit: llama.cpp takes GPT-OSS's 7
+        overrides = {"swiglu_limit": 7.0}
     if variant == "qwen3-moe":  # llama.cpp renormalizes Qwen3-MoE's chosen experts, as its models all say
         overrides = {"norm_topk_prob": True}
     folder = tiny_model_dir(variant, **overrides)
@@ -338,7 +362,8 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "embedding_scale", "sandwich_norms", "attention_scale", "sliding_layers", "local_rope_theta",
                   "rope_linear_factor", "num_experts", "num_experts_per_tok", "expert_intermediate_size",
                   "normalize_expert_weights", "rope_layers", "residual_scale", "logit_scale",
-                  "attn_softcap", "final_softcap"):
+                  "attn_softcap", "final_softcap", "expert_biases", "softmax_after_topk", "swiglu_limit",
+                  "o_proj_bias", "attention_sinks"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())

@@ -295,6 +295,19 @@ def test_llama3_family_vocabularies_encode_and_stop_as_llama_cpp_does(tmp_path):
     assert Tokenizer.from_gguf(_llama3_style_gguf(tmp_path / "nobos.gguf", add_bos=False)).encode("abc") == [4]
 
 
+def test_harmony_vocabularies_end_at_return_or_call_not_at_end(tmp_path):
+    # GPT-OSS (o200k_harmony): a reply is messages, each closed by <|end|> (its reasoning first);
+    # it ends at <|return|>, or <|call|> for a tool call, as llama.cpp stops it
+    tokens = ["a", "b", "ab", "<|start|>", "<|end|>", "<|message|>", "<|return|>", "<|call|>"]
+    ours = Tokenizer.from_gguf(_byte_level_gguf(tmp_path / "h.gguf", "gpt-4o", tokens, ["a b"], bos=3, eos=6,
+                                                add_bos=False))
+    assert set(ours.eos_token_ids) == {6, 7}
+    # without <|call|> (Phi-4-mini's o200k), <|end|> still ends a turn
+    phi = Tokenizer.from_gguf(_byte_level_gguf(tmp_path / "p.gguf", "gpt-4o", tokens[:-1], ["a b"], bos=3, eos=6,
+                                               add_bos=False))
+    assert set(phi.eos_token_ids) == {4, 6}
+
+
 def test_tekken_vocabularies_split_as_mistral_nemo_does(tmp_path):
     # Mistral Nemo's GGUFs name pre "tekken" (it fell back to GPT-2's split, with a warning): its
     # split (llama.cpp's llama-vocab.cpp, from the model's tokenizer.json) breaks a word before an

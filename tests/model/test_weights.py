@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from meshllm.errors import CorruptWeights, ModelLoadError
+from meshllm.errors import CorruptWeights, ModelLoadError, UnsupportedArchitecture
 from meshllm.model import weights
 from meshllm.model.weights import SafetensorsSource, fingerprint
 
@@ -256,3 +256,31 @@ def test_cli_process_exits_2_without_a_traceback(aidreams_path, tmp_path):
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1
     assert "corrupt safetensors header" in done.stderr and done.stdout == ""
+
+
+def test_gpt_oss_experts_read_one_expert_at_a_time_as_linear_weights(tiny_model_dir):
+    # GPT-OSS stores each layer's experts fused ([experts, hidden, 2 * width], gate and up
+    # interleaved by column) and transposed: the source shows them per expert and projection, as
+    # nn.Linear weights, and hides the stored tensors
+    folder = tiny_model_dir("gpt-oss")
+    source = SafetensorsSource(folder)
+    stored = load_file(folder / "model.safetensors")
+    gate_up, bias = stored["model.layers.1.mlp.experts.gate_up_proj"], stored["model.layers.1.mlp.experts.down_proj_bias"]
+    names = ["model.layers.1.mlp.experts.2.gate_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight",
+             "model.layers.1.mlp.experts.2.down_proj.bias"]
+    got = source.read(names, torch.float32)
+    assert torch.equal(got[names[0]], gate_up[2][:, 0::2].T) and torch.equal(got[names[1]], gate_up[2][:, 1::2].T)
+    assert torch.equal(got[names[2]], bias[2])
+    assert source.tensor_shapes()[names[0]] == (64, 64) and "model.layers.1.mlp.experts.gate_up_proj" not in \
+        source.tensor_names()
+
+
+def test_gpt_oss_mxfp4_folders_are_refused_by_name(tiny_model_dir, tmp_path):
+    # the released checkpoints hold the experts as MXFP4 blocks and scales: read from a GGUF
+    folder = shutil.copytree(tiny_model_dir("gpt-oss"), tmp_path / "gpt-oss")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = tensors.pop("model.layers.0.mlp.experts.gate_up_proj") \
+        .to(torch.uint8)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(UnsupportedArchitecture, match="MXFP4 blocks .* GGUF"):
+        SafetensorsSource(folder)
