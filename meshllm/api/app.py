@@ -32,6 +32,7 @@ from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
+from meshllm.api.harmony import HarmonyReader
 from meshllm.api.tool_parser import ToolCallParser
 from meshllm.errors import MeshError, ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
@@ -70,10 +71,14 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         return backend.leader
 
     def states_of(choices: list[ChoiceRequest], body: SamplingFields) -> list[ChoiceState]:
-        """One per choice, each reading its text for tool calls when the request has tools to call."""
-        reads_calls = isinstance(body, ChatCompletionRequest) and body.calls_tools
-        return [ChoiceState(c, ToolCallParser(model_text.tool_format, body.parallel_calls,
-                                              forced=body.forced_tools is not None)
+        """One per choice, each reading its text for tool calls when the request has tools to call
+        (and, for a harmony model's chat, always: its reply is messages on channels)."""
+        chat = isinstance(body, ChatCompletionRequest)
+        fmt = model_text.tool_format
+        if chat and fmt.harmony is not None:
+            return [ChoiceState(c, HarmonyReader(fmt.harmony, fmt.new_call_id, body.parallel_calls)) for c in choices]
+        reads_calls = chat and body.calls_tools
+        return [ChoiceState(c, ToolCallParser(fmt, body.parallel_calls, forced=body.forced_tools is not None)
                             if reads_calls else None) for c in choices]
 
     async def respond(request: Request, leader: Leader, choices: list[ChoiceRequest],

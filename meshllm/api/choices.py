@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 from dataclasses import dataclass, field
 
+from meshllm.api.harmony import HarmonyReader
 from meshllm.api.prompts import ChoiceRequest
 from meshllm.api.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 from meshllm.api.tool_parser import CallDelta, ParsedCall, ToolCallParser
@@ -30,13 +31,14 @@ class ChoiceState:
     and `delta` is what the last event added (content, call deltas) for streaming."""
 
     request: ChoiceRequest
-    tool_parser: ToolCallParser | None = None
+    tool_parser: ToolCallParser | HarmonyReader | None = None
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     delta: tuple[str, list[CallDelta]] = ("", [])
+    reasoning_delta: str = ""  # what the last event added to a reasoning model's reasoning
 
     def add(self, event: GenerationEvent) -> MeshError | None:
         """Account for `event`; returns the error when the sequence failed."""
@@ -44,6 +46,8 @@ class ChoiceState:
             self.delta = (event.text, [])
         else:
             content, calls = self.tool_parser.feed(event.text, event.token_id)
+            self.reasoning_delta = self.tool_parser.reasoning_delta if isinstance(self.tool_parser, HarmonyReader) \
+                else ""
             if event.finish_reason is not None:
                 content += self.tool_parser.finish(cut=event.finish_reason == "length")
             self.delta = (content, calls)
@@ -64,6 +68,11 @@ class ChoiceState:
     @property
     def tool_calls(self) -> list[ParsedCall]:
         return self.tool_parser.calls if self.tool_parser is not None else []
+
+    @property
+    def reasoning(self) -> str | None:
+        """A reasoning model's reasoning (GPT-OSS's analysis channel), or None."""
+        return "".join(self.tool_parser.reasoning) or None if isinstance(self.tool_parser, HarmonyReader) else None
 
 
 def usage(states: list[ChoiceState]) -> Usage:

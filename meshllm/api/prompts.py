@@ -123,7 +123,8 @@ def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | No
     if body.calls_tools:
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
         return compiler.lark(fmt.call_grammar(tools, body.parallel_calls, answer), f"{what} or a tool call")
-    return compiler.json_schema(answer, what)
+    wrapped = fmt.answer_grammar(answer)
+    return compiler.json_schema(answer, what) if wrapped is None else compiler.lark(wrapped, what)
 
 
 def _strict_calls_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | None:

@@ -37,10 +37,11 @@ async def collect(generation: Generation, states: list[ChoiceState]) -> None:
 def assistant_message(state: ChoiceState) -> AssistantMessage:
     content = "".join(state.text)
     if not state.tool_calls:
-        return AssistantMessage(content=content)
+        return AssistantMessage(content=content, reasoning_content=state.reasoning)
     calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
              for c in state.tool_calls]
-    return AssistantMessage(content=content if content.strip() else None, tool_calls=calls)
+    return AssistantMessage(content=content if content.strip() else None, tool_calls=calls,
+                            reasoning_content=state.reasoning)
 
 
 def chat_completion(states: list[ChoiceState], ctx: ReplyContext) -> ChatCompletion:

@@ -6,7 +6,7 @@ import secrets
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 
 def new_id(prefix: str, separator: str = "-") -> str:
@@ -55,7 +55,21 @@ class ResponseToolCall(BaseModel):
     function: ResponseFunction
 
 
-class AssistantMessage(BaseModel):
+class _WithReasoning(BaseModel):
+    """`reasoning_content` (a reasoning model's thinking, as vLLM and llama.cpp's server send it)
+    appears only where there is some, so other models' replies keep OpenAI's exact shape."""
+
+    reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_reasoning(self, handler):
+        data = handler(self)
+        if data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+        return data
+
+
+class AssistantMessage(_WithReasoning):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
@@ -92,7 +106,7 @@ class DeltaToolCall(BaseModel):
     function: DeltaFunction
 
 
-class ChatDelta(BaseModel):
+class ChatDelta(_WithReasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None

@@ -81,7 +81,7 @@ async def _stream(generation: Generation, events: AsyncIterator[Item], states: l
             if error is not None:
                 raise error
             content, calls = state.delta
-            if content or calls or event.logprobs is not None:
+            if content or calls or state.reasoning_delta or event.logprobs is not None:
                 yield _sse(chunks.delta(state, event))
             if event.finish_reason is not None:
                 yield _sse(chunks.finish(state))
@@ -122,8 +122,9 @@ class _ChatChunks:
                                     function=DeltaFunction(name=d.name, arguments=d.arguments))
                       for d in _one_per_call(calls)]
         return self._chunk([ChatChunkChoice(index=state.request.index,
-                                            delta=ChatDelta(content=content or None if calls else content,
-                                                            tool_calls=tool_calls or None),
+                                            delta=ChatDelta(content=content or None if calls or state.reasoning_delta
+                                                            else content, tool_calls=tool_calls or None,
+                                                            reasoning_content=state.reasoning_delta or None),
                                             logprobs=logprobs)])
 
     def finish(self, state: ChoiceState) -> ChatCompletionChunk:

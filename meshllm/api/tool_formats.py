@@ -4,6 +4,7 @@ The family is read from the template's own protocol markers, as llama.cpp does:
 
 - mistral: `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects;
 - llama3: a bare JSON object {"name", "parameters"} (maybe after `<|python_tag|>`);
+- harmony (GPT-OSS): a message to `functions.NAME` whose body is the arguments (api/harmony.py);
 - hermes: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>` blocks (Qwen2.5, Qwen3, Hermes,
   SmolLM3 templates);
 - a template that never mentions tools (SmolLM2's, the plain fallback) gets the Hermes
@@ -25,10 +26,12 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
+from meshllm.api import harmony
+from meshllm.api.harmony import HarmonyTokens
 from meshllm.engine.grammar import schema_text
 from meshllm.model.tokenizer import Tokenizer
 
-Family = Literal["hermes", "llama3", "mistral"]
+Family = Literal["hermes", "llama3", "mistral", "harmony"]
 
 HERMES_SYSTEM = """# Tools
 
@@ -57,10 +60,14 @@ class ToolFormat:
     # writes `<tool_call>` as its one token, never spelled out), else the text.
     grammar_begin: str = '""'
     grammar_end: str = '""'
+    harmony: HarmonyTokens | None = None  # GPT-OSS's markers (api/harmony.py reads and constrains its replies)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "ToolFormat":
         template = tokenizer.chat_template or ""
+        markers = HarmonyTokens.of({t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()})
+        if "<|channel|>" in template and markers is not None:
+            return cls("harmony", True, None, None, "arguments", harmony=markers)
         if "[TOOL_CALLS]" in template:
             return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments",
                        _lark_marker(tokenizer, "[TOOL_CALLS]"))
@@ -83,9 +90,16 @@ class ToolFormat:
         return _hermes_messages(messages, tools), None
 
     # --- grammar ---------------------------------------------------------------------------------
+    def answer_grammar(self, answer: dict) -> str | None:
+        """Lark for a reply that is a JSON document matching `answer`, where the format wraps the
+        reply (harmony); None: the document is the whole reply (a JSON-schema grammar)."""
+        return None if self.harmony is None else harmony.answer_grammar(self.harmony, answer)
+
     def call_grammar(self, tools: list[dict], parallel: bool, answer: dict | None = None) -> str:
         """Lark grammar (llguidance) for one call (or several when `parallel`) to any of `tools`,
         or, when `answer` (a JSON schema) is given, either that or a plain answer matching it."""
+        if self.harmony is not None:
+            return harmony.call_grammar(self.harmony, tools, answer)
         calls = self._calls_grammar(tools, parallel)
         if answer is None:
             return f"start: calls\n{calls}"
@@ -96,6 +110,8 @@ class ToolFormat:
         (tool_choice auto with strict tools). Text may come before a call block (hermes, mistral),
         never inside one; a llama3 call is the whole reply, so text there is anything that does not
         open a JSON object (llguidance's own example for Llama 3.1)."""
+        if self.harmony is not None:
+            return harmony.text_or_call_grammar(self.harmony, tools)
         calls = self._calls_grammar(tools, parallel)
         begin = self.grammar_begin
         if begin == '""':

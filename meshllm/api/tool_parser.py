@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from meshllm.api.tool_formats import ToolFormat
+if TYPE_CHECKING:  # tool_formats imports harmony, which takes this module's call shapes
+    from meshllm.api.tool_formats import ToolFormat
 
 # A call object's head, up to the first character of its arguments value.
 _NAME = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')

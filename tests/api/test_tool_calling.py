@@ -217,3 +217,47 @@ def test_openai_agents_loop_with_this_server_as_its_model(smollm2_fast_server, a
         result = Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
     assert asked == ["Paris"]
     assert isinstance(result.final_output, str) and "18" in result.final_output
+
+
+def test_harmony_calls_and_answers_on_a_tiny_random_gpt_oss(tiny_model_dir):
+    """GPT-OSS's harmony format (api/harmony.py): a forced call is a message to functions.NAME
+    whose body the grammar makes valid arguments; a JSON answer is a final-channel message; the
+    markers never reach the content. The grammar lets a reply reason first (free text on the
+    analysis channel), as GPT-OSS answers better so; a random model could reason until
+    max_tokens, so a logit bias on "a" (the first letter of "analysis") steers it past."""
+    backend = build_local_backend(tiny_family_model(tiny_model_dir, "harmony", seed=31),
+                                  ServingOptions(context_length=2048, max_batch=4))
+    try:
+        with serve(backend) as live:
+            client, model = live.client(), backend.model_id
+            steer = {"logit_bias": {str(backend.tokenizer.backend.token_to_id("a")): -100}, "temperature": 0,
+                     "max_tokens": 300}
+            first = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME],
+                                                   tool_choice="required", **steer)
+            message = first.choices[0].message
+            assert first.choices[0].finish_reason == "tool_calls" and message.content is None
+            _check_calls(message.tool_calls, names=["get_weather", "get_time"])
+            assert len(message.tool_calls) == 1  # a call ends its turn
+
+            chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER, TIME],
+                                                         tool_choice=NAMED, stream=True, **steer))
+            streamed, finish, _ = _streamed_calls(chunks)
+            assert finish == "tool_calls" and [c["name"] for c in streamed] == ["get_weather"]
+            jsonschema.validate(json.loads(streamed[0]["arguments"]), PARAMETERS)
+
+            schema = {"type": "object", "properties": {"celsius": {"type": "integer"}}, "required": ["celsius"],
+                      "additionalProperties": False}
+            answer = client.chat.completions.create(
+                model=model, messages=ASK, response_format={"type": "json_schema", "json_schema": {
+                    "name": "reading", "schema": schema}}, **steer)
+            assert answer.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(answer.choices[0].message.content), schema)
+
+            history = ASK + [message.model_dump(exclude_none=True)] + [
+                {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 degrees"}]
+            final = client.chat.completions.create(model=model, messages=history, tools=[WEATHER, TIME],
+                                                   temperature=0, max_tokens=24)
+            assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+            assert not any(m in (final.choices[0].message.content or "") for m in ("<|channel|>", "<|message|>"))
+    finally:
+        backend.close()

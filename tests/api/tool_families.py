@@ -2,7 +2,8 @@
 
 The templates are written here in the shape of the families' published templates (Qwen2.5's
 Hermes-style `<tool_call>` blocks, Llama 3.1's JSON calls with the ipython role, Mistral
-v0.3's `[AVAILABLE_TOOLS]` / `[TOOL_CALLS]` / `[TOOL_RESULTS]` with 9-character call ids);
+v0.3's `[AVAILABLE_TOOLS]` / `[TOOL_CALLS]` / `[TOOL_RESULTS]` with 9-character call ids,
+GPT-OSS's harmony messages on channels);
 the tokenizer is byte-level BPE over the 256 bytes plus each family's special tokens.
 """
 
@@ -89,6 +90,40 @@ MISTRAL_TEMPLATE = r"""
 {%- endfor %}
 """
 
+# OpenAI's harmony (GPT-OSS), in the shape of its published template: tools as a TypeScript-like
+# namespace in a developer message, a call as a message to functions.NAME on the commentary
+# channel, a result as a message from it; the reply opens at <|start|>assistant.
+HARMONY_TEMPLATE = r"""
+{%- set ns = namespace(last_call=none, dev='') %}
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>' }}
+{%- if messages[0].role in ('system', 'developer') %}{%- set ns.dev = messages[0].content %}{%- endif %}
+{%- if ns.dev or tools %}
+{{- '<|start|>developer<|message|>' }}
+{%- if ns.dev %}{{- '# Instructions\n\n' + ns.dev + '\n\n' }}{%- endif %}
+{%- if tools %}
+{{- '# Tools\n\n## functions\n\nnamespace functions {\n' }}
+{%- for tool in tools %}{%- set f = tool.function %}
+{{- '\n// ' + f.description + '\ntype ' + f.name + ' = (_: ' + (f.parameters | tojson) + ') => any;\n' }}
+{%- endfor %}
+{{- '\n} // namespace functions' }}
+{%- endif %}
+{{- '<|end|>' }}
+{%- endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' %}
+{{- '<|start|>user<|message|>' + m.content + '<|end|>' }}
+{%- elif m.role == 'assistant' and m.tool_calls %}
+{%- set tc = m.tool_calls[0].function %}{%- set ns.last_call = tc.name %}
+{{- '<|start|>assistant to=functions.' + tc.name + '<|channel|>commentary json<|message|>' + (tc.arguments | tojson) + '<|call|>' }}
+{%- elif m.role == 'assistant' %}
+{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' }}
+{%- elif m.role == 'tool' %}
+{{- '<|start|>functions.' + ns.last_call + ' to=assistant<|channel|>commentary<|message|>' + (m.content | tojson) + '<|end|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
+"""
+
 # family -> (transformers variant, template, special tokens (first is BOS or None), eos, plain added tokens)
 FAMILIES = {
     "hermes": ("qwen2", HERMES_TEMPLATE, [None, "<|im_start|>", "<|im_end|>"], "<|im_end|>",
@@ -97,7 +132,11 @@ FAMILIES = {
                                            "<|eot_id|>", "<|python_tag|>"], "<|eot_id|>", []),
     "mistral": ("mistral", MISTRAL_TEMPLATE, ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                                               "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "</s>", []),
+    "harmony": ("gpt-oss", HARMONY_TEMPLATE, [None, "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                                              "<|constrain|>", "<|return|>", "<|call|>"], "<|return|>", []),
 }
+# A harmony reply ends at <|call|> too (GPT-OSS's generation_config lists both)
+_MORE_EOS = {"harmony": ["<|call|>"]}
 VOCAB_SIZE = 272  # 256 bytes + added tokens, rounded up
 
 
@@ -118,9 +157,10 @@ def tiny_family_model(tiny_model_dir, family: str, seed: int) -> Path:
     specials = [t for t in specials if t is not None]
     tokenizer = _tokenizer(specials, plain)
     assert tokenizer.get_vocab_size() <= VOCAB_SIZE
+    eos_ids = [tokenizer.token_to_id(t) for t in [eos, *_MORE_EOS.get(family, [])]]
     folder = tiny_model_dir(variant, seed=seed, vocab_size=VOCAB_SIZE, num_hidden_layers=2,
                             max_position_embeddings=2048, bos_token_id=tokenizer.token_to_id(bos) if bos else None,
-                            eos_token_id=tokenizer.token_to_id(eos))
+                            eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids)
     out = folder.parent / f"{folder.name}-{family}"
     if not out.exists():
         shutil.copytree(folder, out)
