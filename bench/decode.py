@@ -3,7 +3,9 @@
 Rows: SmolLM2-135M-Instruct Q4_1 (the demo GGUF as shipped), BF16 and Q8_0 (made from it by
 llama-quantize), and a 1.1B model of TinyLlama's shape (random weights, SmolLM2's 49152-token
 vocabulary so the file carries a real tokenizer) in BF16, Q8_0 and Q4_0; on request ("moe:Q4_K",
-not in the default rows) a mixture of experts laid out as Qwen3-30B-A3B, smaller (MOE). For each: our decode
+not in the default rows) a mixture of experts laid out as Qwen3-30B-A3B, smaller (MOE), and
+("oss:MXFP4_MOE") one laid out as gpt-oss-20b, smaller (GPT_OSS: experts MXFP4, the rest Q8_0,
+as llama.cpp's MXFP4_MOE writes them). For each: our decode
 tok/s at batch 1 and 8 (64 new tokens after a 32-token prompt), prefill tok/s (512 tokens, one
 chunk), steady and peak RSS, and the decode step split into graph building (Python) and ggml
 compute; llama.cpp's llama-bench (tg64, pp512) and llama-batched-bench (8 sequences) on the same
@@ -37,6 +39,11 @@ TINYLLAMA = dict(hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4
 # parameters, 142M of them active a token (Qwen3-30B-A3B: 30.5B, 3.3B active, 128 experts, 8 a token)
 MOE = dict(hidden=1024, intermediate=512, layers=16, heads=16, kv_heads=4, head_dim=64, experts=32,
            experts_per_token=4)
+# gpt-oss-20b's layout (32 experts, 4 a token, as wide as the model; 64-dim heads, more query dims
+# than hidden ones; every other layer windowed to 128; sinks and biases) at a size this machine runs:
+# 830M parameters, 120M active a token (gpt-oss-20b: 21B, 3.6B active, hidden 2880, 24 layers)
+GPT_OSS = dict(hidden=1024, intermediate=1024, layers=8, heads=32, kv_heads=4, head_dim=64, experts=32,
+               experts_per_token=4, gpt_oss=True)
 
 
 def model_path(row: str) -> Path:
@@ -50,11 +57,11 @@ def model_path(row: str) -> Path:
     if name == "smollm2":
         shipped = default_model_path()
         return shipped if kind == "Q4_1" else llama_cpp.make_variant(shipped, kind)
-    moe = name == "moe"
-    base = llama_cpp.CACHE / "bench" / ("qwen3moe-shape-random.BF16.gguf" if moe else "tinyllama-shape-random.BF16.gguf")
+    shape, stem = {"moe": (MOE, "qwen3moe"), "oss": (GPT_OSS, "gpt-oss")}.get(name, (TINYLLAMA, "tinyllama"))
+    base = llama_cpp.CACHE / "bench" / f"{stem}-shape-random.BF16.gguf"
     if not base.exists():
         base.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no bench cache yet
-        write_random_llama(default_model_path(), base, MOE if moe else TINYLLAMA)
+        write_random_llama(default_model_path(), base, shape)
     return base if kind == "BF16" else llama_cpp.make_variant(base, kind)
 
 
@@ -64,14 +71,14 @@ def write_random_llama(tokenizer_gguf: Path, out: Path, t: dict) -> None:
     import numpy as np
     import torch
     from gguf import GGUFWriter
-    from gguf.constants import GGMLQuantizationType as GGML
+    from gguf.constants import GGMLQuantizationType as GGML, RopeScalingType
 
     from meshllm.model.gguf import GGUFFile
     from tests.quantized_gguf import copy_tokenizer
 
     meta = GGUFFile.open(tokenizer_gguf).metadata
-    experts = t.get("experts", 0)
-    w = GGUFWriter(out.with_suffix(".tmp"), "qwen3moe" if experts else "llama")
+    experts, oss = t.get("experts", 0), t.get("gpt_oss", False)
+    w = GGUFWriter(out.with_suffix(".tmp"), "gpt-oss" if oss else "qwen3moe" if experts else "llama")
     for add, value in ((w.add_block_count, t["layers"]), (w.add_context_length, 2048),
                        (w.add_embedding_length, t["hidden"]), (w.add_feed_forward_length, t["intermediate"]),
                        (w.add_head_count, t["heads"]), (w.add_head_count_kv, t["kv_heads"]),
@@ -82,6 +89,13 @@ def write_random_llama(tokenizer_gguf: Path, out: Path, t: dict) -> None:
         w.add_expert_count(experts)
         w.add_expert_used_count(t["experts_per_token"])
         w.add_expert_feed_forward_length(t["intermediate"])
+    if oss:  # as conversion/gpt_oss.py writes gpt-oss-20b's: a 128 window, YaRN over 4096 positions
+        w.add_key_length(t["head_dim"])
+        w.add_value_length(t["head_dim"])
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     copy_tokenizer(meta, w)
     g = torch.Generator().manual_seed(0)
     vocab = len(meta["tokenizer.ggml.tokens"])
@@ -103,12 +117,21 @@ def write_random_llama(tokenizer_gguf: Path, out: Path, t: dict) -> None:
             add(f"blk.{b}.{name}.weight", rows, cols)
         for name, rows, cols in (("gate", i, h), ("up", i, h), ("down", h, i)):
             add(f"blk.{b}.ffn_{name}{'_exps' if experts else ''}.weight", rows, cols, experts)
-        if experts:  # the router, and Qwen3's q/k norms
+        if experts:  # the router
             w.add_tensor(f"blk.{b}.ffn_gate_inp.weight", (torch.randn(experts, h, generator=g) * 0.02).numpy())
+        if experts and not oss:  # Qwen3's q/k norms
             for norm in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(f"blk.{b}.{norm}.weight", np.ones(t["head_dim"], dtype=np.float32))
+        if oss:  # biases everywhere, the sinks; the MLP's norm is named post_attention_norm
+            small = lambda *shape: (torch.randn(*shape, generator=g) * 0.02).numpy()  # noqa: E731
+            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv), ("attn_output", h),
+                               ("ffn_gate_inp", experts)):
+                w.add_tensor(f"blk.{b}.{name}.bias", small(rows))
+            for name, rows in (("gate", i), ("up", i), ("down", h)):
+                w.add_tensor(f"blk.{b}.ffn_{name}_exps.bias", small(experts, rows))
+            w.add_tensor(f"blk.{b}.attn_sinks.weight", small(t["heads"]))
         w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(h, dtype=np.float32))
-        w.add_tensor(f"blk.{b}.ffn_norm.weight", np.ones(h, dtype=np.float32))
+        w.add_tensor(f"blk.{b}.{'post_attention_norm' if oss else 'ffn_norm'}.weight", np.ones(h, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

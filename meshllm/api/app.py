@@ -21,6 +21,7 @@ from meshllm.api.cluster_view import ClusterView, cluster_view, health_view
 from meshllm.api.config import APIConfig
 from meshllm.api.errors import document_errors, error_responses, install_error_handlers
 from meshllm.api.generation import ClientDisconnected, Generation
+from meshllm.api.harmony import HarmonyReader
 from meshllm.api.limits import BodyLimitMiddleware
 from meshllm.api.metrics import CONTENT_TYPE_LATEST
 from meshllm.api.prompts import ChoiceRequest, ModelText, chat_choices, completion_choices
@@ -32,7 +33,6 @@ from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
-from meshllm.api.harmony import HarmonyReader
 from meshllm.api.tool_parser import ToolCallParser
 from meshllm.errors import MeshError, ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
@@ -76,7 +76,8 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         chat = isinstance(body, ChatCompletionRequest)
         fmt = model_text.tool_format
         if chat and fmt.harmony is not None:
-            return [ChoiceState(c, HarmonyReader(fmt.harmony, fmt.new_call_id, body.parallel_calls)) for c in choices]
+            return [ChoiceState(c, HarmonyReader(fmt.harmony, fmt.new_call_id, body.parallel_calls, body.calls_tools,
+                                                 in_final=body.continue_final_message)) for c in choices]
         reads_calls = chat and body.calls_tools
         return [ChoiceState(c, ToolCallParser(fmt, body.parallel_calls, forced=body.forced_tools is not None)
                             if reads_calls else None) for c in choices]

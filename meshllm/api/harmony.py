@@ -44,12 +44,17 @@ class HarmonyTokens:
 
 
 class HarmonyReader:
-    """One choice's reply, read as it streams; ToolCallParser's interface, plus `reasoning`."""
+    """One choice's reply, read as it streams; ToolCallParser's interface, plus `reasoning`.
 
-    def __init__(self, tokens: HarmonyTokens, new_call_id, parallel: bool = True):
+    `calls_tools`: the request offers tools (else a message to functions.NAME is content, as
+    other families' call text is without tools). `in_final`: the prompt ends inside a final
+    message (continue_final_message), so the reply goes on with its content."""
+
+    def __init__(self, tokens: HarmonyTokens, new_call_id, parallel: bool = True, calls_tools: bool = True,
+                 in_final: bool = False):
         self._ids = {token_id: marker for marker, token_id in tokens.ids.items()}
         self._new_call_id = new_call_id
-        self.parallel = parallel
+        self.parallel, self.calls_tools = parallel, calls_tools
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.calls: list[ParsedCall] = []
@@ -57,19 +62,41 @@ class HarmonyReader:
         self._header = ""  # text since the last message's start, until its <|message|>
         self._channel = ""  # the header's part after <|channel|>
         self._in_channel = False
-        self._body: str | None = None  # where the body goes: "content", "reasoning", "call" or "drop"
+        # where the body goes: "content", "reasoning", "call", "drop"; None in a header
+        self._body: str | None = "content" if in_final else None
         self._call: ParsedCall | None = None
-        self._saw_marker = False
+        self._formatted = in_final  # a marker of the format's own (not just an end) has come
 
     @property
     def text(self) -> str:
         return "".join(self.content)
 
     def feed(self, text: str, token_id: int | None = None) -> tuple[str, list[CallDelta]]:
+        # A marker's event may carry text held back before it (a stop string's prefix, part of
+        # a character): that text comes first.
         self.reasoning_delta = ""
+        content, deltas = self._add_text(text)
         marker = self._ids.get(token_id) if token_id is not None else None
         if marker is not None:
-            return "", self._marker(marker)
+            more, new = self._marker(marker)
+            content, deltas = content + more, deltas + new
+        return content, deltas
+
+    def finish(self, cut: bool = False) -> str:
+        """A reply without the format's markers (a model ignoring it) is content as written, cut
+        or not; a header cut short is no content."""
+        return self._unformatted()
+
+    def _unformatted(self) -> str:
+        if self._formatted or self._body is not None or not self._header:
+            return ""
+        text, self._header = self._header, ""
+        self.content.append(text)
+        return text
+
+    def _add_text(self, text: str) -> tuple[str, list[CallDelta]]:
+        if not text:
+            return "", []
         if self._body is None:  # a header's text
             self._header += text
             if self._in_channel:
@@ -77,29 +104,24 @@ class HarmonyReader:
             return "", []
         return self._add_body(text)
 
-    def finish(self, cut: bool = False) -> str:
-        """A reply without a single marker (no harmony at all) is content as written."""
-        if not self._saw_marker and self._header.strip() and not cut:
-            self.content.append(self._header)
-            return self._header
-        return ""
-
-    def _marker(self, marker: str) -> list[CallDelta]:
+    def _marker(self, marker: str) -> tuple[str, list[CallDelta]]:
+        if marker in ("<|end|>", "<|return|>", "<|call|>"):  # the message ends
+            content = self._unformatted()
+            if self._call is not None:
+                self._call.complete = True
+            self._body, self._call, self._header, self._channel, self._in_channel = None, None, "", "", False
+            return content, []
+        self._formatted = True
         self._header += " "  # a marker ends the word before it (a recipient written up to <|channel|>)
-        self._saw_marker = True
         if marker == "<|channel|>":
             self._in_channel, self._channel = True, ""
         elif marker == "<|constrain|>":
             self._in_channel = False  # what follows (json) is the body's format, not the channel
         elif marker == "<|message|>":
-            return self._open_body()
-        elif marker == "<|start|>":
+            return "", self._open_body()
+        else:  # <|start|>: a new message's header
             self._header, self._channel, self._in_channel, self._body = "", "", False, None
-        else:  # <|end|>, <|return|>, <|call|>: the message ends
-            if self._call is not None:
-                self._call.complete = True
-            self._body, self._call, self._header, self._channel, self._in_channel = None, None, "", "", False
-        return []
+        return "", []
 
     def _open_body(self) -> list[CallDelta]:
         match = _RECIPIENT.search(self._header)
@@ -107,7 +129,7 @@ class HarmonyReader:
         channel_match = _CHANNEL.match(self._channel)
         channel = channel_match.group(1) if channel_match else ""
         self._in_channel = False
-        if recipient is not None and recipient.startswith("functions."):
+        if recipient is not None and recipient.startswith("functions.") and self.calls_tools:
             self._body = "call"
             name = recipient[len("functions."):]
             if not self.parallel and self.calls:
@@ -116,23 +138,21 @@ class HarmonyReader:
             self._call = ParsedCall(self._new_call_id(), name)
             self.calls.append(self._call)
             return [CallDelta(len(self.calls) - 1, self._call.id, name)]
-        if recipient is not None:  # a built-in tool of OpenAI's (browser, python): not the client's
-            self._body = "drop"
+        if recipient is not None and not recipient.startswith("functions."):
+            self._body = "drop"  # a built-in tool of OpenAI's (browser, python): not the client's
         elif channel == "analysis":
             self._body = "reasoning"
-        else:  # final, and commentary to the user (a preamble)
+        else:  # final, commentary to the user (a preamble), a call when no tools are offered
             self._body = "content"
         return []
 
     def _add_body(self, text: str) -> tuple[str, list[CallDelta]]:
-        if not text:
-            return "", []
         if self._body == "content":
             self.content.append(text)
             return text, []
         if self._body == "reasoning":
             self.reasoning.append(text)
-            self.reasoning_delta = text
+            self.reasoning_delta += text
             return "", []
         if self._body == "call" and self._call is not None:
             self._call.arguments += text
@@ -156,9 +176,9 @@ def answer_grammar(t: HarmonyTokens, schema: dict) -> str:
     return f"start: analysis? final\n{final}{_reasoning(t)}"
 
 
-def call_grammar(t: HarmonyTokens, tools: list[dict], answer: dict | None = None) -> str:
+def call_grammar(t: HarmonyTokens, tools: list[dict], answer: dict | None = None, free_text: bool = False) -> str:
     """One call to any of `tools` (arguments matching its schema), or, with `answer`, either that
-    or a final message matching it."""
+    or a final message matching it; `free_text`: or a final message of any text."""
     rules = []
     for i, tool in enumerate(tools):
         fn = tool["function"]
@@ -166,14 +186,13 @@ def call_grammar(t: HarmonyTokens, tools: list[dict], answer: dict | None = None
         rules.append(f'call{i}: {json.dumps(fn["name"])} " " {t.lark("<|constrain|>")} "json" '
                      f'{t.lark("<|message|>")} %json {schema_text(schema)}')
     calls = f'call: {t.lark("<|channel|>")} "commentary to=functions." ({" | ".join(f"call{i}" for i in range(len(tools)))})'
-    body = "call" if answer is None else "call | final"
-    final = "" if answer is None else \
-        f'final: {t.lark("<|channel|>")} "final" {t.lark("<|message|>")} %json {schema_text(answer)}\n'
+    opening = f'{t.lark("<|channel|>")} "final" {t.lark("<|message|>")}'
+    final = f"final: {opening} %json {schema_text(answer)}\n" if answer is not None else \
+        f"final: {opening} ANSWER\nANSWER: /(?s:.*)/\n" if free_text else ""
+    body = "call | final" if final else "call"
     return f"start: analysis? ({body})\n{calls}\n" + "\n".join(rules) + f"\n{final}{_reasoning(t)}"
 
 
 def text_or_call_grammar(t: HarmonyTokens, tools: list[dict]) -> str:
     """A final answer in free text, or one call whose arguments match its schema (strict tools)."""
-    grammar = call_grammar(t, tools)
-    free = f'final: {t.lark("<|channel|>")} "final" {t.lark("<|message|>")} ANSWER\nANSWER: /(?s:.*)/\n'
-    return grammar.replace("start: analysis? (call)", "start: analysis? (call | final)", 1) + free
+    return call_grammar(t, tools, free_text=True)

@@ -73,7 +73,7 @@ def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRe
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     messages = [m.as_template_input() for m in body.messages]
     for i, message in enumerate(messages):
-        for field in ("content", "name"):
+        for field in ("content", "name", "reasoning_content"):
             if field in message:
                 checked_text(tokenizer, message[field], model.max_context, f"messages[{i}].{field}")
     final = messages[-1]["content"]

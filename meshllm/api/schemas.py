@@ -58,6 +58,9 @@ class ChatMessage(RequestBody):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
+    # assistant messages: a reasoning model's reasoning, as replies carry it (vLLM's and llama.cpp's
+    # name); templates read it as reasoning_content (Qwen3) or thinking (GPT-OSS, before a call)
+    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict:
         """The message as OpenAI-shaped plain data: role, plain-text content, tool calls."""
@@ -73,6 +76,8 @@ class ChatMessage(RequestBody):
             message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 

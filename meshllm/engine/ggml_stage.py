@@ -31,7 +31,8 @@ from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_o
                                                q4_kx8_few_rows_op, q4_remainder_op, q8_0x8_ops, q8_few_rows_op)
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
 from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
-from meshllm.model.decoder import _SWIGLU_ALPHA, Decoder, MoE, SeqSlice, _inv_freq
+from meshllm.model.decoder import Decoder, MoE, SeqSlice, _inv_freq
+from meshllm.model.moe import SWIGLU_ALPHA
 
 _F32 = 4
 # Graph capacity: ~25 nodes per layer (~50 with Q4_1 remainders) plus 14 per sequence and layer
@@ -423,7 +424,8 @@ class GGMLStage:
                 # The op sees every key up to a row's own. With a window each row starts elsewhere:
                 # the rows of a few-row step (a verify pass) then go one by one, each exactly as a
                 # one-row decode step attends (same op, same key view), so a verify pass keeps
-                # scoring what its one-row steps score.
+                # scoring what its one-row steps score. (ggml's flash attention, which takes every
+                # step of Gemma 2 and GPT-OSS, scores each row of bf16 KV alone as it is.)
                 for row, q_rows in ([(None, q_seq)] if t == 1 or window is None else
                                     [(r, g.ggml_view_3d(ctx, q_seq, hd, heads, 1, q_seq.contents.nb[1],
                                                         q_seq.contents.nb[2], r * q_seq.contents.nb[2]))
@@ -441,18 +443,24 @@ class GGMLStage:
                 # bf16 it falls back to one query row at a time (SmolLM2 bf16 prefill 512: 420 -> 660
                 # tok/s with this). The f32 copy is exact and costs one pass over the attended KV.
                 keys, values = g.ggml_cast(ctx, keys, g.GGML_TYPE_F32), g.ggml_cast(ctx, values, g.GGML_TYPE_F32)
-            out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q_seq, 0, 2, 1, 3), keys, values, mask,
-                                        1.0 / math.sqrt(hd), 0.0, c.attn_softcap or 0.0)  # [hd, heads, t]
-            if w["sinks"] is not None:
-                g.ggml_flash_attn_ext_add_sinks(out, w["sinks"])
-            g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
-            outs.append(out)
+            outs.append(self._flash_attention(s, w, q_seq, keys, values, mask))
         attn = outs[0]
         for out in outs[1:]:
             attn = g.ggml_concat(ctx, attn, out, 2)
         attn = g.ggml_reshape_2d(ctx, attn, self.q_size, n)
         (o, _, _), = self._linear(s, w["o"], attn)
         return o
+
+    def _flash_attention(self, s: GraphScope, w: dict, q_rows, keys, values, mask):
+        """ggml's flash attention of q rows [hd, heads, t] over keys and values: [hd, heads, t].
+        Scores capped (Gemma 2) and sinks joined (GPT-OSS) where the model has them."""
+        g, c = s.g, self.config
+        out = g.ggml_flash_attn_ext(s.ctx, g.ggml_permute(s.ctx, q_rows, 0, 2, 1, 3), keys, values, mask,
+                                    1.0 / math.sqrt(c.head_dim), 0.0, c.attn_softcap or 0.0)
+        if w["sinks"] is not None:
+            g.ggml_flash_attn_ext_add_sinks(out, w["sinks"])
+        g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
+        return out
 
     def _mlp(self, s: GraphScope, w: dict, x, n: int):
         if "router" in w:
@@ -489,7 +497,7 @@ class GGMLStage:
         gate = with_bias(g.ggml_mul_mat_id(ctx, w["experts_gate"], rows, chosen), "experts_gate_bias")  # [width, k, n]
         up = with_bias(g.ggml_mul_mat_id(ctx, w["experts_up"], rows, chosen), "experts_up_bias")
         act = g.ggml_swiglu_split(ctx, gate, up) if c.swiglu_limit is None else \
-            g.ggml_swiglu_oai(ctx, gate, up, _SWIGLU_ALPHA, c.swiglu_limit)  # GPT-OSS's clamped one
+            g.ggml_swiglu_oai(ctx, gate, up, SWIGLU_ALPHA, c.swiglu_limit)  # GPT-OSS's clamped one
         out = with_bias(g.ggml_mul_mat_id(ctx, w["experts_down"], act, chosen), "experts_down_bias")  # [h, k, n]
         out = g.ggml_mul(ctx, out, weights)
         total = None

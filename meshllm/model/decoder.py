@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from meshllm.engine.kv_cache import KVLayout, SequenceKV
 from meshllm.model.config import ModelConfig, YarnScaling
 from meshllm.model.gemma import MODEL_TYPES as GEMMA_TYPES
+from meshllm.model.moe import SWIGLU_ALPHA
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,8 +289,7 @@ class Attention(nn.Module):
         first = 0 if self.sliding_window is None else max(0, end - self.sliding_window)
         keys, values = s.kv.k[layer, None, :, first:end], s.kv.v[layer, None, :, first:end]
         qg = q.reshape(1, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        return self._sdpa(qg, keys, values).reshape(1, self.num_heads,
-                                                                                           self.head_dim)
+        return self._sdpa(qg, keys, values).reshape(1, self.num_heads, self.head_dim)
 
     def _sdpa(self, q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None = None,
               is_causal: bool = False) -> Tensor:
@@ -322,9 +322,6 @@ class MLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
-
-
-_SWIGLU_ALPHA = 1.702  # GPT-OSS's gate * sigmoid(alpha * gate) (model/moe.py checks a config's)
 
 
 class MoE(nn.Module):
@@ -379,7 +376,7 @@ class MoE(nn.Module):
         # GPT-OSS's clamped SwiGLU, as transformers' GptOssExperts
         limit = self.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return _rows_product(self.down_proj, gate * torch.sigmoid(gate * _SWIGLU_ALPHA) * (up + 1), e * h, (e + 1) * h)
+        return _rows_product(self.down_proj, gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1), e * h, (e + 1) * h)
 
 
 def _rows_product(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:

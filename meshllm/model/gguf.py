@@ -30,6 +30,7 @@ from meshllm.model.config import ModelConfig, RopeScaling, yarn_mscale
 from meshllm.model.fused import split_fused
 from meshllm.model.rope_rows import is_qk, rope_rows_to_half, trained_in_pairs
 from meshllm.model.tensor_slice import TensorSlice
+from meshllm.model.tokenizer import without_harmony_end
 from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
 _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
@@ -575,10 +576,12 @@ def config_dict(file: GGUFFile) -> dict:
         "partial_rotary_factor": rope_dims / head_dim,
         "_rotated_dims": rope_dims,  # exact: the factor times head_dim may round below it
         "bos_token_id": int(tokens_meta["bos_token_id"]) if "bos_token_id" in tokens_meta else None,
-        "eos_token_id": sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
+        "eos_token_id": without_harmony_end(sorted({int(v) for k, v in tokens_meta.items() if k != "bos_token_id"}),
+                                            meta.get("tokenizer.ggml.tokens") or []),
     }
     if experts:  # Mixtral is written as "llama"; llama.cpp renormalizes the chosen experts of both
-        config.update(model_type={"llama": "mixtral", "qwen3moe": "qwen3_moe"}.get(arch, "gpt_oss"), num_experts=experts,
+        config.update(model_type={"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}[arch],
+                      num_experts=experts,
                       num_local_experts=experts,
                       num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=True,
                       moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length",
@@ -595,9 +598,7 @@ def config_dict(file: GGUFFile) -> dict:
         config.setdefault("attention_multiplier", head_dim ** -0.5)
     if arch == "gpt-oss":  # as llama.cpp reads it (src/models/openai-moe.cpp): every other layer windowed
         window = int(key("attention.sliding_window"))
-        pattern = meta.get("gpt-oss.attention.sliding_window_pattern", 2)
-        sliding = [bool(p) for p in pattern] if isinstance(pattern, (list, np.ndarray)) else \
-            [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(config["num_hidden_layers"])]
+        sliding = _windowed_layers(meta.get("gpt-oss.attention.sliding_window_pattern", 2), config["num_hidden_layers"])
         config.update(sliding_window=window, layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
                       intermediate_size=config["moe_intermediate_size"])
         if float(meta.get("gpt-oss.rope.freq_base_swa", rope_theta)) != rope_theta:
@@ -607,6 +608,16 @@ def config_dict(file: GGUFFile) -> dict:
         config.update(_gemma(file, arch, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
                              config["rope_scaling"]))
     return config
+
+
+def _windowed_layers(pattern, layers: int) -> list[bool]:
+    """Which layers a sliding window applies to, from a GGUF's sliding_window_pattern: one flag per
+    layer, or n (every n-th layer attends to everything; 0: none does), as llama.cpp's
+    set_swa_pattern reads it."""
+    if isinstance(pattern, (list, np.ndarray)):
+        return [bool(p) for p in pattern]
+    n = int(pattern)
+    return [n == 0 or i % n < n - 1 for i in range(layers)]
 
 
 # Per family, as llama.cpp reads its files (src/models/gemma2.cpp, gemma3.cpp): the layer
@@ -622,11 +633,7 @@ def _gemma(file: GGUFFile, arch: str, heads: int, hidden: int, head_dim: int, ro
     """Gemma 2's or 3's config.json fields from its GGUF metadata, as llama.cpp reads them."""
     meta, defaults = file.metadata, _GEMMA_DEFAULTS[arch]
     window = int(meta.get(f"{arch}.attention.sliding_window", defaults["window"]) or 0)
-    pattern = meta.get(f"{arch}.attention.sliding_window_pattern", defaults["pattern"])
-    if isinstance(pattern, (list, np.ndarray)):  # one flag per layer
-        sliding = [bool(p) for p in pattern]
-    else:  # every n-th layer attends to everything; 0: none does (llama.cpp's set_swa_pattern)
-        sliding = [int(pattern) == 0 or i % int(pattern) < int(pattern) - 1 for i in range(layers)]
+    sliding = _windowed_layers(meta.get(f"{arch}.attention.sliding_window_pattern", defaults["pattern"]), layers)
     local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else rope_theta))
     fields = {
         "hidden_activation": "gelu_pytorch_tanh",

@@ -30,6 +30,10 @@ def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
                                           f"meshllm runs Qwen3-MoE models whose every layer is sparse")
         width, normalize = int(d["moe_intermediate_size"]), bool(d.get("norm_topk_prob", False))
     elif model_type == "gpt_oss":
+        alpha = float(d.get("swiglu_alpha", SWIGLU_ALPHA))
+        if alpha != SWIGLU_ALPHA:
+            raise UnsupportedArchitecture(f"{origin}: swiglu_alpha {alpha} is not supported (GPT-OSS's is "
+                                          f"{SWIGLU_ALPHA})")
         return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=int(d["intermediate_size"]),
                     expert_biases=True, softmax_after_topk=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                     o_proj_bias=True, attention_sinks=True, **_gpt_oss_windows(d, num_layers, origin))
@@ -41,9 +45,6 @@ def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
 
 def _gpt_oss_windows(d: dict, num_layers: int, origin: str) -> dict:
     """GPT-OSS's windowed layers: every other one (the first included) unless layer_types says."""
-    alpha = float(d.get("swiglu_alpha", _SWIGLU_ALPHA))
-    if alpha != _SWIGLU_ALPHA:
-        raise UnsupportedArchitecture(f"{origin}: swiglu_alpha {alpha} is not supported (GPT-OSS's is {_SWIGLU_ALPHA})")
     types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
         raise ModelLoadError(f"{origin}: layer_types must name sliding_attention or full_attention for each of "
@@ -52,7 +53,7 @@ def _gpt_oss_windows(d: dict, num_layers: int, origin: str) -> dict:
     return dict(sliding_window=window or None, sliding_layers=tuple(t == "sliding_attention" for t in types))
 
 
-_SWIGLU_ALPHA = 1.702  # GPT-OSS's gate * sigmoid(alpha * gate), fixed in llama.cpp as in transformers
+SWIGLU_ALPHA = 1.702  # GPT-OSS's gate * sigmoid(alpha * gate), fixed in llama.cpp as in transformers
 
 
 def router_name(model_type: str, layer: int) -> str:
@@ -76,8 +77,8 @@ def expert_bias_names(layer: int, expert: int) -> tuple[str, str, str]:
     return tuple(name.removesuffix(".weight") + ".bias" for name in expert_names("gpt_oss", layer, expert))
 
 
-# gpt_oss: the names model/gguf.py gives each expert's slice of the file's experts tensors (a
-# GPT-OSS folder holds them fused and transposed, which meshllm does not read)
+# gpt_oss: the names each expert's slice takes, of a GGUF's experts tensors (model/gguf.py) and of
+# a folder's fused, transposed ones (model/gpt_oss_experts.py)
 _BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp"}
 _PROJECTIONS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
                 "gpt_oss": ("gate_proj", "up_proj", "down_proj")}

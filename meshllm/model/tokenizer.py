@@ -103,10 +103,7 @@ class Tokenizer:
         eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if k in meta]
         eos_ids += [i for i, t in enumerate(tokens) if t in _END_OF_GENERATION]
-        if "<|return|>" in tokens and "<|call|>" in tokens:
-            # o200k_harmony (GPT-OSS): <|end|> closes a message, the reasoning's among them, and the
-            # reply goes on; it ends at <|return|> or <|call|> (llama.cpp drops <|end|> so too)
-            eos_ids = [i for i in eos_ids if tokens[i] != "<|end|>"]
+        eos_ids = without_harmony_end(eos_ids, tokens)
         return cls(backend, special_tokens=special, chat_template=meta.get("tokenizer.chat_template"),
                    eos_token_ids=tuple(dict.fromkeys(eos_ids)))
 
@@ -331,6 +328,15 @@ _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "ll
                          "command-r": _DIGITS_THEN_GPT2, "codeshell": _DIGITS_THEN_GPT2,
                          "exaone": _DIGITS_THEN_GPT2, "minerva-7b": _DIGITS_THEN_GPT2,
                          "deepseek-coder": _DEEPSEEK_CODER_SPLIT}
+def without_harmony_end(ids: list[int], tokens: Sequence[str]) -> list[int]:
+    """Stop ids without <|end|> in an o200k_harmony vocabulary (GPT-OSS's): there <|end|> closes a
+    message, the reasoning's among them, and the reply goes on to <|return|> or <|call|>
+    (llama.cpp drops it from its end-of-generation ids so too, whatever the metadata names)."""
+    if "<|return|>" not in tokens or "<|call|>" not in tokens:
+        return ids
+    return [i for i in ids if not (0 <= i < len(tokens) and tokens[i] == "<|end|>")]
+
+
 # llama.cpp's Llama 3 family of pre-tokenizers (and Mistral's tekken): a word that is a whole token
 # is that token (the BPE "ignore_merges"), and BOS is added unless the file says otherwise.
 _WHOLE_WORD_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})

@@ -69,8 +69,9 @@ CASES = [
     # a built-in tool of OpenAI's is not the client's: neither content nor a call
     ('<|channel|>analysis<|message|>search<|end|><|start|>assistant<|channel|>analysis to=browser.search '
      'code<|message|>{"q": 1}<|call|>', "", "search", []),
-    # a model that ignores the format: its text is the content
+    # a model that ignores the format: its text is the content, ended by a stop token or not
     ("Just text, no markers.", "Just text, no markers.", "", []),
+    ("Just text, then the stop token.<|return|>", "Just text, then the stop token.", "", []),
 ]
 
 
@@ -98,7 +99,38 @@ def test_one_call_when_parallel_calls_are_off():
 def test_a_cut_reply_keeps_what_it_had():
     reader, content, reasoning, _ = _read("<|channel|>analysis<|message|>still thinking", 5)
     assert (content, reasoning) == ("", "still thinking")
-    assert _read("<|channel|>fin", 2)[0].finish(cut=True) == ""  # a header cut short is no content
+    reader = HarmonyReader(TOKENS, lambda: "call_x")
+    for text, token_id in _pieces("<|channel|>fin", 2):
+        assert reader.feed(text, token_id) == ("", [])
+    assert reader.finish(cut=True) == "" and reader.text == ""  # a header cut short is no content
+    reader = HarmonyReader(TOKENS, lambda: "call_x")
+    assert reader.feed("cut plain text") == ("", []) and reader.finish(cut=True) == "cut plain text"
+
+
+def test_text_released_with_a_marker_comes_before_it():
+    # the leader holds text back (a stop string's prefix, part of a character) and releases it
+    # with the next token's event, which may be the marker that closes the message
+    reader = HarmonyReader(TOKENS, lambda: "call_x")
+    reader.feed("", ID["<|channel|>"])
+    reader.feed("final", None)
+    reader.feed("", ID["<|message|>"])
+    assert reader.feed("It is", None) == ("It is", [])
+    assert reader.feed(" 4.", ID["<|return|>"]) == (" 4.", [])
+    assert reader.text == "It is 4."
+
+
+def test_without_tools_a_call_message_is_content_and_a_continued_final_goes_on():
+    reader, content, _, _ = _read(CALL, 3)
+    assert reader.calls and content == ""
+    plain = HarmonyReader(TOKENS, lambda: "call_x", calls_tools=False)
+    for text, token_id in _pieces(CALL, 3):
+        plain.feed(text, token_id)
+    assert not plain.calls and plain.text == '{"city": "Paris"}'
+    # continue_final_message: the prompt ends inside the final message
+    going_on = HarmonyReader(TOKENS, lambda: "call_x", in_final=True)
+    assert going_on.feed(" and more", None) == (" and more", [])
+    assert going_on.feed("", ID["<|return|>"]) == ("", []) and going_on.finish() == ""
+    assert going_on.text == " and more"
 
 
 def _state(reply: str) -> tuple[ChoiceState, list]:

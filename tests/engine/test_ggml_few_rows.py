@@ -20,6 +20,7 @@ from meshllm.engine.kv_cache import SequenceKV
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.decoder import SeqSlice
 from meshllm.model.source import open_model
+from meshllm.model.weights import SafetensorsSource
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +153,26 @@ def test_kept_graphs_of_finished_sequences_are_dropped(bf16_decoder):
     d(prompt[:1], torch.tensor([7]), [SeqSlice(other, 0, 1)], torch.tensor([0]))
     assert d.fast_path._cached and all(step.current() for step in d.fast_path._cached.values())
     assert all(ref() is other for step in d.fast_path._cached.values() for ref in step.kvs)
+
+
+@pytest.mark.parametrize("variant", ["gemma2", "gpt-oss", "llama"])
+def test_a_verify_pass_over_a_long_cache_scores_what_one_row_steps_score(rt, tiny_model_dir, variant):
+    """Soft-capped scores (Gemma 2) and sinks (GPT-OSS) take ggml's flash attention for every
+    step, where other models' few-row steps take meshllm's op: over bf16 KV (what these models
+    run in) it scores each row alone, past 512 keys too (its one-row kernel splits longer f32/f16
+    caches across threads, its multi-row ones do not; in float32 the products' kernels differ by
+    row count anyway), so a verify pass still scores what its one-row steps score."""
+    source = SafetensorsSource(tiny_model_dir(variant, max_position_embeddings=1024) if variant != "gpt-oss"
+                               else tiny_model_dir(variant))
+    d = load_stage_decoder(source, source.config(), dtype=torch.bfloat16)
+    assert isinstance(d.fast_path, ggml_stage.GGMLStage)
+    assert (d.fast_path._attention_op is None) == (variant != "llama")
+    g = torch.Generator().manual_seed(5)
+    prompt, block = torch.randint(3, 90, (600,), generator=g), torch.randint(3, 90, (5,), generator=g)
+    kv = SequenceKV(d.kv_layout(), 8)
+    d(prompt, torch.arange(600), [SeqSlice(kv, 0, 600)], torch.tensor([599]))
+    verify = d(block, torch.arange(600, 605), [SeqSlice(kv, 0, 5)], torch.arange(5))
+    kv.truncate(600)
+    steps = torch.cat([d(block[i:i + 1], torch.tensor([600 + i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+                       for i in range(5)])
+    assert torch.equal(verify, steps)
