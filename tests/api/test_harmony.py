@@ -199,3 +199,16 @@ def test_grammars_let_a_reply_reason_first_then_hold_it_to_the_schema(tiny_model
     ids = tokenizer.encode(reply, add_special_tokens=False)
     consumed = all(matcher.accept(i) for i in ids)
     assert (consumed and matcher.is_accepting) == allowed
+
+
+def test_an_assistant_messages_reasoning_goes_back_to_the_template():
+    # GPT-OSS's template writes an earlier call's reasoning (message.thinking) before the call;
+    # Qwen3's reads message.reasoning_content: both names carry what a reply's reasoning_content was
+    from meshllm.api.schemas import ChatMessage
+
+    message = ChatMessage(role="assistant", content="", reasoning_content="Call the tool.",
+                          tool_calls=[{"id": "call_1", "type": "function",
+                                       "function": {"name": "get_weather", "arguments": "{}"}}])
+    rendered = message.as_template_input()
+    assert rendered["thinking"] == rendered["reasoning_content"] == "Call the tool."
+    assert "thinking" not in ChatMessage(role="assistant", content="Hi").as_template_input()
