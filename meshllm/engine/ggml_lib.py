@@ -66,6 +66,8 @@ class Runtime:
     def repacked_types(self) -> frozenset[int]:
         g = self.lib
         types = {g.GGML_TYPE_Q4_0, g.GGML_TYPE_Q4_K, g.GGML_TYPE_IQ4_NL}
+        if g.ggml_cpu_has_avx2():
+            types.add(g.GGML_TYPE_MXFP4)  # mxfp4_8x8_q8_0 (GPT-OSS's experts)
         if g.ggml_cpu_has_avx512():
             types.add(g.GGML_TYPE_Q2_K)
         return frozenset(types)

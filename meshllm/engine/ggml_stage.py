@@ -119,13 +119,10 @@ class _Weights:
 
 def _experts(scope: _WeightContext, module: nn.Module, experts: int):
     """A 3-d ggml tensor [cols, rows, experts] over an experts matrix (decoder.MoE), as
-    ggml_mul_mat_id reads it: a view of its one plain-layout block matrix, or of its dense weight."""
+    ggml_mul_mat_id reads it: its one block matrix (held 3-d), or a view of its dense weight."""
     if isinstance(module, QuantizedLinear):
-        (matrix,) = module.matrices  # stage_weights holds experts as one plain matrix
-        t = matrix.tensor
-        rows = matrix.rows // experts
-        return scope.g.ggml_view_3d(scope.ctx, t, matrix.cols, rows, experts, t.contents.nb[1],
-                                    t.contents.nb[1] * rows, 0)
+        (matrix,) = module.matrices  # stage_weights holds experts as one 3-d matrix (repacked or not)
+        return matrix.tensor
     weight = module.weight
     return scope.wrap(weight.view(experts, weight.shape[0] // experts, weight.shape[1]))
 
@@ -162,7 +159,7 @@ def supports(decoder: Decoder) -> str | None:
         return f"dtype {decoder.dtype}"
     mlps = [(m.router, m.gate_proj, m.up_proj, m.down_proj) if isinstance(m, MoE) else (m.gate_up_proj, m.down_proj)
             for m in (layer.mlp for layer in decoder.layers)]
-    if any(isinstance(m, QuantizedLinear) and (len(m.matrices) != 1 or m.matrices[0].repacked)
+    if any(isinstance(m, QuantizedLinear) and (len(m.matrices) != 1 or m.matrices[0].experts != decoder.config.num_experts)
            for layer in decoder.layers if isinstance(layer.mlp, MoE)
            for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
         return "experts matrices ggml's expert product cannot read"

@@ -32,11 +32,14 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_parts(cls, rt: Runtime, parts: list[BlockMatrix], bias: Tensor | None = None,
-                   repack: bool = True) -> QuantizedLinear:
-        """`repack=False`: ggml's plain layout, whose rows views and expert products can read."""
+                   repack: bool = True, experts: bool = False) -> QuantizedLinear:
+        """`repack=False`: ggml's plain layout, whose rows views can read. `experts`: the parts
+        are a mixture's experts, one each: held as one experts matrix when they share a type."""
+        count = len(parts)
         if len(parts) > 1 and len({p.ggml_type for p in parts}) == 1:
             parts = [BlockMatrix.cat_rows(parts)]  # one matrix, one product
-        return cls([GGMLMatrix(rt, p, repack=repack) for p in parts], bias)
+        return cls([GGMLMatrix(rt, p, repack=repack, experts=count if experts and len(parts) == 1 else 1)
+                    for p in parts], bias)
 
     @property
     def num_bytes(self) -> int:

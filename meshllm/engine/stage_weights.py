@@ -65,10 +65,10 @@ class GGMLWeightForm:
         parts = linear_block_parts(source, hf_names, rows, self._blocks, self.rt, self.quantize_to)
         if parts is None:
             return None
-        # Experts matrices stay in ggml's plain layout: its expert product (mul_mat_id) and the torch
-        # path's one-expert views read rows there; a repacked layout interleaves them.
+        # An experts matrix is one 3-d tensor, as ggml's expert product (mul_mat_id) reads it, re-laid
+        # out for some types (ggml_weights.REPACKED_EXPERT_TYPES says which and why).
         experts = any(".experts." in name for name in hf_names)
-        linear = QuantizedLinear.from_parts(self.rt, parts, repack=not experts)
+        linear = QuantizedLinear.from_parts(self.rt, parts, experts=experts)
         if experts and len(linear.matrices) != 1:
             raise ModelLoadError(f"{source.path}: the experts of {hf_names[0]!r} and the others are stored in "
                                  f"different types ({', '.join(sorted({p.ggml_type.name for p in parts}))}); "
@@ -264,7 +264,8 @@ def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: in
     def held(name: str, linear: bool) -> int:
         if is_blocks(name):  # linears are repacked (a Q4_1 one may grow: split_q4_1), tables are not
             size = source.block_bytes(name)
-            return held_block_bytes(rt, source.block_type(name), shapes[name][0], size) if linear else size
+            splits = linear and ".experts." not in name  # an experts matrix is never split (GGMLMatrix)
+            return held_block_bytes(rt, source.block_type(name), shapes[name][0], size) if splits else size
         count = math.prod(shapes[name])
         if linear and quantize_to is not None:
             block, block_bytes = GGML_QUANT_SIZES[quantize_to]

@@ -27,6 +27,7 @@ from meshllm.model.gguf import GGUFSource
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
 from meshllm.model.weights import SafetensorsSource
+from tests.engine.test_ggml_few_rows import verify_pass_and_steps
 from tests.engine.test_ggml_sliding_window import _logits, assert_ggml_matches_torch
 from tests.model.test_gguf import write_model_gguf
 from tests.quantized_gguf import write_quantized_llama
@@ -59,20 +60,36 @@ def quantized(rt, smollm2_gguf_path, tiny_model_dir, tmp_path_factory, request):
     return open_model(path), ggml_type
 
 
-def test_quantized_experts_stay_quantized_in_ggmls_plain_layout(quantized):
+def test_quantized_experts_stay_quantized_one_3d_matrix_each(quantized, rt):
+    """Each projection's experts are one [cols, rows, experts] tensor: MXFP4 ones re-laid out by
+    ggml where this CPU has kernels for it, the others in its plain layout
+    (ggml_weights.REPACKED_EXPERT_TYPES says why)."""
     files, ggml_type = quantized
     decoder = load_stage_decoder(files.source, files.config)
     mlp = decoder.layers[0].mlp
     assert isinstance(decoder.fast_path, GGMLStage) and isinstance(mlp, MoE)
     for experts in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-        assert experts.weight_types == [ggml_type.name] and not experts.matrices[0].repacked
+        (matrix,) = experts.matrices
+        assert experts.weight_types == [ggml_type.name] and matrix.experts == files.config.num_experts == 4
+        assert list(matrix.tensor.contents.ne[:3]) == [matrix.cols, matrix.rows // 4, 4]
+        assert matrix.repacked == (ggml_type == GGML.MXFP4 and rt.repacks(ggml_type, matrix.rows // 4))
     # The two paths' products differ in their last bits (ggml's few-row and tiled kernels against
-    # one-expert views), which on random quantized weights can cross an activation's quantization
-    # step; the dense test above checks the routing and sums, this that both paths run.
+    # one-expert products), which on random quantized weights can cross an activation's
+    # quantization step; the dense test above checks the routing and sums, this that both paths
+    # run (the torch path multiplies one repacked expert through ggml's expert product).
     fast = _logits(decoder, SEQS, 8, 3, True, torch.float32)
     slow = _logits(decoder, SEQS, 8, 3, False, torch.float32)
     agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(fast, slow))
     assert agree >= 0.9 * sum(len(a) for a in fast), agree
+
+
+def test_a_verify_pass_of_quantized_experts_scores_what_one_row_steps_score(quantized):
+    # ggml's repacked expert product runs row by row (its gemv), so rows sharing an expert in a
+    # verify pass get what each gets alone (in bf16: the GPT-OSS file's float32 attention weights
+    # would run ggml's float32 products, which differ by row count for any model)
+    files, _ = quantized
+    verify, steps = verify_pass_and_steps(load_stage_decoder(files.source, files.config, dtype=torch.bfloat16), 5)
+    assert torch.equal(verify, steps)
 
 
 def test_two_stages_of_quantized_experts_give_one_stage_logits(quantized):
