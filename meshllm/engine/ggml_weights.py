@@ -30,15 +30,6 @@ KEPT_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q4_K, 
               GGML.Q2_K, GGML.Q3_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.MXFP4, GGML.BF16, GGML.F16)
 
 
-# Experts matrices ggml re-lays out (where this CPU has kernels for the type). Its repacked
-# expert product multiplies row by row: for MXFP4 faster in decode and prefill alike (a
-# gpt-oss-shaped model, 2 threads, AMD Zen 4: decode 0.83x -> 1.11x llama.cpp, prefill 0.79x ->
-# 1.05x); for Q4_K faster in decode but not in prefill, where the plain layout's product takes
-# many rows at once (a Qwen3-MoE shape: decode 0.95x -> 1.08x, prefill 1.7x -> 1.1x), so Q4_K
-# experts (and the unmeasured types) stay plain.
-REPACKED_EXPERT_TYPES = frozenset((GGML.MXFP4,))
-
-
 @dataclass(frozen=True, eq=False)
 class BlockMatrix:
     """A [rows, cols] matrix as ggml blocks: `data` is uint8 [rows, bytes per row]."""
@@ -196,8 +187,12 @@ class GGMLMatrix:
             matrix, self.remainder = split_q4_1(matrix)
         self.num_bytes = matrix.num_bytes + (0 if self.remainder is None else self.remainder.nbytes)
         self._new_tensor(matrix)
-        repack = repack and (experts == 1 or matrix.ggml_type in REPACKED_EXPERT_TYPES)
-        buffer_type = rt.buffer_type_for(int(matrix.ggml_type), self.rows // experts) if repack else rt.cpu_buffer_type
+        if not repack:
+            buffer_type = rt.cpu_buffer_type
+        elif experts > 1:
+            buffer_type = rt.experts_buffer_type_for(int(matrix.ggml_type), self.rows // experts)
+        else:
+            buffer_type = rt.buffer_type_for(int(matrix.ggml_type), self.rows)
         self._buffer = g.ggml_backend_alloc_ctx_tensors_from_buft(self._ctx, buffer_type)
         if not self._buffer:
             raise MemoryError(f"ggml could not allocate {matrix.num_bytes} bytes for a {matrix.shape} matrix")

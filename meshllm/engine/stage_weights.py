@@ -66,7 +66,7 @@ class GGMLWeightForm:
         if parts is None:
             return None
         # An experts matrix is one 3-d tensor, as ggml's expert product (mul_mat_id) reads it, re-laid
-        # out for some types (ggml_weights.REPACKED_EXPERT_TYPES says which and why).
+        # out for some types (ggml_lib.REPACKED_EXPERT_TYPES says which and why).
         experts = any(".experts." in name for name in hf_names)
         linear = QuantizedLinear.from_parts(self.rt, parts, experts=experts)
         if experts and len(linear.matrices) != 1:

@@ -63,7 +63,7 @@ def quantized(rt, smollm2_gguf_path, tiny_model_dir, tmp_path_factory, request):
 def test_quantized_experts_stay_quantized_one_3d_matrix_each(quantized, rt):
     """Each projection's experts are one [cols, rows, experts] tensor: MXFP4 ones re-laid out by
     ggml where this CPU has kernels for it, the others in its plain layout
-    (ggml_weights.REPACKED_EXPERT_TYPES says why)."""
+    (ggml_lib.REPACKED_EXPERT_TYPES says why)."""
     files, ggml_type = quantized
     decoder = load_stage_decoder(files.source, files.config)
     mlp = decoder.layers[0].mlp
@@ -72,7 +72,7 @@ def test_quantized_experts_stay_quantized_one_3d_matrix_each(quantized, rt):
         (matrix,) = experts.matrices
         assert experts.weight_types == [ggml_type.name] and matrix.experts == files.config.num_experts == 4
         assert list(matrix.tensor.contents.ne[:3]) == [matrix.cols, matrix.rows // 4, 4]
-        assert matrix.repacked == (ggml_type == GGML.MXFP4 and rt.repacks(ggml_type, matrix.rows // 4))
+        assert matrix.repacked == (ggml_type == GGML.MXFP4 and rt.lib.ggml_cpu_has_avx2())
     # The two paths' products differ in their last bits (ggml's few-row and tiled kernels against
     # one-expert products), which on random quantized weights can cross an activation's
     # quantization step; the dense test above checks the routing and sums, this that both paths
