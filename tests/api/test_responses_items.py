@@ -262,3 +262,25 @@ def test_a_failed_response_leaves_the_item_it_cut_short_incomplete():
     failed = run.response(error=MeshError("the stage went away"))
     assert failed["status"] == "failed" and [item["status"] for item in failed["output"]] == ["incomplete"]
     assert "the stage went away" in failed["error"]["message"]
+
+
+def test_reasoning_becomes_a_reasoning_item_and_goes_back_with_the_turn():
+    # GPT-OSS's analysis channel (api/harmony.py): a reasoning item with one reasoning_text part,
+    # streamed as response.reasoning_text.delta, closed when the call opens
+    out = OutputItems()
+    events = out.feed("", [], [{"token": "We"}], reasoning="We need")
+    assert _types(events) == ["output_item.added", "reasoning_text.delta"]
+    assert events[0]["item"]["type"] == "reasoning" and events[1]["delta"] == "We need"
+    out.feed("", [], [], reasoning=" the weather.")
+    events = out.feed("", [CallDelta(0, "call_1", "get_weather", "{}")], [])
+    assert _types(events)[:3] == ["reasoning_text.done", "output_item.done", "output_item.added"]
+    assert events[0]["text"] == "We need the weather." and events[1]["item"]["status"] == "completed"
+    out.finish("completed")
+    message = as_chat_message(out.items)
+    assert message["reasoning_content"] == "We need the weather." and message["tool_calls"][0]["id"] == "call_1"
+    # sent back as input items, the reasoning reaches the assistant turn it led to
+    body = request(input=[{"role": "user", "content": "Weather in Paris?"}, *out.items,
+                          {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}])
+    assert chat_messages(body)[1] == {"role": "assistant", "content": None, "reasoning_content": "We need the weather.",
+                                      "tool_calls": [{"id": "call_1", "type": "function",
+                                                      "function": {"name": "get_weather", "arguments": "{}"}}]}

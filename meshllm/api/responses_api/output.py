@@ -1,8 +1,10 @@
 """A response's output items, built as its choice's content and call deltas arrive, and the
 Responses stream's events for each step (stream.py sends them; a whole reply keeps the items).
 
-Content opens a message item (one output_text part) and each call a function_call item; an
-item is closed when the next one opens or the reply ends. Content that is only whitespace is
+Content opens a message item (one output_text part), each call a function_call item, and a
+reasoning model's reasoning (GPT-OSS's analysis channel) a reasoning item (one reasoning_text
+part, streamed as response.reasoning_text.delta); an item is closed when the next one opens or
+the reply ends. Content that is only whitespace is
 held until something visible follows, so the spacing around a tool call never becomes a
 message of its own (chat completions drop it the same way).
 
@@ -26,9 +28,13 @@ class OutputItems:
         self._held = ""  # whitespace not yet known to belong to a message
         self._logprobs: list[dict] = []  # of tokens not yet sent with a text delta
 
-    def feed(self, content: str, calls: list[CallDelta], logprobs: list[dict]) -> list[dict]:
-        """The events `content` and `calls` (what one token added) make; `logprobs`: that token's entries."""
+    def feed(self, content: str, calls: list[CallDelta], logprobs: list[dict], reasoning: str = "") -> list[dict]:
+        """The events `content`, `calls` and `reasoning` (what one token added) make; `logprobs`:
+        that token's entries."""
         events: list[dict] = []
+        if reasoning:
+            events += self._reasoning(reasoning)
+            logprobs = []  # the tokens of the reasoning wrote no message text
         self._logprobs += logprobs
         if content:
             text = self._held + content
@@ -81,6 +87,17 @@ class OutputItems:
                        "logprobs": logprobs})
         return events
 
+    def _reasoning(self, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != "reasoning":
+            item = {"type": "reasoning", "id": new_id("rs", "_"), "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+            events += self._add(item)
+        self._open["content"][0]["text"] += text
+        events.append({"type": "response.reasoning_text.delta", "item_id": self._open["id"],
+                       "output_index": len(self.items) - 1, "content_index": 0, "delta": text})
+        return events
+
     def _add(self, item: dict) -> list[dict]:
         events = self._close("completed")
         self.items.append(item)
@@ -102,6 +119,9 @@ class OutputItems:
                         "content_index": 0, "text": part["text"], "logprobs": part["logprobs"]},
                        {"type": "response.content_part.done", "item_id": item["id"], "output_index": index,
                         "content_index": 0, "part": dict(part)}]
+        elif item["type"] == "reasoning":
+            events.append({"type": "response.reasoning_text.done", "item_id": item["id"], "output_index": index,
+                           "content_index": 0, "text": item["content"][0]["text"]})
         else:
             events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
                            "output_index": index, "name": item["name"], "arguments": item["arguments"]})
@@ -126,7 +146,7 @@ def _writers(entries: list[dict], data: bytes) -> list[dict]:
 
 def _copy(item: dict) -> dict:
     """The item as it stands now (events carry snapshots; the item itself keeps growing)."""
-    return {**item, "content": [dict(p) for p in item["content"]]} if item["type"] == "message" else dict(item)
+    return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
 
 
 def as_chat_message(items: list[dict]) -> dict | None:
@@ -135,9 +155,22 @@ def as_chat_message(items: list[dict]) -> dict | None:
     calls = [{"id": item["call_id"], "type": "function",
               "function": {"name": item["name"], "arguments": item["arguments"]}}
              for item in items if item["type"] == "function_call"]
-    if not text and not calls:
+    reasoning = reasoning_text(items)
+    if not text and not calls and not reasoning:
         return None
     message = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
+    if reasoning:  # back to the template with the conversation (GPT-OSS's reasoning before a call)
+        message["reasoning_content"] = reasoning
     return message
+
+
+def reasoning_text(items: list[dict]) -> str:
+    """The text of reasoning items (their reasoning_text parts, else their summaries)."""
+    out = []
+    for item in items:
+        if item.get("type") == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            out += [p.get("text", "") for p in parts if isinstance(p, dict)]
+    return "".join(out)

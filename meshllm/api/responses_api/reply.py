@@ -40,7 +40,7 @@ class ResponseRun:
             self._cursor = self._cursor or self.formatter.cursor()
             logprobs = [e.model_dump() for e in self.formatter.chat([event.logprobs], self._cursor).content]
         content, calls = self.state.delta
-        events = self.output.feed(content, calls, logprobs)
+        events = self.output.feed(content, calls, logprobs, self.state.reasoning_delta)
         if event.finish_reason is not None:
             events += self.output.finish(self.status, frozenset(c.id for c in self.state.tool_calls if c.complete))
         return events

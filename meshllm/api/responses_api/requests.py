@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from meshllm.api.responses import new_id
+from meshllm.api.responses_api.output import reasoning_text
 from meshllm.api.schemas import ChatCompletionRequest, GenerationFields
 from meshllm.engine.sampler import MAX_LOGPROBS
 from meshllm.errors import BadRequest, MeshError
@@ -139,6 +140,7 @@ def chat_messages(body: ResponsesRequest, history: list[dict] = ()) -> list[dict
         return [{"role": "user", "content": body.input}]
     called = {c["id"] for m in history for c in m.get("tool_calls") or ()}
     messages: list[dict] = []
+    reasoning = ""  # a reasoning item's text, for the assistant message that follows it
     for i, item in enumerate(body.input):
         kind = item.get("type", "message")
         where = f"input[{i}]"
@@ -147,6 +149,8 @@ def chat_messages(body: ResponsesRequest, history: list[dict] = ()) -> list[dict
             if role not in _ROLES:
                 raise BadRequest(f"{where}: role {role!r} is not one of {', '.join(_ROLES)}")
             messages.append({"role": role, "content": _text_of(item.get("content"), where)})
+            if role == "assistant" and reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -156,6 +160,8 @@ def chat_messages(body: ResponsesRequest, history: list[dict] = ()) -> list[dict
                 last.setdefault("tool_calls", []).append(call)  # a reply's text and calls are one message
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", where)
             if call_id not in called:
@@ -164,8 +170,8 @@ def chat_messages(body: ResponsesRequest, history: list[dict] = ()) -> list[dict
                                  f"previous_response_id)")
             messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text_of(item.get("output"), f"{where}.output")})
-        elif kind == "reasoning":
-            continue  # a model's reasoning, sent back by clients that keep every item: none is produced here
+        elif kind == "reasoning":  # a reasoning model's, sent back: to its template with the turn it led to
+            reasoning += reasoning_text([item])
         elif kind == "item_reference":
             raise BadRequest(f"{where}: item references are not supported; send the item itself, or continue "
                              f"a stored response with previous_response_id")
