@@ -33,6 +33,7 @@ from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
+from meshllm.api.think import ThinkReader, prompt_opens_reasoning
 from meshllm.api.tool_parser import ToolCallParser
 from meshllm.errors import MeshError, ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
@@ -79,8 +80,16 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
             return [ChoiceState(c, HarmonyReader(fmt.harmony, fmt.new_call_id, body.parallel_calls, body.calls_tools,
                                                  in_final=body.continue_final_message)) for c in choices]
         reads_calls = chat and body.calls_tools
-        return [ChoiceState(c, ToolCallParser(fmt, body.parallel_calls, forced=body.forced_tools is not None)
-                            if reads_calls else None) for c in choices]
+
+        def reader(c: ChoiceRequest):
+            calls = ToolCallParser(fmt, body.parallel_calls, forced=body.forced_tools is not None) if reads_calls else None
+            if not chat or not model_text.thinks or body.continue_final_message:
+                return calls
+            # a <think> block first (Qwen3, DeepSeek-R1): reasoning_content; the prompt may have opened it
+            tail = model_text.tokenizer.decode(c.prompt_ids[-8:], skip_special_tokens=False)
+            return ThinkReader(calls, in_reasoning=prompt_opens_reasoning(tail))
+
+        return [ChoiceState(c, reader(c)) for c in choices]
 
     async def respond(request: Request, leader: Leader, choices: list[ChoiceRequest],
                       stream: Callable[[Generation], Awaitable[Response]] | None,

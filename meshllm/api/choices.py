@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from meshllm.api.harmony import HarmonyReader
 from meshllm.api.prompts import ChoiceRequest
+from meshllm.api.think import ThinkReader
 from meshllm.api.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
 from meshllm.api.tool_parser import CallDelta, ParsedCall, ToolCallParser
 from meshllm.engine.sampler import TokenLogprobs
@@ -31,7 +32,7 @@ class ChoiceState:
     and `delta` is what the last event added (content, call deltas) for streaming."""
 
     request: ChoiceRequest
-    tool_parser: ToolCallParser | HarmonyReader | None = None
+    tool_parser: ToolCallParser | HarmonyReader | ThinkReader | None = None
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -46,8 +47,7 @@ class ChoiceState:
             self.delta = (event.text, [])
         else:
             content, calls = self.tool_parser.feed(event.text, event.token_id)
-            self.reasoning_delta = self.tool_parser.reasoning_delta if isinstance(self.tool_parser, HarmonyReader) \
-                else ""
+            self.reasoning_delta = getattr(self.tool_parser, "reasoning_delta", "")  # reasoning readers
             if event.finish_reason is not None:
                 content += self.tool_parser.finish(cut=event.finish_reason == "length")
             self.delta = (content, calls)
@@ -71,8 +71,8 @@ class ChoiceState:
 
     @property
     def reasoning(self) -> str | None:
-        """A reasoning model's reasoning (GPT-OSS's analysis channel), or None."""
-        return "".join(self.tool_parser.reasoning) or None if isinstance(self.tool_parser, HarmonyReader) else None
+        """A reasoning model's reasoning (GPT-OSS's analysis channel, a <think> block), or None."""
+        return "".join(getattr(self.tool_parser, "reasoning", ())) or None
 
 
 def usage(states: list[ChoiceState]) -> Usage:

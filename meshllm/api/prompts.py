@@ -62,10 +62,13 @@ class ModelText:
     max_context: int
     tool_format: ToolFormat
     grammars: GrammarCompiler
+    thinks: bool = False  # its template speaks of a <think> block: replies are read for one (api/think.py)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, max_context: int) -> "ModelText":
-        return cls(tokenizer, max_context, ToolFormat.of(tokenizer), GrammarCompiler(tokenizer))
+        fmt = ToolFormat.of(tokenizer)
+        thinks = fmt.harmony is None and "</think>" in (tokenizer.chat_template or "")
+        return cls(tokenizer, max_context, fmt, GrammarCompiler(tokenizer), thinks)
 
 
 def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRequest]:

@@ -1,0 +1,106 @@
+"""Replies of models that think in a `<think>...</think>` block first (Qwen3, SmolLM3, QwQ, the
+DeepSeek-R1 distills): the block's text is the reasoning (`reasoning_content`), the rest the
+content, read for tool calls as any reply is.
+
+The block counts only where a reply opens with it (after whitespace), or where the prompt
+already opened it (DeepSeek-R1's templates end the prompt with `<think>\\n`): a tag later in a
+reply is text the model wrote. Text that may be the start of a tag is held until the next text
+decides, so the split is the same however the reply is chunked.
+"""
+
+from __future__ import annotations
+
+from meshllm.api.tool_parser import CallDelta, ParsedCall, ToolCallParser
+
+OPEN, CLOSE = "<think>", "</think>"
+
+
+def prompt_opens_reasoning(prompt_tail: str) -> bool:
+    """Whether a rendered prompt ends inside a reasoning block (the template opened it)."""
+    return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+
+
+class ThinkReader:
+    """One choice's reply; ToolCallParser's interface (`inner` reads the content for tool calls,
+    or None), plus `reasoning`."""
+
+    def __init__(self, inner: ToolCallParser | None, in_reasoning: bool = False):
+        self.inner = inner
+        self.reasoning: list[str] = []
+        self.reasoning_delta = ""
+        self._own_content: list[str] = []  # the content, when no inner parser reads it
+        self._state = "reasoning" if in_reasoning else "start"  # start -> reasoning -> content
+        self._held = ""
+        self._after_block = False  # the whitespace right after </think> is no content
+
+    @property
+    def calls(self) -> list[ParsedCall]:
+        return self.inner.calls if self.inner is not None else []
+
+    @property
+    def content(self) -> list[str]:
+        return self.inner.content if self.inner is not None else self._own_content
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def feed(self, text: str, token_id: int | None = None) -> tuple[str, list[CallDelta]]:
+        self.reasoning_delta = ""
+        self._held += text
+        content, deltas = "", []
+        while True:
+            if self._state == "start":
+                head = self._held.lstrip()
+                if head.startswith(OPEN):
+                    self._held, self._state = head[len(OPEN):], "reasoning"
+                    continue
+                if OPEN.startswith(head) and not (token_id is not None and not text):
+                    break  # nothing yet, or part of the tag: wait for more
+                # (a token with no text, a special one, shows the reply began otherwise)
+                self._state = "content"
+                continue
+            if self._state == "reasoning":
+                at = self._held.find(CLOSE)
+                if at >= 0:
+                    self._think(self._held[:at])
+                    self._held, self._state, self._after_block = self._held[at + len(CLOSE):], "content", True
+                    continue
+                keep = next((n for n in range(min(len(CLOSE) - 1, len(self._held)), 0, -1)
+                             if self._held.endswith(CLOSE[:n])), 0)
+                self._think(self._held[:len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep:]
+                break
+            # content
+            if self._after_block:
+                self._held = self._held.lstrip()
+                if not self._held:
+                    break
+                self._after_block = False
+            more, new = self._content(self._held, token_id)
+            content, deltas, self._held = content + more, deltas + new, ""
+            break
+        return content, deltas
+
+    def finish(self, cut: bool = False) -> str:
+        held, self._held = self._held, ""
+        content = ""
+        if self._state == "reasoning":
+            self._think(held)  # a reply cut inside its reasoning: all of it reasoning
+        elif held.strip() or (held and not self._after_block):  # a partial tag that stayed text, or content
+            content = self._content(held, None)[0]
+        if self.inner is not None:
+            content += self.inner.finish(cut)
+        return content
+
+    def _think(self, text: str) -> None:
+        if text:
+            self.reasoning.append(text)
+            self.reasoning_delta += text
+
+    def _content(self, text: str, token_id: int | None) -> tuple[str, list[CallDelta]]:
+        if self.inner is not None:
+            return self.inner.feed(text, token_id)
+        if text:
+            self._own_content.append(text)
+        return text, []

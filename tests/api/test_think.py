@@ -1,0 +1,101 @@
+"""Replies that think in a <think> block first (api/think.py): the block is reasoning_content,
+the rest content (read for tool calls), whole or token by token, and where the prompt opened the
+block the reply starts inside it. A tiny random model whose template ends the prompt inside a
+block (as DeepSeek-R1's do) answers through real HTTP with its text as reasoning."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from meshllm.api.backend import build_local_backend
+from meshllm.api.think import ThinkReader, prompt_opens_reasoning
+from meshllm.api.tool_formats import ToolFormat
+from meshllm.api.tool_parser import ToolCallParser
+from meshllm.pipeline.cluster import ServingOptions
+from tests.api.conftest import serve
+from tests.api.tool_families import HERMES_TEMPLATE, tiny_family_model
+
+HERMES = ToolFormat("hermes", True, "<tool_call>", None, "arguments", '"<tool_call>"', '"</tool_call>"')
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CASES = [  # reply, starts inside the block, content, reasoning, calls
+    ("<think>\nThe sky scatters blue.\n</think>\n\nYes, it is blue.", False, "Yes, it is blue.",
+     "\nThe sky scatters blue.\n", []),
+    ("  <think>a</think>b", False, "b", "a", []),
+    ("The model skipped it. <think> later is text.", False, "The model skipped it. <think> later is text.", "", []),
+    ("<thi", False, "<thi", "", []),  # a partial tag that never completes stays text
+    ("Prefilled reasoning.</think>\n\nAnswer.", True, "Answer.", "Prefilled reasoning.", []),
+    ("<think>Call it.</think>\n\n" + CALL, False, "", "Call it.", [("get_weather", {"city": "Paris"})]),
+    ("<think>Still thinking when cut", False, "", "Still thinking when cut", []),
+]
+
+
+def _read(reply: str, in_reasoning: bool, chop: int | None, tools: bool):
+    reader = ThinkReader(ToolCallParser(HERMES) if tools else None, in_reasoning)
+    pieces = [reply] if chop is None else [reply[i:i + chop] for i in range(0, len(reply), chop)]
+    content, reasoning = "", ""
+    for piece in pieces:
+        c, _ = reader.feed(piece)
+        content, reasoning = content + c, reasoning + reader.reasoning_delta
+    content += reader.finish()
+    return reader, content, reasoning
+
+
+@pytest.mark.parametrize("reply, in_reasoning, content, reasoning, calls", CASES)
+@pytest.mark.parametrize("chop", [None, 1, 3])
+def test_a_reply_splits_the_same_whole_and_streamed(reply, in_reasoning, content, reasoning, calls, chop):
+    reader, streamed, streamed_reasoning = _read(reply, in_reasoning, chop, tools=bool(calls))
+    assert (streamed, reader.text) == (content, content)
+    assert (streamed_reasoning, "".join(reader.reasoning)) == (reasoning, reasoning)
+    assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == calls
+
+
+def test_random_chunkings_agree():
+    reply = "<think>\nplan: a < b, and </thin is not the end\n</think>\n\n" + CALL + " done"
+    want = _read(reply, False, None, tools=True)
+    for seed in range(20):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(reply)), 8))
+        reader = ThinkReader(ToolCallParser(HERMES))
+        for a, b in zip([0, *cuts], [*cuts, len(reply)]):
+            reader.feed(reply[a:b])
+        reader.finish()
+        assert (reader.text, "".join(reader.reasoning), len(reader.calls)) == \
+            (want[0].text, "".join(want[0].reasoning), 1)
+
+
+def test_where_the_prompt_leaves_the_block():
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # Qwen3, thinking off
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n")
+
+
+# DeepSeek-R1's generation prompt: the reply starts inside its reasoning
+PREFILLED = HERMES_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+    "{#- a reasoning model's template: </think> #}")
+
+
+def test_a_prompt_that_opens_the_block_makes_the_reply_reasoning(tiny_model_dir, tmp_path):
+    assert PREFILLED != HERMES_TEMPLATE
+    source = tiny_family_model(tiny_model_dir, "hermes", seed=31)
+    for f in source.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PREFILLED}))
+    backend = build_local_backend(tmp_path, ServingOptions(context_length=512, max_batch=2))
+    try:
+        with serve(backend) as live:
+            ask = dict(model=backend.model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,
+                       temperature=0, logit_bias={str(backend.tokenizer.backend.token_to_id("<")): -100})
+            message = live.client().chat.completions.create(**ask).choices[0].message
+            # a random model never closes the block: all it wrote is reasoning
+            assert message.content == "" and len(message.reasoning_content) > 0
+            chunks = list(live.client().chat.completions.create(**ask, stream=True))
+            streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+            assert streamed == message.reasoning_content
+    finally:
+        backend.close()
