@@ -171,9 +171,16 @@ def _reasoning(t: HarmonyTokens) -> str:
             f'{t.lark("<|end|>")} {t.lark("<|start|>")} "assistant"\nREASONING: /(?s:.*)/\n')
 
 
+def _final(t: HarmonyTokens, answer: dict | None) -> str:
+    """The final message: a JSON document matching `answer`, or (None) any text."""
+    opening = f'{t.lark("<|channel|>")} "final" {t.lark("<|message|>")}'
+    if answer is not None:
+        return f"final: {opening} %json {schema_text(answer)}\n"
+    return f"final: {opening} ANSWER\nANSWER: /(?s:.*)/\n"
+
+
 def answer_grammar(t: HarmonyTokens, schema: dict) -> str:
-    final = f'final: {t.lark("<|channel|>")} "final" {t.lark("<|message|>")} %json {schema_text(schema)}\n'
-    return f"start: analysis? final\n{final}{_reasoning(t)}"
+    return f"start: analysis? final\n{_final(t, schema)}{_reasoning(t)}"
 
 
 def call_grammar(t: HarmonyTokens, tools: list[dict], answer: dict | None = None, free_text: bool = False) -> str:
@@ -186,9 +193,7 @@ def call_grammar(t: HarmonyTokens, tools: list[dict], answer: dict | None = None
         rules.append(f'call{i}: {json.dumps(fn["name"])} " " {t.lark("<|constrain|>")} "json" '
                      f'{t.lark("<|message|>")} %json {schema_text(schema)}')
     calls = f'call: {t.lark("<|channel|>")} "commentary to=functions." ({" | ".join(f"call{i}" for i in range(len(tools)))})'
-    opening = f'{t.lark("<|channel|>")} "final" {t.lark("<|message|>")}'
-    final = f"final: {opening} %json {schema_text(answer)}\n" if answer is not None else \
-        f"final: {opening} ANSWER\nANSWER: /(?s:.*)/\n" if free_text else ""
+    final = _final(t, answer) if answer is not None or free_text else ""
     body = "call | final" if final else "call"
     return f"start: analysis? ({body})\n{calls}\n" + "\n".join(rules) + f"\n{final}{_reasoning(t)}"
 

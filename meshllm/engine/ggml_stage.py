@@ -440,24 +440,18 @@ class GGMLStage:
                 # bf16 it falls back to one query row at a time (SmolLM2 bf16 prefill 512: 420 -> 660
                 # tok/s with this). The f32 copy is exact and costs one pass over the attended KV.
                 keys, values = g.ggml_cast(ctx, keys, g.GGML_TYPE_F32), g.ggml_cast(ctx, values, g.GGML_TYPE_F32)
-            outs.append(self._flash_attention(s, w, q_seq, keys, values, mask))
+            out = g.ggml_flash_attn_ext(ctx, g.ggml_permute(ctx, q_seq, 0, 2, 1, 3), keys, values, mask,
+                                        1.0 / math.sqrt(hd), 0.0, c.attn_softcap or 0.0)  # [hd, heads, t]
+            if w["sinks"] is not None:  # GPT-OSS's, joined to each row's softmax
+                g.ggml_flash_attn_ext_add_sinks(out, w["sinks"])
+            g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
+            outs.append(out)
         attn = outs[0]
         for out in outs[1:]:
             attn = g.ggml_concat(ctx, attn, out, 2)
         attn = g.ggml_reshape_2d(ctx, attn, self.q_size, n)
         (o, _, _), = self._linear(s, w["o"], attn)
         return o
-
-    def _flash_attention(self, s: GraphScope, w: dict, q_rows, keys, values, mask):
-        """ggml's flash attention of q rows [hd, heads, t] over keys and values: [hd, heads, t].
-        Scores capped (Gemma 2) and sinks joined (GPT-OSS) where the model has them."""
-        g, c = s.g, self.config
-        out = g.ggml_flash_attn_ext(s.ctx, g.ggml_permute(s.ctx, q_rows, 0, 2, 1, 3), keys, values, mask,
-                                    1.0 / math.sqrt(c.head_dim), 0.0, c.attn_softcap or 0.0)
-        if w["sinks"] is not None:
-            g.ggml_flash_attn_ext_add_sinks(out, w["sinks"])
-        g.ggml_flash_attn_ext_set_prec(out, g.GGML_PREC_F32)
-        return out
 
     def _mlp(self, s: GraphScope, w: dict, x, n: int):
         if "router" in w:

@@ -598,26 +598,35 @@ def config_dict(file: GGUFFile) -> dict:
         config.setdefault("attention_multiplier", head_dim ** -0.5)
     if arch == "gpt-oss":  # as llama.cpp reads it (src/models/openai-moe.cpp): every other layer windowed
         window = int(key("attention.sliding_window"))
-        sliding = _windowed_layers(meta.get("gpt-oss.attention.sliding_window_pattern", 2), config["num_hidden_layers"])
-        config.update(sliding_window=window, layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-                      intermediate_size=config["moe_intermediate_size"])
-        if float(meta.get("gpt-oss.rope.freq_base_swa", rope_theta)) != rope_theta:
-            raise UnsupportedArchitecture(f"{file.path}: gpt-oss.rope.freq_base_swa differs from rope.freq_base; "
-                                          f"meshllm runs GPT-OSS with one rope base")
+        _check_one_rope_base(file, arch, rope_theta)
+        config.update(sliding_window=window, intermediate_size=config["moe_intermediate_size"],
+                      layer_types=_layer_types(meta.get("gpt-oss.attention.sliding_window_pattern", 2),
+                                               config["num_hidden_layers"], window))
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma(file, arch, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
                              config["rope_scaling"]))
     return config
 
 
-def _windowed_layers(pattern, layers: int) -> list[bool]:
-    """Which layers a sliding window applies to, from a GGUF's sliding_window_pattern: one flag per
-    layer, or n (every n-th layer attends to everything; 0: none does), as llama.cpp's
-    set_swa_pattern reads it."""
+def _layer_types(pattern, layers: int, window: int) -> list[str]:
+    """config.json's layer_types from a GGUF's sliding_window_pattern: one flag per layer, or n
+    (every n-th layer attends to everything; 0: none does), as llama.cpp's set_swa_pattern reads
+    it. Without a window every layer attends to everything."""
     if isinstance(pattern, (list, np.ndarray)):
-        return [bool(p) for p in pattern]
-    n = int(pattern)
-    return [n == 0 or i % n < n - 1 for i in range(layers)]
+        sliding = [bool(p) for p in pattern]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(layers)]
+    return ["sliding_attention" if window and s else "full_attention" for s in sliding]
+
+
+def _check_one_rope_base(file: GGUFFile, arch: str, rope_theta: float) -> None:
+    """Gemma 2 and GPT-OSS windowed layers share the full layers' rope base (as all their files
+    do); a file giving them another is refused rather than run wrong."""
+    local = float(file.metadata.get(f"{arch}.rope.freq_base_swa", rope_theta))
+    if local != rope_theta:
+        raise UnsupportedArchitecture(f"{file.path}: {arch}.rope.freq_base_swa {local} differs from rope.freq_base "
+                                      f"{rope_theta}; meshllm runs {arch} with one rope base")
 
 
 # Per family, as llama.cpp reads its files (src/models/gemma2.cpp, gemma3.cpp): the layer
@@ -633,28 +642,26 @@ def _gemma(file: GGUFFile, arch: str, heads: int, hidden: int, head_dim: int, ro
     """Gemma 2's or 3's config.json fields from its GGUF metadata, as llama.cpp reads them."""
     meta, defaults = file.metadata, _GEMMA_DEFAULTS[arch]
     window = int(meta.get(f"{arch}.attention.sliding_window", defaults["window"]) or 0)
-    sliding = _windowed_layers(meta.get(f"{arch}.attention.sliding_window_pattern", defaults["pattern"]), layers)
-    local_theta = float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0 if arch == "gemma3" else rope_theta))
     fields = {
         "hidden_activation": "gelu_pytorch_tanh",
         "sliding_window": window or None,
-        "layer_types": ["sliding_attention" if window and s else "full_attention" for s in sliding],
+        "layer_types": _layer_types(meta.get(f"{arch}.attention.sliding_window_pattern", defaults["pattern"]),
+                                    layers, window),
         # Not in the file: llama.cpp scales queries by the 27B model's hidden / heads, others' head_dim
         "query_pre_attn_scalar": hidden // heads if layers == defaults["layers_27b"] else head_dim,
         "final_logit_softcapping": meta.get(f"{arch}.final_logit_softcapping", defaults["final_softcap"]) or None,
         "norm_weights_include_one": True,  # llama.cpp's converter adds Gemma's 1 to every norm weight
     }
     if arch == "gemma2":
-        if local_theta != rope_theta:
-            raise UnsupportedArchitecture(f"{file.path}: gemma2.rope.freq_base_swa {local_theta} differs from "
-                                          f"rope.freq_base {rope_theta}; meshllm runs Gemma 2 with one rope base")
+        _check_one_rope_base(file, arch, rope_theta)
         return {**fields, "rope_theta": rope_theta,
                 "attn_logit_softcapping": meta.get("gemma2.attn_logit_softcapping", defaults["attn_softcap"]) or None}
     linear = scaling is not None and scaling.get("rope_type") == "linear"
     return {**fields, "rope_parameters": {
         "full_attention": {"rope_type": "linear" if linear else "default", "rope_theta": rope_theta,
                            **({"factor": float(scaling["factor"])} if linear else {})},
-        "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}}
+        "sliding_attention": {"rope_type": "default",
+                              "rope_theta": float(meta.get("gemma3.rope.freq_base_swa", 10000.0))}}}
 
 
 def _yarn(meta: dict, arch: str) -> dict:

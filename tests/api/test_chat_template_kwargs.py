@@ -7,8 +7,6 @@ asked through the official openai client."""
 
 from __future__ import annotations
 
-import json
-
 import openai
 import pytest
 
@@ -16,7 +14,7 @@ from meshllm.api.backend import build_local_backend
 from meshllm.api.config import APIConfig
 from meshllm.pipeline.cluster import ServingOptions
 from tests.api.conftest import serve
-from tests.api.tool_families import HERMES_TEMPLATE, tiny_family_model
+from tests.api.tool_families import HERMES_TEMPLATE, tiny_family_model, with_template
 
 # Qwen3's generation prompt (its template's last lines)
 THINKING_TEMPLATE = HERMES_TEMPLATE.replace(
@@ -30,12 +28,8 @@ ASK = [{"role": "user", "content": "Is the sky blue?"}]
 @pytest.fixture(scope="module")
 def thinking_model(tiny_model_dir, tmp_path_factory):
     assert THINKING_TEMPLATE != HERMES_TEMPLATE
-    folder = tmp_path_factory.mktemp("thinking")
-    source = tiny_family_model(tiny_model_dir, "hermes", seed=31)
-    for f in source.iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": THINKING_TEMPLATE}))
+    folder = with_template(tiny_family_model(tiny_model_dir, "hermes", seed=31), tmp_path_factory.mktemp("thinking"),
+                           THINKING_TEMPLATE)
     backend = build_local_backend(folder, ServingOptions(context_length=512, max_batch=2))
     yield backend
     backend.close()

@@ -16,7 +16,7 @@ from meshllm.api.tool_formats import ToolFormat
 from meshllm.api.tool_parser import ToolCallParser
 from meshllm.pipeline.cluster import ServingOptions
 from tests.api.conftest import serve
-from tests.api.tool_families import HERMES_TEMPLATE, tiny_family_model
+from tests.api.tool_families import HERMES_TEMPLATE, tiny_family_model, with_template
 
 HERMES = ToolFormat("hermes", True, "<tool_call>", None, "arguments", '"<tool_call>"', '"</tool_call>"')
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -81,12 +81,8 @@ PREFILLED = HERMES_TEMPLATE.replace(
 
 def test_a_prompt_that_opens_the_block_makes_the_reply_reasoning(tiny_model_dir, tmp_path):
     assert PREFILLED != HERMES_TEMPLATE
-    source = tiny_family_model(tiny_model_dir, "hermes", seed=31)
-    for f in source.iterdir():
-        (tmp_path / f.name).write_bytes(f.read_bytes())
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": PREFILLED}))
-    backend = build_local_backend(tmp_path, ServingOptions(context_length=512, max_batch=2))
+    folder = with_template(tiny_family_model(tiny_model_dir, "hermes", seed=31), tmp_path, PREFILLED)
+    backend = build_local_backend(folder, ServingOptions(context_length=512, max_batch=2))
     try:
         with serve(backend) as live:
             ask = dict(model=backend.model_id, messages=[{"role": "user", "content": "Hi"}], max_tokens=12,

@@ -168,3 +168,12 @@ def tiny_family_model(tiny_model_dir, family: str, seed: int) -> Path:
         (out / "tokenizer_config.json").write_text(json.dumps({
             "chat_template": template, "bos_token": bos, "eos_token": eos}))
     return out
+
+
+def with_template(source: Path, folder: Path, template: str) -> Path:
+    """A copy of model folder `source` in `folder` whose tokenizer carries `template` instead."""
+    for f in source.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
