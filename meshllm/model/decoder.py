@@ -129,11 +129,11 @@ class Rotary:
         n, dim = cos.shape
         half = dim // 2
         cols = torch.arange(dim, device=cos.device)
-        rot = torch.zeros(n, self.head_dim, self.head_dim, device=cos.device)
-        rot[:, cols, cols] = cos
-        if dim < self.head_dim:
-            passed = torch.arange(dim, self.head_dim, device=cos.device)
-            rot[:, passed, passed] = 1.0
+        # The diagonal from device tensors only: a Python scalar stored through an index is a
+        # host-to-device copy, which a CUDA graph's recording refuses (partial rotaries failed so).
+        diagonal = torch.ones(n, self.head_dim, device=cos.device)
+        diagonal[:, :dim] = cos
+        rot = torch.diag_embed(diagonal)
         # rotate_half(x)[j] is -x[j + half] for j < half and x[j - half] for j >= half.
         rot[:, cols[:half] + half, cols[:half]] = -sin[:, :half]
         rot[:, cols[half:] - half, cols[half:]] = sin[:, half:]
