@@ -38,7 +38,7 @@ SUPPORTED_MODEL_TYPES = {
     # each head turned in interleaved pairs (model/rope_rows.py reorders q/k at load)
     "glm4": {"attention_bias": True},
     # GPT-OSS: a mixture of experts with biases everywhere, attention sinks, every other layer
-    # windowed (model/moe.py); GGUF files and BF16 folders (model/gpt_oss_experts.py)
+    # windowed (model/moe.py); GGUF files, BF16 and MXFP4 folders (model/gpt_oss_experts.py)
     "gpt_oss": {"attention_bias": True},
 }
 SUPPORTED_ARCHITECTURES = {

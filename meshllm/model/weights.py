@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from gguf import quants
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from safetensors import SafetensorError, safe_open
 
 from meshllm.errors import CorruptWeights, ModelLoadError
@@ -79,10 +81,11 @@ class SafetensorsSource:
         shapes = {name: entry.shape for name, entry in self._entries.items()}
         for name, part in self._parts.items():
             shapes[name] = (part.stop - part.start, *shapes[part.fused][1:])
-        # GPT-OSS's experts, stored fused and transposed: shown one per expert and projection
+        # GPT-OSS's experts, stored fused and transposed (or as MXFP4 blocks): shown one per
+        # expert and projection
         self._expert_views = {} if self._config.model_type != "gpt_oss" else gpt_oss_experts.expert_views(
-            self._config.num_hidden_layers, self._config.num_experts, shapes, str(self.path))
-        stored_experts = {view.stored for view in self._expert_views.values()}
+            self._config.num_hidden_layers, self._config.num_experts, shapes)
+        stored_experts = {name for view in self._expert_views.values() for name in (view.stored, view.scales)}
         for name, view in self._expert_views.items():
             if view.stored in shapes:
                 shapes[name] = gpt_oss_experts.view_shape(view, shapes[view.stored])
@@ -107,6 +110,41 @@ class SafetensorsSource:
     def read(self, names: Iterable[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         return self._read({name: None for name in names}, dtype)
 
+    # MXFP4 experts (GPT-OSS's released checkpoints) are blocks, as a GGUF's quantized tensors:
+    # the engine keeps them so (engine/stage_weights.py), and read() gives them dequantized.
+    def is_block_quantized(self, name: str) -> bool:
+        view = self._expert_views.get(name)
+        return view is not None and view.scales is not None
+
+    def block_type(self, name: str) -> GGML | None:
+        return GGML.MXFP4 if self.is_block_quantized(name) else None
+
+    def block_bytes(self, name: str) -> int:
+        rows, cols = self._shapes[name]
+        return rows * cols // gpt_oss_experts.MXFP4_BLOCK * GGML_QUANT_SIZES[GGML.MXFP4][1]
+
+    def read_blocks(self, name: str):
+        """One MXFP4 expert projection as ggml blocks (a BlockMatrix), not dequantized."""
+        from meshllm.engine.ggml_weights import BlockMatrix  # the engine's weight form; loaded on demand
+
+        assert self.is_block_quantized(name), name
+        return BlockMatrix(self._mxfp4_rows(name), GGML.MXFP4, self._shapes[name][1])
+
+    def _mxfp4_rows(self, name: str) -> torch.Tensor:
+        view = self._expert_views[name]
+        codes, scales = (self._expert_slice(stored, view.expert) for stored in (view.stored, view.scales))
+        rows = gpt_oss_experts.take_blocks(view, codes, scales)
+        self._bytes_read += rows.numel()
+        return rows
+
+    def _expert_slice(self, stored: str, expert: int) -> torch.Tensor:
+        file = self._entries[stored].file
+        try:
+            with safe_open(file, framework="pt") as f:
+                return f.get_slice(stored)[expert]
+        except SafetensorError as e:
+            raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
+
     def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Only the asked rows or columns of each tensor: safetensors reads just those bytes."""
         return self._read(slices, dtype)
@@ -114,6 +152,7 @@ class SafetensorsSource:
     def _read(self, parts: Mapping[str, TensorSlice | None], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Each named tensor whole (None) or its slice, one open per file."""
         shapes = self._shapes
+        out = {}
         by_file: dict[Path, list[str]] = {}
         for name, s in parts.items():
             if name not in shapes:
@@ -122,8 +161,11 @@ class SafetensorsSource:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} has shape {list(shapes[name])}; cannot take "
                                      f"[{s.start}, {s.stop}) of dimension {s.dim} (the checkpoint does not match "
                                      f"its config)")
-            by_file.setdefault(self._entries[self._stored(name)].file, []).append(name)
-        out = {}
+            if self.is_block_quantized(name):  # dequantized as a GGUF's blocks are (gguf's reference)
+                assert s is None, "a GPT-OSS expert is read whole (no TP for experts)"
+                out[name] = torch.from_numpy(quants.dequantize(self._mxfp4_rows(name).numpy(), GGML.MXFP4)).to(dtype)
+            else:
+                by_file.setdefault(self._entries[self._stored(name)].file, []).append(name)
         for file, file_names in by_file.items():
             try:
                 with safe_open(file, framework="pt") as f:

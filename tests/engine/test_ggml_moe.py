@@ -11,6 +11,7 @@ stage's logits bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -58,6 +59,29 @@ def quantized(rt, smollm2_gguf_path, tiny_model_dir, tmp_path_factory, request):
     path = write_quantized_llama(rt, smollm2_gguf_path, tmp_path_factory.mktemp("moe") / "moe.gguf", ggml_type,
                                  arch=arch, experts=4)
     return open_model(path), ggml_type
+
+
+def test_a_released_mxfp4_folder_loads_as_its_gguf(rt, tiny_model_dir, tmp_path):
+    # GPT-OSS as OpenAI releases it (MXFP4 safetensors) keeps its experts MXFP4, in the bytes
+    # llama.cpp's converter would write to a GGUF, so it runs as that GGUF does, bit for bit
+    from meshllm.engine.stage_weights import held_weight_bytes
+    from tests.model.test_weights import released_gpt_oss_folder
+
+    dense = tiny_model_dir("gpt-oss")
+    files = GGUFSource(write_model_gguf(dense, tmp_path / "gpt-oss.gguf", "gpt-oss", experts_type=GGML.MXFP4))
+    files = SimpleNamespace(source=files, config=files.config())
+    folder = SafetensorsSource(released_gpt_oss_folder(dense, tmp_path / "gpt-oss"))
+    decoder = load_stage_decoder(folder, folder.config())
+    mlp = decoder.layers[0].mlp
+    assert all(experts.weight_types == ["MXFP4"] for experts in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    # the planner counts the blocks' bytes, as for the GGUF (whose other tensors are float32)
+    assert held_weight_bytes(folder, folder.config(), 4) == held_weight_bytes(files.source, files.config, 4)
+    # as the folder's config says (a GGUF has no key for the tiny model's SwiGLU limit, 7 in GPT-OSS's
+    # own, and its eps is rounded to float32)
+    config = replace(files.config, swiglu_limit=folder.config().swiglu_limit, rms_norm_eps=folder.config().rms_norm_eps)
+    want = _logits(load_stage_decoder(files.source, config), SEQS, 8, 3, True, torch.float32)
+    for a, b in zip(_logits(decoder, SEQS, 8, 3, True, torch.float32), want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_quantized_experts_stay_quantized_one_3d_matrix_each(quantized, rt):

@@ -64,6 +64,21 @@ def test_logits_match_transformers(tiny_model_dir, variant):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_a_released_gpt_oss_folder_gives_transformers_logits(tiny_model_dir, tmp_path):
+    # experts as MXFP4 blocks (openai/gpt-oss-20b's layout): transformers dequantizes them at load
+    from transformers import Mxfp4Config
+
+    from tests.model.test_weights import released_gpt_oss_folder
+
+    folder = released_gpt_oss_folder(tiny_model_dir("gpt-oss"), tmp_path / "gpt-oss")
+    ids = _tokens(24, seed=1)
+    with torch.no_grad():
+        want = _reference(folder, quantization_config=Mxfp4Config(dequantize=True))(ids[None]).logits[0]
+        dense = _reference(tiny_model_dir("gpt-oss"))(ids[None]).logits[0]
+    assert (want - dense).abs().max() > 0.1  # the experts are the blocks' values, not the dense model's
+    torch.testing.assert_close(_load(folder).forward_full(ids), want, atol=1e-4, rtol=0)
+
+
 def test_transformers_reference_applies_the_sliding_window(tiny_model_dir):
     # transformers' eager and sdpa paths both honour Mistral's sliding window (checked with 5.x); if a
     # version ignored it, test_logits_match_transformers[mistral] would compare against full attention.

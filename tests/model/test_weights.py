@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from meshllm.errors import CorruptWeights, ModelLoadError, UnsupportedArchitecture
-from meshllm.model import weights
+from meshllm.errors import CorruptWeights, ModelLoadError
+from meshllm.model import gpt_oss_experts, weights
 from meshllm.model.weights import SafetensorsSource, fingerprint
 
 
@@ -275,12 +275,64 @@ def test_gpt_oss_experts_read_one_expert_at_a_time_as_linear_weights(tiny_model_
         source.tensor_names()
 
 
-def test_gpt_oss_mxfp4_folders_are_refused_by_name(tiny_model_dir, tmp_path):
-    # the released checkpoints hold the experts as MXFP4 blocks and scales: read from a GGUF
-    folder = shutil.copytree(tiny_model_dir("gpt-oss"), tmp_path / "gpt-oss")
-    tensors = load_file(folder / "model.safetensors")
-    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = tensors.pop("model.layers.0.mlp.experts.gate_up_proj") \
-        .to(torch.uint8)
-    save_file(tensors, folder / "model.safetensors")
-    with pytest.raises(UnsupportedArchitecture, match="MXFP4 blocks .* GGUF"):
-        SafetensorsSource(folder)
+def released_gpt_oss_folder(dense_folder, out):
+    """`dense_folder` (a tiny GPT-OSS) as OpenAI releases GPT-OSS: each experts tensor as MXFP4
+    codes and exponents (`*_blocks`, `*_scales`; gguf's MXFP4 quantizer, then OpenAI's nibble
+    order), everything else as it was."""
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType as GGML
+
+    out = shutil.copytree(dense_folder, out)
+    tensors = load_file(out / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows = tensors.pop(name).transpose(1, 2).contiguous()  # [experts, out, in], as OpenAI stores them
+        ggml_blocks = torch.from_numpy(quants.quantize(rows.numpy(), GGML.MXFP4)).view(*rows.shape[:2], -1, 17)
+        codes = torch.cat((ggml_blocks[..., 1:] & 0xF, ggml_blocks[..., 1:] >> 4), dim=-1)  # values 0..31 in order
+        tensors[f"{name}_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+        tensors[f"{name}_scales"] = ggml_blocks[..., 0].contiguous()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_mxfp4_codes_repack_to_ggml_blocks_of_the_same_values(tmp_path):
+    # any bytes: ggml's reference dequantization of the repacked blocks is, bit for bit,
+    # transformers' of OpenAI's layout (exponents kept where both stay normal floats)
+    from gguf import quants
+    from gguf.constants import GGMLQuantizationType as GGML
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 5, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 5, 4), dtype=torch.uint8, generator=g)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [experts, in, out]
+    for e in range(3):
+        repacked = gpt_oss_experts.repack(blocks[e], scales[e])
+        assert repacked.shape == (5, 4 * 17)
+        assert torch.equal(torch.from_numpy(quants.dequantize(repacked.numpy(), GGML.MXFP4)), want[e].T)
+
+
+def test_a_released_gpt_oss_folder_shows_its_experts_as_mxfp4_blocks(tiny_model_dir, tmp_path):
+    from gguf.constants import GGMLQuantizationType as GGML
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    folder = released_gpt_oss_folder(tiny_model_dir("gpt-oss"), tmp_path / "gpt-oss")
+    source = SafetensorsSource(folder)
+    stored = load_file(folder / "model.safetensors")
+    gate, up, down = (f"model.layers.1.mlp.experts.2.{p}_proj.weight" for p in ("gate", "up", "down"))
+    assert source.is_block_quantized(gate) and source.block_type(down) == GGML.MXFP4
+    assert not source.is_block_quantized("model.layers.1.mlp.experts.2.down_proj.bias")
+    assert source.tensor_shapes()[gate] == (64, 64) and source.block_bytes(gate) == 64 * 2 * 17
+    assert not any(n.endswith(("_blocks", "_scales")) for n in source.tensor_names())
+    blocks = source.read_blocks(gate)
+    assert blocks.ggml_type == GGML.MXFP4 and blocks.shape == (64, 64)
+    assert source.num_bytes_read() == blocks.num_bytes  # that expert's gate rows, not the layer's experts
+    # dequantized, each projection is transformers' dequantization of the release, de-interleaved
+    gate_up = convert_moe_packed_tensors(stored["model.layers.1.mlp.experts.gate_up_proj_blocks"],
+                                         stored["model.layers.1.mlp.experts.gate_up_proj_scales"], dtype=torch.float32)
+    got = source.read([gate, up, down], torch.float32)
+    assert torch.equal(got[gate], gate_up[2][:, 0::2].T) and torch.equal(got[up], gate_up[2][:, 1::2].T)
+    assert torch.equal(got[gate], blocks.dequantize())
