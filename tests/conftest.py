@@ -77,6 +77,13 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     # 64 wide so a GGUF of it can hold them in 32-column blocks.
     "gpt-oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
                                      sliding_window=5, swiglu_limit=1.5, max_position_embeddings=131072)),
+    # GLM-4.5: experts picked by sigmoid score plus a per-expert bias (random here: transformers
+    # leaves it zero), their scores renormalized and scaled by 2.5, a shared expert beside them,
+    # a dense first layer; q/k/v biases, q/k norms, half of each head turned (rotate-half). Experts
+    # 64 wide so a GGUF of it can hold them in 32-column blocks.
+    "glm4-moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                       n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+                                       use_qk_norm=True, routed_scaling_factor=2.5, n_group=1, topk_group=1)),
 }
 
 
@@ -145,6 +152,9 @@ def _build_tiny_model(variant: str, folder: Path, seed: int, max_shard_size: str
                 param.copy_(0.1 * torch.randn_like(param))
             else:
                 param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # as large as the sigmoid scores' spread
+                buffer.copy_(0.2 * torch.randn_like(buffer))
     model.save_pretrained(folder, **({} if max_shard_size is None else {"max_shard_size": max_shard_size}))
 
 

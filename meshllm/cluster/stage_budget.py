@@ -71,8 +71,10 @@ class Footprint:
         step_tokens = max(min(request.prefill_chunk_tokens, request.context_length), request.max_batch)
         q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         # Per token: residual in and out, q/k/v, and the MLP's gate, up and product (of each of
-        # the experts it takes, in a mixture of experts).
-        mlp = c.num_experts_per_tok * c.expert_intermediate_size if c.num_experts else c.intermediate_size
+        # the experts it takes and a shared expert, in a mixture of experts; GLM-4.5's first
+        # layers are dense).
+        moe = c.num_experts_per_tok * c.expert_intermediate_size + c.shared_expert_size if c.num_experts else 0
+        mlp = max(moe, c.intermediate_size if c.dense_layers or not c.num_experts else 0)
         per_token = 2 * c.hidden_size + q + 2 * kv + 3 * mlp
         # One layer's attention scores if the kernel materialises them (no flash attention on
         # every backend); layers run one at a time, so only one layer's worth is live.

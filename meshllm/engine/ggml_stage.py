@@ -157,8 +157,9 @@ def supports(decoder: Decoder) -> str | None:
     """None when GGMLStage can run this decoder, else why not (the torch path runs it)."""
     if decoder.dtype not in _DTYPES:
         return f"dtype {decoder.dtype}"
-    mlps = [(m.router, m.gate_proj, m.up_proj, m.down_proj) if isinstance(m, MoE) else (m.gate_up_proj, m.down_proj)
-            for m in (layer.mlp for layer in decoder.layers)]
+    mlps = [(m.router, m.gate_proj, m.up_proj, m.down_proj,
+             *(() if m.shared is None else (m.shared.gate_up_proj, m.shared.down_proj)))
+            if isinstance(m, MoE) else (m.gate_up_proj, m.down_proj) for m in (layer.mlp for layer in decoder.layers)]
     if any(isinstance(m, QuantizedLinear) and (len(m.matrices) != 1 or m.matrices[0].experts != decoder.config.num_experts)
            for layer in decoder.layers if isinstance(layer.mlp, MoE)
            for m in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)):
@@ -181,7 +182,7 @@ class GGMLStage:
         self.has_head = decoder.has_head
         c = self.config = decoder.config
         self.q_size, self.kv_size = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-        self._ctx = _WeightContext(rt, max_tensors=20 * len(decoder.layers) + 8)
+        self._ctx = _WeightContext(rt, max_tensors=24 * len(decoder.layers) + 8)
         wrap_f32 = lambda t: self._ctx.wrap(self._ctx.keep(t.detach().float().contiguous()))  # noqa: E731
         self.layers = []
         wrap_norm = lambda norm: None if norm is None else wrap_f32(norm.weight)  # noqa: E731
@@ -196,7 +197,12 @@ class GGMLStage:
                                    **{f"experts_{name}_bias": None if proj.bias is None else
                                       wrap_f32(proj.bias.view(e, -1))
                                       for name, proj in (("gate", mlp.gate_proj), ("up", mlp.up_proj),
-                                                         ("down", mlp.down_proj))})
+                                                         ("down", mlp.down_proj))},
+                                   # GLM-4.5's bias that picks experts, and its shared expert
+                                   selection_bias=None if mlp.selection_bias is None else wrap_f32(mlp.selection_bias),
+                                   shared=None if mlp.shared is None else dict(
+                                       gate_up=_Weights(self._ctx, mlp.shared.gate_up_proj),
+                                       down=_Weights(self._ctx, mlp.shared.down_proj)))
             else:
                 mlp_weights = dict(gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj))
             self.layers.append(dict(
@@ -453,10 +459,11 @@ class GGMLStage:
         (o, _, _), = self._linear(s, w["o"], attn)
         return o
 
-    def _mlp(self, s: GraphScope, w: dict, x, n: int):
+    def _mlp(self, s: GraphScope, w: dict, x, n: int, i: int | None = None):
+        """The dense MLP of intermediate_size, or of width `i` (GLM-4.5's shared expert)."""
         if "router" in w:
             return self._moe(s, w, x, n)
-        i = self.config.intermediate_size
+        i = i or self.config.intermediate_size
         gate_up = self._linear(s, w["gate_up"], x)
         gate = self._rows(s, gate_up, 0, i, (i, n))
         up = self._rows(s, gate_up, i, i, (i, n))
@@ -472,7 +479,11 @@ class GGMLStage:
         g, ctx, c = s.g, s.ctx, self.config
         k, experts, h = c.num_experts_per_tok, c.num_experts, c.hidden_size
         (logits, _, _), = self._linear(s, w["router"], x)  # [experts, n]
-        if c.softmax_after_topk:  # GPT-OSS: the softmax of the chosen experts' logits
+        if c.sigmoid_router:  # GLM-4.5: sigmoid scores; the bias only picks (llama.cpp's exp_probs_b)
+            probs = g.ggml_sigmoid(ctx, logits)
+            chosen = g.ggml_argsort_top_k(ctx, g.ggml_add(ctx, probs, w["selection_bias"]), k)
+            weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, probs, 1, experts, n), chosen)  # [1, k, n]
+        elif c.softmax_after_topk:  # GPT-OSS: the softmax of the chosen experts' logits
             chosen = g.ggml_argsort_top_k(ctx, logits, k)
             weights = g.ggml_get_rows(ctx, g.ggml_reshape_3d(ctx, logits, 1, experts, n), chosen)  # [1, k, n]
             weights = g.ggml_reshape_3d(ctx, g.ggml_soft_max(ctx, g.ggml_reshape_2d(ctx, weights, k, n)), 1, k, n)
@@ -483,6 +494,8 @@ class GGMLStage:
         if c.normalize_expert_weights:
             flat = g.ggml_reshape_2d(ctx, weights, k, n)
             weights = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, flat, g.ggml_sum_rows(ctx, flat)), 1, k, n)
+        if c.expert_weights_scale != 1.0:
+            weights = g.ggml_scale(ctx, weights, c.expert_weights_scale)
         rows = g.ggml_reshape_3d(ctx, x if g.ggml_is_contiguous(x) else g.ggml_cont(ctx, x), h, 1, n)
         with_bias = lambda t, name: t if w[name] is None else g.ggml_add_id(ctx, t, w[name], chosen)  # noqa: E731
         gate = with_bias(g.ggml_mul_mat_id(ctx, w["experts_gate"], rows, chosen), "experts_gate_bias")  # [width, k, n]
@@ -495,6 +508,8 @@ class GGMLStage:
         for slot in range(k):
             piece = g.ggml_view_2d(ctx, out, h, n, out.contents.nb[2], slot * out.contents.nb[1])
             total = piece if total is None else g.ggml_add(ctx, total, piece)
+        if w["shared"] is not None:  # beside the routed experts, for every row
+            total = g.ggml_add(ctx, total, self._mlp(s, w["shared"], x, n, c.shared_expert_size))
         return total
 
     # --- one step ------------------------------------------------------------------------------
@@ -572,7 +587,8 @@ class GGMLStage:
     def _build(self, x: Tensor, slices: list[SeqSlice], logit_rows: Tensor | None, key: tuple | None) -> _Step:
         n = x.shape[0]
         split = _NODES_PER_SPLIT_LAYER if _in_row_pieces(n) else 0
-        experts = 2 * self.config.num_experts_per_tok  # a view and an add per chosen expert
+        # a view and an add per chosen expert; GLM-4.5's bias, scale and shared expert
+        experts = 2 * self.config.num_experts_per_tok + (12 if self.config.num_experts else 0)
         # a windowed few-row step attends row by row: four nodes a row (_attention)
         rows = 4 * n if self.config.sliding_window is not None and n <= ATTENTION_FEW_ROWS_MAX * len(slices) else 0
         max_nodes = len(self.layers) * (_NODES_PER_LAYER + _NODES_PER_SEQ_LAYER * len(slices) + split + experts

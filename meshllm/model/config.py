@@ -40,6 +40,9 @@ SUPPORTED_MODEL_TYPES = {
     # GPT-OSS: a mixture of experts with biases everywhere, attention sinks, every other layer
     # windowed (model/moe.py); GGUF files, BF16 and MXFP4 folders (model/gpt_oss_experts.py)
     "gpt_oss": {"attention_bias": True},
+    # GLM-4.5 / 4.6 / Air: experts picked by sigmoid scores, a shared expert, dense first layers
+    # (model/moe.py); q/k/v biases, half of each head turned (rotate-half, not GLM-4's pairs)
+    "glm4_moe": {},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -55,6 +58,7 @@ SUPPORTED_ARCHITECTURES = {
     "GraniteForCausalLM": "granite",
     "Glm4ForCausalLM": "glm4",
     "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 
 
@@ -133,6 +137,15 @@ class ModelConfig:
     # each row's softmax and takes its share of the weight without a value
     o_proj_bias: bool = False
     attention_sinks: bool = False
+    # GLM-4.5: a token's experts are those of the highest sigmoid scores once a learned bias per
+    # expert is added (the bias only picks: the weights are the scores, renormalized where
+    # normalize_expert_weights says, times expert_weights_scale); a shared expert, a SwiGLU of
+    # shared_expert_size, runs for every token beside them; the first dense_layers layers have a
+    # dense MLP of intermediate_size instead of experts.
+    sigmoid_router: bool = False
+    expert_weights_scale: float = 1.0
+    shared_expert_size: int = 0
+    dense_layers: int = 0
     # Granite: each layer's attention and MLP outputs times residual_scale before they join the
     # stream; the logits divided by logit_scale. 1.0 for every other family.
     residual_scale: float = 1.0
@@ -182,7 +195,11 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, v = self.hidden_size, self.vocab_size
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_hidden_layers * self.layer_parameters() + h + head
+        return v * h + sum(self.layer_parameters(i) for i in range(self.num_hidden_layers)) + h + head
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether `layer` (0-based in the whole model) has experts (GLM-4.5's first ones do not)."""
+        return self.num_experts > 0 and layer >= self.dense_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer` (0-based in the whole model), or None for full attention."""
@@ -197,8 +214,11 @@ class ModelConfig:
             return self.local_rope_theta, 1.0
         return self.rope_theta, self.rope_linear_factor
 
-    def layer_parameters(self) -> int:
-        """Parameters of one decoder layer (all layers are the same size)."""
+    def layer_parameters(self, layer: int | None = None) -> int:
+        """Parameters of decoder layer `layer`; None: of the largest (a mixture of experts' first
+        layers may be dense, the rest are all the same size)."""
+        if layer is None:
+            layer = self.num_hidden_layers - 1
         h, i = self.hidden_size, self.intermediate_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
@@ -206,7 +226,9 @@ class ModelConfig:
         norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
         sinks = self.num_attention_heads if self.attention_sinks else 0
         e, w = self.num_experts, self.expert_intermediate_size
-        mlp = 3 * h * i if not e else e * (3 * h * w + h) + (e * (2 * w + h + 1) if self.expert_biases else 0)
+        mlp = 3 * h * i if not self.layer_is_moe(layer) else (
+            e * (3 * h * w + h) + (e * (2 * w + h + 1) if self.expert_biases else 0)
+            + (e if self.sigmoid_router else 0) + 3 * h * self.shared_expert_size)
         return h * (q + 2 * kv) + q * h + mlp + bias + norms + sinks
 
     def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
@@ -333,9 +355,9 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
                                       f"some layers only) is not supported; set it to false")
     partial = _partial_rotary_factor(d, model_type)
-    if partial != 1.0 and model_type not in ("phi3", "glm4"):  # of the families here, their attention only
+    if partial != 1.0 and model_type not in ("phi3", "glm4", "glm4_moe"):  # of the families here, theirs only
         raise UnsupportedArchitecture(f"{origin}: partial_rotary_factor {partial} on {model_type} is not supported "
-                                      f"(meshllm rotates part of the head for phi3 and glm4 only)")
+                                      f"(meshllm rotates part of the head for phi3, glm4 and glm4_moe only)")
     if not 0.0 < partial <= 1.0:
         raise ModelLoadError(f"{origin}: partial_rotary_factor must be in (0, 1], got {partial}")
 
@@ -354,11 +376,11 @@ def _rope_layers(d: dict, model_type: str, layers: int) -> tuple[bool, ...] | No
 
 def _partial_rotary_factor(d: dict, model_type: str) -> float:
     """The share of each head the rotary turns (Phi-4-mini: 0.75), from either config layout;
-    transformers' Glm4Config defaults it to 0.5."""
+    transformers' Glm4Config and Glm4MoeConfig default it to 0.5."""
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     inner = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
     value = d.get("partial_rotary_factor", inner)
-    return (0.5 if model_type == "glm4" else 1.0) if value is None else float(value)
+    return (0.5 if model_type in ("glm4", "glm4_moe") else 1.0) if value is None else float(value)
 
 
 def _positive_int(d: dict, key: str) -> int:

@@ -311,12 +311,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """The dense SwiGLU (GELU for Gemma) MLP; `width`: other than intermediate_size (GLM-4.5's shared expert)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, width: int | None = None):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.intermediate_size = width = width or config.intermediate_size
         self.gelu = config.hidden_act == "gelu_tanh"  # Gemma; else SiLU
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, dtype=dtype)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * width, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -341,9 +343,20 @@ class MoE(nn.Module):
         self.gate_proj = nn.Linear(h, e * i, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(h, e * i, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(i, e * h, bias=bias, dtype=dtype)
+        # GLM-4.5's: sigmoid scores, a bias [experts] that only picks, a scale; a shared expert
+        self.sigmoid_router, self.weights_scale = config.sigmoid_router, config.expert_weights_scale
+        self.selection_bias = nn.Parameter(torch.zeros(e), requires_grad=False) if config.sigmoid_router else None
+        self.shared = MLP(config, dtype, config.shared_expert_size) if config.shared_expert_size else None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, experts) [tokens, top_k] of each token, as transformers computes them."""
+        if self.sigmoid_router:  # GLM-4.5's Glm4MoeTopkRouter (the scores in float32 as there)
+            scores = self.router(x).float().sigmoid()
+            experts = (scores + self.selection_bias.float()).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(1, experts)
+            if self.normalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            return weights * self.weights_scale, experts
         if self.softmax_after_topk:  # GPT-OSS: the softmax of the chosen experts' logits
             logits, experts = self.router(x).topk(self.top_k, dim=-1)
             return F.softmax(logits, dim=-1, dtype=torch.float32).to(x.dtype), experts
@@ -360,7 +373,7 @@ class MoE(nn.Module):
             rows, slot = (experts == e).nonzero(as_tuple=True)
             y = self._expert(e, x[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(x.dtype))
-        return out
+        return out if self.shared is None else out + self.shared(x)
 
     def _expert(self, e: int, x: Tensor) -> Tensor:
         i, h = self.width, x.shape[-1]
@@ -398,7 +411,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps, dtype)
         self.self_attn = Attention(config, dtype, layer)
         self.post_attention_layernorm = RMSNorm(h, eps, dtype)  # the norm before the MLP
-        self.mlp = MoE(config, dtype) if config.num_experts else MLP(config, dtype)
+        self.mlp = MoE(config, dtype) if config.layer_is_moe(layer) else MLP(config, dtype)
         # Gemma's sandwich: the attention's and the MLP's outputs normalised before they join the stream
         self.attn_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(h, eps, dtype) if config.sandwich_norms else None

@@ -41,7 +41,7 @@ _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
                   "gemma3": "gemma3_text",
                   "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4",
-                  "gpt-oss": "gpt_oss"}
+                  "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
 # its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
 # and Granite's converters are Llama's)
 _PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral", "smollm3", "granite"}
@@ -273,6 +273,9 @@ _GLM4_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_self_attn_laye
                      "post_ffw_norm": "post_mlp_layernorm"}
 # GPT-OSS's norm before the MLP is llama.cpp's post_attention_norm (transformers' name for it)
 _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm"}
+# GLM-4.5's the same, and its shared expert (its router and experts: _expert_tensors)
+_GLM4_MOE_LAYER_NAMES = {**_GPT_OSS_LAYER_NAMES, "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+                         "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -281,7 +284,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     layer_names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES,
-                   "gpt-oss": _GPT_OSS_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+                   "gpt-oss": _GPT_OSS_LAYER_NAMES, "glm4moe": _GLM4_MOE_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] == "attn_sinks" and arch == "gpt-oss":
         return f"model.layers.{parts[1]}.self_attn.sinks"  # a parameter of its own in transformers
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
@@ -456,6 +459,9 @@ def _expert_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor
         router_bias = file.tensors.get(f"blk.{layer}.ffn_gate_inp.bias")
         if router_bias is not None:  # GPT-OSS
             out[moe.router_bias_name(layer)] = router_bias
+        selection_bias = file.tensors.get(f"blk.{layer}.exp_probs_b.bias")
+        if selection_bias is not None:  # GLM-4.5
+            out[moe.selection_bias_name(layer)] = selection_bias
         for index, projection in enumerate(("gate", "up", "down")):
             for kind in ("weight", "bias"):  # GPT-OSS's biases: [experts, rows]
                 info = file.tensors.get(f"blk.{layer}.ffn_{projection}_exps.{kind}")
@@ -517,12 +523,13 @@ def config_dict(file: GGUFFile) -> dict:
         raise UnsupportedArchitecture(f"{file.path} is a GGUF of architecture {arch!r}; meshllm runs GGUF "
                                       f"architectures {sorted(_ARCHITECTURES)}")
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
-    if experts and arch not in ("llama", "qwen3moe", "gpt-oss"):
+    if experts and arch not in ("llama", "qwen3moe", "gpt-oss", "glm4moe"):
         raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts {arch} model; meshllm runs the "
-                                      f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe) and GPT-OSS (gpt-oss) files")
-    if int(meta.get(f"{arch}.expert_shared_count", 0) or 0):
+                                      f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe), GPT-OSS (gpt-oss) and "
+                                      f"GLM-4.5 (glm4moe) files")
+    if int(meta.get(f"{arch}.expert_shared_count", 0) or 0) and arch != "glm4moe":
         raise UnsupportedArchitecture(f"{file.path} has shared experts ({arch}.expert_shared_count), which "
-                                      f"meshllm does not run")
+                                      f"meshllm runs for GLM-4.5 (glm4moe) only")
 
     def key(name: str, default=None):
         value = meta.get(f"{arch}.{name}", default)
@@ -538,9 +545,9 @@ def config_dict(file: GGUFFile) -> dict:
         kv_heads = kv_heads[0]
     head_dim = int(key("attention.key_length", hidden // heads))
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dims != head_dim and arch not in ("phi3", "glm4"):  # Phi-4-mini turns 96 of 128, GLM-4 half
+    if rope_dims != head_dim and arch not in ("phi3", "glm4", "glm4moe"):  # Phi-4-mini 96 of 128, GLM half
         raise UnsupportedArchitecture(f"{file.path} rotates {rope_dims} of {head_dim} head dims (partial rotary); "
-                                      f"meshllm runs that for phi3 and glm4 only")
+                                      f"meshllm runs that for phi3, glm4 and glm4moe only")
     sections = meta.get(f"{arch}.rope.dimension_sections")
     if sections is not None and any(int(x) for x in np.asarray(sections).ravel()):
         # GLM-4V's text model: multimodal rope sections, its q/k already in halves for them
@@ -580,12 +587,15 @@ def config_dict(file: GGUFFile) -> dict:
                                             meta.get("tokenizer.ggml.tokens") or []),
     }
     if experts:  # Mixtral is written as "llama"; llama.cpp renormalizes the chosen experts of both
-        config.update(model_type={"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}[arch],
+        config.update(model_type={"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
+                                  "glm4moe": "glm4_moe"}[arch],
                       num_experts=experts,
                       num_local_experts=experts,
                       num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=True,
                       moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length",
                                                          config["intermediate_size"])))
+    if arch == "glm4moe":
+        config.update(_glm4_moe(file, config))
     if arch == "smollm3":  # not in the file: llama.cpp runs every fourth layer without rope (as transformers)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":  # its converter writes the multipliers as scales
@@ -606,6 +616,25 @@ def config_dict(file: GGUFFile) -> dict:
         config.update(_gemma(file, arch, heads, hidden, head_dim, rope_theta, config["num_hidden_layers"],
                              config["rope_scaling"]))
     return config
+
+
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+
+
+def _glm4_moe(file: GGUFFile, config: dict) -> dict:
+    """GLM-4.5's config.json fields, as its converter writes them (conversion/glm.py Glm4MoeModel)
+    and llama.cpp reads them (src/models/glm4-moe.cpp)."""
+    meta = file.metadata
+    gating = int(meta.get("glm4moe.expert_gating_func", _SIGMOID_GATING))
+    if gating != _SIGMOID_GATING:
+        raise UnsupportedArchitecture(f"{file.path}: glm4moe.expert_gating_func {gating}; GLM-4.5's experts are "
+                                      f"picked by sigmoid scores ({_SIGMOID_GATING})")
+    return dict(n_routed_experts=config["num_experts"],
+                n_shared_experts=int(meta.get("glm4moe.expert_shared_count", 0) or 0),
+                first_k_dense_replace=int(meta.get("glm4moe.leading_dense_block_count", 0) or 0),
+                routed_scaling_factor=float(meta.get("glm4moe.expert_weights_scale", 1.0)),
+                norm_topk_prob=bool(meta.get("glm4moe.expert_weights_norm", False)),
+                use_qk_norm="blk.0.attn_q_norm.weight" in file.tensors)
 
 
 def _layer_types(pattern, layers: int, window: int) -> list[str]:

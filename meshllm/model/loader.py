@@ -67,7 +67,7 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
             names[f"{ours}.self_attn.o_proj.bias"] = [f"{attn}.o_proj.bias"]
         if config.attention_sinks:
             names[f"{ours}.self_attn.sinks"] = [f"{attn}.sinks"]
-        if config.num_experts:  # each projection: every expert's rows, expert after expert
+        if config.layer_is_moe(i):  # each projection: every expert's rows, expert after expert
             experts = [moe.expert_names(config.model_type, i, e) for e in range(config.num_experts)]
             names[f"{ours}.mlp.router.weight"] = [moe.router_name(config.model_type, i)]
             for index, projection in enumerate(("gate_proj", "up_proj", "down_proj")):
@@ -77,6 +77,12 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
                 biases = [moe.expert_bias_names(i, e) for e in range(config.num_experts)]
                 for index, projection in enumerate(("gate_proj", "up_proj", "down_proj")):
                     names[f"{ours}.mlp.{projection}.bias"] = [names_of[index] for names_of in biases]
+            if config.sigmoid_router:
+                names[f"{ours}.mlp.selection_bias"] = [moe.selection_bias_name(i)]
+            if config.shared_expert_size:
+                gate, up, down = moe.shared_expert_names(i)
+                names[f"{ours}.mlp.shared.gate_up_proj.weight"] = [gate, up]
+                names[f"{ours}.mlp.shared.down_proj.weight"] = [down]
         else:
             names[f"{ours}.mlp.gate_up_proj.weight"] = [f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"]
             names[f"{ours}.mlp.down_proj.weight"] = [f"{hf}.mlp.down_proj.weight"]
@@ -175,7 +181,7 @@ def _swap_module(decoder: Decoder, form: WeightForm, source: TensorSource, avail
     elif ours == "lm_head.weight" and shares_embedding:
         module = form.tied_head(decoder.embed_tokens)
     else:
-        module = form.linear(source, hf_names, _part_rows(config, ours, shape))
+        module = form.linear(source, hf_names, _part_rows(config, ours, shape, len(hf_names)))
     if module is None:
         return False
     if isinstance(old, nn.Linear) and old.bias is not None:  # loaded next by load_state_dict
@@ -198,7 +204,7 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
     parts = source.read(hf_names, torch.float32 if gemma_norm else dtype)
     if gemma_norm and config.norm_weight_offset:
         parts = {name: t + config.norm_weight_offset for name, t in parts.items()}
-    for hf, rows in zip(hf_names, _part_rows(config, ours, shape)):
+    for hf, rows in zip(hf_names, _part_rows(config, ours, shape, len(hf_names))):
         want = (rows, *shape[1:])
         if tuple(parts[hf].shape) != want:
             raise ModelLoadError(f"{source.path}: tensor {hf!r} has shape {tuple(parts[hf].shape)}, expected "
@@ -210,17 +216,13 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
 _NORM_WEIGHTS = "norm.weight"  # input_layernorm, q_norm, attn_out_norm, the final norm, ...
 
 
-def _part_rows(config: ModelConfig, ours: str, shape: torch.Size) -> list[int]:
-    """Rows each HF tensor contributes to our (possibly fused) parameter."""
+def _part_rows(config: ModelConfig, ours: str, shape: torch.Size, parts: int) -> list[int]:
+    """Rows each of the `parts` HF tensors contributes to our (possibly fused) parameter: q, k and
+    v their heads' rows; the others (gate and up, every expert of an experts matrix) equal shares."""
     if ".qkv_proj." in ours:
         kv = config.num_key_value_heads * config.head_dim
         return [config.num_attention_heads * config.head_dim, kv, kv]
-    if ".gate_up_proj." in ours:
-        return [config.intermediate_size, config.intermediate_size]
-    if config.num_experts and ours.endswith(tuple(f"mlp.{p}_proj.{kind}" for p in ("gate", "up", "down")
-                                                  for kind in ("weight", "bias"))):
-        return [shape[0] // config.num_experts] * config.num_experts  # one part per expert
-    return [shape[0]]
+    return [shape[0] // parts] * parts
 
 
 def _reject_unused_layer_tensors(source: TensorSource, available: set[str], names: NameMap,

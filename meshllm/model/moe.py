@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, GPT-OSS) read from config.json.
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, GPT-OSS, GLM-4.5) read from config.json.
 
 Each layer's MLP is `num_experts` SwiGLU experts of `expert_intermediate_size` and a router: a
 token's router logits go through a softmax, its `num_experts_per_tok` most probable experts run,
@@ -6,18 +6,21 @@ and their outputs are summed weighted by those probabilities (renormalized to su
 model says so: Mixtral always, Qwen3-MoE with norm_topk_prob). GPT-OSS differs: biases on the
 router and on each expert's projections, the softmax over the chosen experts' logits only, a
 clamped SwiGLU; and its attention has sinks and an o_proj bias, every other layer windowed.
+GLM-4.5 (4.6, Air) scores experts by a sigmoid, picks them by score plus a learned bias per
+expert, weights them by their scores (renormalized, scaled), runs a shared expert for every
+token beside them, and keeps its first layers dense.
 """
 
 from __future__ import annotations
 
 from meshllm.errors import ModelLoadError, UnsupportedArchitecture
 
-MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss")
+MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")
 
 
 def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
     """ModelConfig fields of a mixture-of-experts config.json."""
-    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts") or 0)
     per_token = int(d.get("num_experts_per_tok") or 0)
     if not 0 < per_token <= experts:
         raise UnsupportedArchitecture(f"{origin}: {per_token} experts per token of {experts}: not a "
@@ -37,10 +40,28 @@ def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
         return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=int(d["intermediate_size"]),
                     expert_biases=True, softmax_after_topk=True, swiglu_limit=float(d.get("swiglu_limit", 7.0)),
                     o_proj_bias=True, attention_sinks=True, **_gpt_oss_windows(d, num_layers, origin))
+    elif model_type == "glm4_moe":
+        return _glm4_moe_fields(d, experts, per_token, num_layers, origin)
     else:  # Mixtral: every layer sparse, the top two always renormalized
         width, normalize = int(d["intermediate_size"]), True
     return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=width,
                 normalize_expert_weights=normalize)
+
+
+def _glm4_moe_fields(d: dict, experts: int, per_token: int, num_layers: int, origin: str) -> dict:
+    groups, chosen_groups = int(d.get("n_group") or 1), int(d.get("topk_group") or 1)
+    if chosen_groups < groups:  # DeepSeek-V3's: experts from the best groups only
+        raise UnsupportedArchitecture(f"{origin}: group-limited routing ({chosen_groups} of {groups} expert groups) "
+                                      f"is not supported")
+    dense = int(d.get("first_k_dense_replace") or 0)
+    if not 0 <= dense <= num_layers:
+        raise ModelLoadError(f"{origin}: first_k_dense_replace {dense} of {num_layers} layers")
+    width = int(d["moe_intermediate_size"])
+    return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=width,
+                normalize_expert_weights=bool(d.get("norm_topk_prob", True)), sigmoid_router=True,
+                expert_weights_scale=float(d.get("routed_scaling_factor", 1.0)),
+                shared_expert_size=width * int(d.get("n_shared_experts") or 0), dense_layers=dense,
+                qk_norm=bool(d.get("use_qk_norm", False)))
 
 
 def _gpt_oss_windows(d: dict, num_layers: int, origin: str) -> dict:
@@ -67,6 +88,16 @@ def expert_names(model_type: str, layer: int, expert: int) -> tuple[str, str, st
     return tuple(f"{stem}.{name}.weight" for name in _PROJECTIONS[model_type])
 
 
+def selection_bias_name(layer: int) -> str:
+    """GLM-4.5's bias [experts] added to a layer's sigmoid scores to pick its experts."""
+    return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+
+
+def shared_expert_names(layer: int) -> tuple[str, str, str]:
+    """HF names of GLM-4.5's shared expert's (gate, up, down) weights in `layer`."""
+    return tuple(f"model.layers.{layer}.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+
 def router_bias_name(layer: int) -> str:
     """GPT-OSS's router bias [experts]."""
     return router_name("gpt_oss", layer).removesuffix(".weight") + ".bias"
@@ -79,6 +110,6 @@ def expert_bias_names(layer: int, expert: int) -> tuple[str, str, str]:
 
 # gpt_oss: the names each expert's slice takes, of a GGUF's experts tensors (model/gguf.py) and of
 # a folder's fused, transposed ones (model/gpt_oss_experts.py)
-_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp"}
+_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp", "glm4_moe": "mlp"}
 _PROJECTIONS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
-                "gpt_oss": ("gate_proj", "up_proj", "down_proj")}
+                "gpt_oss": ("gate_proj", "up_proj", "down_proj"), "glm4_moe": ("gate_proj", "up_proj", "down_proj")}

@@ -36,23 +36,24 @@ from tests.quantized_gguf import write_quantized_llama
 SEQS = [[(7 * i + 13 * j) % 90 + 3 for j in range(20)] for i in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss", "glm4-moe"])
 @pytest.mark.parametrize("prompt_len, chunk", [(8, 3), (20, 20), (2, 2)],
                          ids=["chunked-prefill", "prefill", "mostly-decode"])
 def test_dense_experts_on_ggml_match_the_torch_path(rt, tiny_model_dir, variant, prompt_len, chunk):
     source = SafetensorsSource(tiny_model_dir(variant))
     decoder = load_stage_decoder(source, source.config())
-    assert isinstance(decoder.fast_path, GGMLStage) and isinstance(decoder.layers[0].mlp, MoE)
+    assert isinstance(decoder.fast_path, GGMLStage) and isinstance(decoder.layers[-1].mlp, MoE)
     assert_ggml_matches_torch(decoder, SEQS, prompt_len, chunk, atol=1e-4)  # 3e-6 measured
 
 
 @pytest.fixture(scope="module", params=[("qwen3moe", GGML.Q4_K), ("llama", GGML.Q8_0), ("qwen3moe", GGML.Q4_1),
-                                        ("gpt-oss", GGML.MXFP4)],
-                ids=["qwen3moe-Q4_K", "mixtral-Q8_0", "qwen3moe-Q4_1", "gpt-oss-MXFP4"])
+                                        ("gpt-oss", GGML.MXFP4), ("glm4moe", GGML.Q8_0)],
+                ids=["qwen3moe-Q4_K", "mixtral-Q8_0", "qwen3moe-Q4_1", "gpt-oss-MXFP4", "glm4moe-Q8_0"])
 def quantized(rt, smollm2_gguf_path, tiny_model_dir, tmp_path_factory, request):
     arch, ggml_type = request.param
-    if arch == "gpt-oss":  # the tiny transformers model converted as llama.cpp would, its experts MXFP4
-        path = write_model_gguf(tiny_model_dir("gpt-oss"), tmp_path_factory.mktemp("moe") / "gpt-oss.gguf", arch,
+    if arch in ("gpt-oss", "glm4moe"):  # the tiny transformers model converted as llama.cpp would, experts quantized
+        variant = {"gpt-oss": "gpt-oss", "glm4moe": "glm4-moe"}[arch]
+        path = write_model_gguf(tiny_model_dir(variant), tmp_path_factory.mktemp("moe") / f"{arch}.gguf", arch,
                                 experts_type=ggml_type)
         source = GGUFSource(path)
         return SimpleNamespace(source=source, config=source.config()), ggml_type
@@ -90,7 +91,7 @@ def test_quantized_experts_stay_quantized_one_3d_matrix_each(quantized, rt):
     (ggml_lib.REPACKED_EXPERT_TYPES says why)."""
     files, ggml_type = quantized
     decoder = load_stage_decoder(files.source, files.config)
-    mlp = decoder.layers[0].mlp
+    mlp = decoder.layers[-1].mlp
     assert isinstance(decoder.fast_path, GGMLStage) and isinstance(mlp, MoE)
     for experts in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
         (matrix,) = experts.matrices
@@ -136,7 +137,7 @@ def test_experts_in_the_gpu_form_give_the_dense_experts_logits_bitwise(quantized
     files, _ = quantized
     compact = load_decoder(files.source, files.config, weight_form=DeviceBlockForm(torch.device("cpu"), torch.float32))
     dense = load_decoder(files.source, files.config)
-    mlp = compact.layers[0].mlp
+    mlp = compact.layers[-1].mlp
     assert isinstance(mlp, MoE)
     assert all(isinstance(m, BlockLinear) and len(m.types) == 1 for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     for seq in SEQS:
@@ -176,7 +177,7 @@ def test_experts_keep_their_rows_under_the_cpu_weight_forms(tiny_model_dir):
     assert (got - want).abs().max() < 0.1 * want.abs().max()  # attention in int8 now; the experts exact
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss", "glm4-moe"])
 def test_batch_invariant_experts_give_a_row_the_same_bits_in_any_batch(tiny_model_dir, variant):
     """Each expert multiplies however many rows chose it: in batch-invariant mode that product is
     tiled like every other, and its activation runs row by row (found by review: 3e-8 apart alone

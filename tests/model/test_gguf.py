@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGUFWriter, quants
-from gguf.constants import GGMLQuantizationType as GGML, RopeScalingType
+from gguf.constants import ExpertGatingFuncType, GGMLQuantizationType as GGML, RopeScalingType
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from meshllm.errors import CorruptWeights, MeshError, ModelLoadError, UnsupportedArchitecture
@@ -41,6 +41,9 @@ _GEMMA_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
 _GLM4_TO_GGUF = {**_TO_GGUF, "post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm"}
 # GPT-OSS's norm before the MLP (llama.cpp's post_attention_norm) and its sinks
 _GPT_OSS_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm"}
+# GLM-4.5's the same, and its shared expert
+_GLM4_MOE_TO_GGUF = {**_GPT_OSS_TO_GGUF, "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+                     "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:
@@ -50,7 +53,7 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
         _, _, index, rest = hf.split(".", 3)
         stem, suffix = rest.rsplit(".", 1)
         names = {"gemma2": _GEMMA_TO_GGUF, "gemma3": _GEMMA_TO_GGUF, "glm4": _GLM4_TO_GGUF,
-                 "gpt-oss": _GPT_OSS_TO_GGUF}.get(arch, _TO_GGUF)
+                 "gpt-oss": _GPT_OSS_TO_GGUF, "glm4moe": _GLM4_MOE_TO_GGUF}.get(arch, _TO_GGUF)
         return f"blk.{index}.{names[stem]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
@@ -103,7 +106,16 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
         if arch == "gpt-oss":  # conversion/gpt_oss.py GptOssModel (experts not MXFP4: as they are, de-interleaved)
             w.add_sliding_window(cfg.sliding_window)
-        for i in range(cfg.num_hidden_layers):
+        if arch == "glm4moe":  # conversion/glm.py Glm4MoeModel
+            w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+            w.add_expert_shared_count(cfg.shared_expert_size // cfg.expert_intermediate_size)
+            w.add_leading_dense_block_count(cfg.dense_layers)
+            w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+            w.add_expert_weights_scale(cfg.expert_weights_scale)
+            w.add_expert_weights_norm(cfg.normalize_expert_weights)
+            for i in range(cfg.dense_layers, cfg.num_hidden_layers):
+                w.add_tensor(f"blk.{i}.exp_probs_b.bias", tensors.pop(moe.selection_bias_name(i)).numpy())
+        for i in range(cfg.dense_layers, cfg.num_hidden_layers):
             w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors.pop(moe.router_name(cfg.model_type, i)).numpy())
             names = [moe.expert_names(cfg.model_type, i, e) for e in range(cfg.num_experts)]
             for index, projection in enumerate(("gate", "up", "down")):
@@ -340,7 +352,7 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
                                           ("phi3-longrope", "phi3"), ("phi3-partial", "phi3"), ("gemma3", "gemma3"),
                                           ("gemma2", "gemma2"), ("gpt-oss", "gpt-oss"),
                                           ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
-                                          ("qwen3-yarn", "qwen3"), ("glm4", "glm4"),
+                                          ("qwen3-yarn", "qwen3"), ("glm4", "glm4"), ("glm4-moe", "glm4moe"),
                                           ("mixtral", "llama")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
@@ -363,7 +375,8 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "rope_linear_factor", "num_experts", "num_experts_per_tok", "expert_intermediate_size",
                   "normalize_expert_weights", "rope_layers", "residual_scale", "logit_scale",
                   "attn_softcap", "final_softcap", "expert_biases", "softmax_after_topk", "swiglu_limit",
-                  "o_proj_bias", "attention_sinks"):
+                  "o_proj_bias", "attention_sinks", "sigmoid_router", "expert_weights_scale",
+                  "shared_expert_size", "dense_layers"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())
