@@ -34,7 +34,6 @@ from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
 from meshllm.api.think import ThinkReader, prompt_opens_reasoning
-from meshllm.api.tool_parser import ToolCallParser
 from meshllm.errors import MeshError, ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
 
@@ -82,7 +81,8 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         reads_calls = chat and body.calls_tools
 
         def reader(c: ChoiceRequest):
-            calls = ToolCallParser(fmt, body.parallel_calls, forced=body.forced_tools is not None) if reads_calls else None
+            calls = fmt.call_reader([t.model_dump(exclude_none=True) for t in body.tools], body.parallel_calls,
+                                    forced=body.forced_tools is not None) if reads_calls else None
             if not chat or not model_text.thinks or body.continue_final_message:
                 return calls
             # a <think> block first (Qwen3, DeepSeek-R1): reasoning_content; the prompt may have opened it

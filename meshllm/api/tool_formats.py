@@ -5,6 +5,8 @@ The family is read from the template's own protocol markers, as llama.cpp does:
 - mistral: `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects;
 - llama3: a bare JSON object {"name", "parameters"} (maybe after `<|python_tag|>`);
 - harmony (GPT-OSS): a message to `functions.NAME` whose body is the arguments (api/harmony.py);
+- glm (GLM-4.5, 4.6, 4.7): `<tool_call>NAME` then `<arg_key>`/`<arg_value>` tags per argument
+  (api/glm_calls.py);
 - hermes: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>` blocks (Qwen2.5, Qwen3, Hermes,
   SmolLM3 templates);
 - a template that never mentions tools (SmolLM2's, the plain fallback) gets the Hermes
@@ -26,12 +28,14 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from meshllm.api import harmony
+from meshllm.api import glm_calls, harmony
+from meshllm.api.glm_calls import GlmCallReader
 from meshllm.api.harmony import HarmonyTokens
+from meshllm.api.tool_parser import ToolCallParser
 from meshllm.engine.grammar import schema_text
 from meshllm.model.tokenizer import Tokenizer
 
-Family = Literal["hermes", "llama3", "mistral", "harmony"]
+Family = Literal["hermes", "llama3", "mistral", "harmony", "glm"]
 
 HERMES_SYSTEM = """# Tools
 
@@ -61,6 +65,7 @@ class ToolFormat:
     grammar_begin: str = '""'
     grammar_end: str = '""'
     harmony: HarmonyTokens | None = None  # GPT-OSS's markers (api/harmony.py reads and constrains its replies)
+    glm_tags: dict[str, str] | None = None  # GLM's tags -> their lark (api/glm_calls.py)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "ToolFormat":
@@ -68,6 +73,9 @@ class ToolFormat:
         markers = HarmonyTokens.of({t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()})
         if "<|channel|>" in template and markers is not None:
             return cls("harmony", True, None, None, "arguments", harmony=markers)
+        if glm_calls.KEY in template:
+            return cls("glm", True, glm_calls.OPEN, None, "arguments", _lark_marker(tokenizer, glm_calls.OPEN),
+                       glm_tags={tag: _lark_marker(tokenizer, tag) for tag in glm_calls.MARKERS})
         if "[TOOL_CALLS]" in template:
             return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments",
                        _lark_marker(tokenizer, "[TOOL_CALLS]"))
@@ -75,6 +83,12 @@ class ToolFormat:
             return cls("llama3", True, None, _special_id(tokenizer, "<|python_tag|>"), "parameters")
         return cls("hermes", "<tool_call>" in template and "tools" in template, "<tool_call>", None, "arguments",
                    _lark_marker(tokenizer, "<tool_call>"), _lark_marker(tokenizer, "</tool_call>"))
+
+    def call_reader(self, tools: list[dict], parallel: bool, forced: bool) -> ToolCallParser | GlmCallReader:
+        """What reads a reply's tool calls as it streams (`forced`: a grammar makes it calls only)."""
+        if self.glm_tags is not None:
+            return GlmCallReader(self.new_call_id, tools, parallel, forced)
+        return ToolCallParser(self, parallel, forced)
 
     def new_call_id(self) -> str:
         if self.family == "mistral":  # Mistral's templates refuse ids that are not 9 letters or digits
@@ -126,6 +140,8 @@ class ToolFormat:
 
     def _calls_grammar(self, tools: list[dict], parallel: bool) -> str:
         """`calls` (a call block, opening included) and `first` (the first call after its opening)."""
+        if self.glm_tags is not None:
+            return glm_calls.calls_grammar(self.glm_tags, tools, parallel)
         options = [{"type": "object", "properties": {
             "name": {"const": t["function"]["name"]},
             self.arguments_key: t["function"].get("parameters") or {"type": "object"}},

@@ -3,7 +3,7 @@
 The templates are written here in the shape of the families' published templates (Qwen2.5's
 Hermes-style `<tool_call>` blocks, Llama 3.1's JSON calls with the ipython role, Mistral
 v0.3's `[AVAILABLE_TOOLS]` / `[TOOL_CALLS]` / `[TOOL_RESULTS]` with 9-character call ids,
-GPT-OSS's harmony messages on channels);
+GPT-OSS's harmony messages on channels, GLM-4.5's `<arg_key>`/`<arg_value>` tags);
 the tokenizer is byte-level BPE over the 256 bytes plus each family's special tokens.
 """
 
@@ -124,6 +124,50 @@ HARMONY_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}
 """
 
+GLM_TEMPLATE = r"""[gMASK]<sop>
+{%- if tools -%}
+<|system|>
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{% for tool in tools %}
+{{ tool | tojson }}
+{% endfor %}
+</tools>
+
+For each function call, output the function name and arguments within the following XML format:
+<tool_call>{function-name}
+<arg_key>{arg-key-1}</arg_key>
+<arg_value>{arg-value-1}</arg_value>
+...
+</tool_call>
+{%- endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}<|user|>
+{{ m.content }}
+{%- elif m.role == 'system' -%}<|system|>
+{{ m.content }}
+{%- elif m.role == 'assistant' -%}<|assistant|>
+{%- if m.content %}
+{{ m.content }}{% endif %}
+{%- for tc in m.tool_calls or [] %}{% set f = tc.function %}
+<tool_call>{{ f.name }}
+{% for k, v in f.arguments.items() %}<arg_key>{{ k }}</arg_key>
+<arg_value>{{ v | tojson if v is not string else v }}</arg_value>
+{% endfor %}</tool_call>{% endfor %}
+{%- elif m.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|observation|>{% endif %}
+<tool_response>
+{{ m.content }}
+</tool_response>
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}
+"""
+
 # family -> (transformers variant, template, special tokens (first is BOS or None), eos, plain added tokens)
 FAMILIES = {
     "hermes": ("qwen2", HERMES_TEMPLATE, [None, "<|im_start|>", "<|im_end|>"], "<|im_end|>",
@@ -134,9 +178,12 @@ FAMILIES = {
                                               "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "</s>", []),
     "harmony": ("gpt-oss", HARMONY_TEMPLATE, [None, "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
                                               "<|constrain|>", "<|return|>", "<|call|>"], "<|return|>", []),
+    "glm": ("glm4-moe", GLM_TEMPLATE, [None, "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                                       "<|observation|>"], "<|user|>",
+            ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]),
 }
-# A harmony reply ends at <|call|> too (GPT-OSS's generation_config lists both)
-_MORE_EOS = {"harmony": ["<|call|>"]}
+# A harmony reply ends at <|call|> too (GPT-OSS's generation_config lists both); GLM's at <|observation|>
+_MORE_EOS = {"harmony": ["<|call|>"], "glm": ["<|observation|>"]}
 VOCAB_SIZE = 272  # 256 bytes + added tokens, rounded up
 
 

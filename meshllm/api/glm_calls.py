@@ -1,0 +1,182 @@
+"""Tool calls of GLM-4.5, 4.6 and 4.7, in their templates' own form: tags, not JSON.
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    </tool_call>
+
+A value is its text for a string parameter, else JSON (the templates write other values with
+`tojson`); text that is no JSON stays text, as vLLM's GLM-4.5 parser reads it. The name ends at
+the first newline or tag (GLM-4.7 writes no newlines between tags). The call's id and name
+stream as soon as the name is complete, its arguments as one JSON object when its block closes
+(whether a value is JSON is known only then).
+
+`GlmCallReader` has ToolCallParser's interface; `calls_grammar` gives the lark a forced or
+strict call must match: each parameter's value typed by its schema (strings as raw text, with
+their enum or maxLength; anything else as JSON by llguidance's %json), required ones in order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from meshllm.api.tool_parser import CallDelta, ParsedCall
+from meshllm.engine.grammar import schema_text
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+MARKERS = (OPEN, CLOSE, KEY, KEY_END, VALUE, VALUE_END)
+_ARGUMENT = re.compile(re.escape(KEY) + r"(.*?)" + re.escape(KEY_END) + r"\s*" + re.escape(VALUE) + r"(.*?)"
+                       + re.escape(VALUE_END), re.DOTALL)
+_NAME_END = re.compile(r"\n|" + re.escape(KEY) + "|" + re.escape(CLOSE))
+
+
+class GlmCallReader:
+    """One choice's reply. States: content (looking for `<tool_call>`), call (inside a block),
+    between (whitespace after a block)."""
+
+    def __init__(self, new_call_id, tools: list[dict], parallel: bool = True, forced: bool = False):
+        self.new_call_id = new_call_id
+        self.parallel, self.forced = parallel, forced
+        # each function's parameters' declared types: a string parameter's value is its text
+        self.types = {t["function"]["name"]: {key: spec.get("type") for key, spec in
+                                              ((t["function"].get("parameters") or {}).get("properties") or {}).items()}
+                      for t in tools}
+        self.content: list[str] = []
+        self.calls: list[ParsedCall] = []
+        self._held = ""
+        self._state = "content"
+        self._call: ParsedCall | None = None  # the open block's call, once its name is complete
+        self._dropped = False  # the open block is a later call where only one may be made
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def feed(self, text: str, token_id: int | None = None) -> tuple[str, list[CallDelta]]:
+        before = len(self.content)
+        deltas: list[CallDelta] = []
+        self._held += text
+        while self._held and self._step(deltas):
+            pass
+        return "".join(self.content[before:]), deltas
+
+    def finish(self, cut: bool = False) -> str:
+        """Content still held at the end. A block cut at the token limit is no content: its call is
+        reported with the arguments complete so far, or dropped before its name was (as
+        ToolCallParser does); a reply that stopped by itself inside a block's name keeps the text."""
+        held, self._held = self._held, ""
+        if self._state == "call":
+            if self._call is not None:
+                self._call.arguments = self._arguments(self._call.name, held)
+                return ""
+            return "" if cut or self.forced else self._emit(held)
+        if cut and self.forced:
+            return ""
+        return self._emit(held) if self._state == "content" else ""
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self.content.append(text)
+        return text
+
+    def _step(self, deltas: list[CallDelta]) -> bool:
+        if self._state == "content":
+            at = self._held.find(OPEN)
+            if at < 0:  # keep what may be the start of the tag, and the whitespace before it
+                keep = next((n for n in range(min(len(OPEN) - 1, len(self._held)), 0, -1)
+                             if self._held.endswith(OPEN[:n])), 0)
+                decided = self._held[:len(self._held) - keep].rstrip()
+                self._emit(decided)
+                self._held = self._held[len(decided):]
+                return False
+            self._emit(self._held[:at].rstrip())  # the templates' newline before a call is no content
+            self._held, self._state, self._call, self._dropped = self._held[at + len(OPEN):], "call", None, False
+            return True
+        if self._state == "between":
+            self._held = self._held.lstrip()
+            self._state = "content" if self._held else "between"
+            return bool(self._held)
+        return self._read_block(deltas)
+
+    def _read_block(self, deltas: list[CallDelta]) -> bool:
+        if self._call is None and not self._dropped:
+            end = _NAME_END.search(self._held)
+            if end is None:
+                return False
+            self._start(self._held[:end.start()].strip(), deltas)
+        at = self._held.find(CLOSE)
+        if at < 0:
+            return False
+        block, self._held, self._state = self._held[:at], self._held[at + len(CLOSE):], "between"
+        if self._call is not None:
+            self._call.arguments = self._arguments(self._call.name, block)
+            self._call.complete = True
+            deltas.append(CallDelta(self.calls.index(self._call), arguments=self._call.arguments))
+        return True
+
+    def _start(self, name: str, deltas: list[CallDelta]) -> None:
+        if not self.parallel and self.calls:
+            self._dropped = True  # only one call may be made: later ones are read and dropped
+            return
+        self._call = ParsedCall(self.new_call_id(), name)
+        self.calls.append(self._call)
+        deltas.append(CallDelta(len(self.calls) - 1, self._call.id, name))
+
+    def _arguments(self, name: str, block: str) -> str:
+        types = self.types.get(name, {})
+        arguments = {key.strip(): _value(value, types.get(key.strip())) for key, value in _ARGUMENT.findall(block)}
+        return json.dumps(arguments, ensure_ascii=False)
+
+
+def _value(text: str, declared) -> object:
+    if declared == "string":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def calls_grammar(markers: dict[str, str], tools: list[dict], parallel: bool) -> str:
+    """Lark rules `calls` (the opening and every call) and `first` (the first call after the
+    opening) for calls to `tools`. `markers`: each tag's lark (its token, or its text quoted)."""
+    m = markers
+    rules, bodies = [], []
+    for i, tool in enumerate(tools):
+        function = tool["function"]
+        schema = function.get("parameters") or {}
+        properties = schema.get("properties") or {}
+        required = set(schema.get("required") or ())
+        arguments = []
+        for j, (key, spec) in enumerate(properties.items()):
+            rules.append(_value_rule(f"v{i}_{j}", spec, m[VALUE_END]))
+            argument = f'{m[KEY]} {json.dumps(key)} {m[KEY_END]} "\\n" {m[VALUE]} v{i}_{j} "\\n"'
+            arguments.append(f"({argument})" + ("" if key in required else "?"))
+        if not properties and schema.get("additionalProperties", True) is not False:  # any keys
+            rules.append(_value_rule(f"any{i}", {}, m[VALUE_END]))
+            arguments.append(f'({m[KEY]} /[^<\\n]+/ {m[KEY_END]} "\\n" {m[VALUE]} any{i} "\\n")*')
+        rules.append(f'tool{i}: {json.dumps(function["name"])} "\\n" {" ".join(arguments)} {m[CLOSE]}')
+        bodies.append(f"tool{i}")
+    more = f' ("\\n" {m[OPEN]} body)*' if parallel else ""
+    # the templates write a newline before each call
+    return "\n".join([f'calls: "\\n"? {m[OPEN]} first', f"first: body{more}", f"body: {' | '.join(bodies)}", *rules]) + "\n"
+
+
+def _value_rule(name: str, spec: dict, end: str) -> str:
+    """Rule `name`: a value's text with its closing tag. A string parameter's is raw text (its
+    enum's literals, or text up to maxLength that does not close the value), anything else JSON
+    of its schema."""
+    if spec.get("type") == "string" or ("enum" in spec and all(isinstance(v, str) for v in spec["enum"])):
+        if "enum" in spec:
+            return f"{name}: (" + " | ".join(json.dumps(v) for v in spec["enum"]) + f") {end}"
+        most = spec.get("maxLength")
+        text = f"/(?s:.{{0,{int(most)}}})/" if most is not None else "/(?s:.*)/"
+        if end.startswith("<["):  # the closing tag is a token of its own: the text ends where it comes
+            return f"{name}: {text} {end}"
+        # a lazy lexeme ending at the tag, which it consumes (a greedy one would take "</arg_value"
+        # into the text before seeing the ">": as tool_formats' text before a call)
+        return f"{name}[suffix={end}]: {text}"
+    any_json = {"type": ["string", "number", "boolean", "object", "array", "null"]}
+    return f"{name}: %json {schema_text(spec or any_json)} {end}"

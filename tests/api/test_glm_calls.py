@@ -1,0 +1,81 @@
+"""GLM-4.5's tool calls (api/glm_calls.py): tags, not JSON, read whole and in every chunking."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from meshllm.api.glm_calls import GlmCallReader
+from tests.api.test_tool_parser import _chunkings
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]},
+    "tags": {"type": "array", "items": {"type": "string"}}}}}},
+    {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
+        "text": {"type": "string"}}}}}]
+
+
+def call(name: str, *pairs: tuple[str, str], newlines: bool = True) -> str:
+    """A call as GLM's templates write one (GLM-4.7: no newlines between tags)."""
+    n = "\n" if newlines else ""
+    return f"<tool_call>{name}{n}" + "".join(f"<arg_key>{k}</arg_key>{n}<arg_value>{v}</arg_value>{n}"
+                                              for k, v in pairs) + "</tool_call>"
+
+
+CASES = [
+    # a string parameter's value is its text, even when it reads as JSON; others are JSON
+    ("Let me check.\n" + call("get_weather", ("city", "123"), ("days", "3"), ("units", "c"), ("tags", '["a", "b"]')),
+     "Let me check.", [("get_weather", {"city": "123", "days": 3, "units": "c", "tags": ["a", "b"]})]),
+    # two calls; a value with tags' look-alikes, quotes and newlines; GLM-4.7's tight form
+    (call("note", ("text", 'a "quote" <b>\nline 2')) + "\n" + call("get_weather", ("city", "Oslo"), newlines=False),
+     "", [("note", {"text": 'a "quote" <b>\nline 2'}), ("get_weather", {"city": "Oslo"})]),
+    # an unknown function's values read as JSON where they are, else as text
+    (call("other", ("n", "1.5"), ("s", "plain")), "", [("other", {"n": 1.5, "s": "plain"})]),
+    ("No call: <tool is not a tag, 3 < 4.", "No call: <tool is not a tag, 3 < 4.", []),
+]
+
+
+def _read(chunks: list[str], parallel: bool = True):
+    reader = GlmCallReader(lambda: f"call_{len(reader.calls)}", TOOLS, parallel)
+    streamed, deltas = "", []
+    for chunk in chunks:
+        content, new = reader.feed(chunk)
+        streamed += content
+        deltas += new
+    return reader, streamed + reader.finish(), deltas
+
+
+@pytest.mark.parametrize("output, content, calls", CASES)
+def test_calls_and_content_whatever_the_chunking(output, content, calls):
+    for chunks in _chunkings(output, seed=len(output)):
+        reader, streamed, deltas = _read(chunks)
+        assert streamed == reader.text == content, chunks
+        assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == calls, chunks
+        assert all(c.complete for c in reader.calls)
+        for index, made in enumerate(reader.calls):  # id and name first, then the arguments whole
+            mine = [d for d in deltas if d.index == index]
+            assert [(d.id, d.name, d.arguments) for d in mine] == [(made.id, made.name, ""), (None, None, made.arguments)]
+
+
+def test_parallel_false_keeps_only_the_first_call():
+    reader, _, deltas = _read([CASES[1][0]], parallel=False)
+    assert [c.name for c in reader.calls] == ["note"] and {d.index for d in deltas} == {0}
+
+
+def test_a_reply_cut_inside_a_call_reports_the_arguments_complete_so_far():
+    text = call("get_weather", ("city", "Paris"), ("days", "2"))
+    for end in range(1, len(text)):
+        reader = GlmCallReader(lambda: "call_0", TOOLS)
+        content, _ = reader.feed(text[:end])
+        content += reader.finish(cut=True)
+        named = end > text.index("\n")
+        if end < len("<tool_call>"):
+            assert content == text[:end] and not reader.calls, end  # "<tool" may be text
+            continue
+        assert content == "", (end, content)
+        assert [c.name for c in reader.calls] == (["get_weather"] if named else []), end
+        if named:  # each argument once its value's closing tag came
+            closed = [k for k, closing in (("city", text.index("</arg_value>")), ("days", text.rindex("</arg_value>")))
+                      if closing + len("</arg_value>") <= end]
+            assert json.loads(reader.calls[0].arguments) == {k: {"city": "Paris", "days": 2}[k] for k in closed}, end
