@@ -5,7 +5,8 @@ llama-quantize), and a 1.1B model of TinyLlama's shape (random weights, SmolLM2'
 vocabulary so the file carries a real tokenizer) in BF16, Q8_0 and Q4_0; on request ("moe:Q4_K",
 not in the default rows) a mixture of experts laid out as Qwen3-30B-A3B, smaller (MOE), and
 ("oss:MXFP4_MOE") one laid out as gpt-oss-20b, smaller (GPT_OSS: experts MXFP4, the rest Q8_0,
-as llama.cpp's MXFP4_MOE writes them). For each: our decode
+as llama.cpp's MXFP4_MOE writes them), and ("glm:Q4_K") one laid out as GLM-4.5-Air, smaller (GLM).
+For each: our decode
 tok/s at batch 1 and 8 (64 new tokens after a 32-token prompt), prefill tok/s (512 tokens, one
 chunk), steady and peak RSS, and the decode step split into graph building (Python) and ggml
 compute; llama.cpp's llama-bench (tg64, pp512) and llama-batched-bench (8 sequences) on the same
@@ -44,6 +45,11 @@ MOE = dict(hidden=1024, intermediate=512, layers=16, heads=16, kv_heads=4, head_
 # 830M parameters, 120M active a token (gpt-oss-20b: 21B, 3.6B active, hidden 2880, 24 layers)
 GPT_OSS = dict(hidden=1024, intermediate=1024, layers=8, heads=32, kv_heads=4, head_dim=64, experts=32,
                experts_per_token=4, gpt_oss=True)
+# GLM-4.5-Air's layout (a dense first layer, then experts picked by sigmoid scores plus a bias, with
+# a shared expert; q/k/v biases; half of each head turned) at a size this machine runs: 1.0B
+# parameters, 150M active a token (GLM-4.5-Air: 106B, 12B active, 128 experts, 8 a token, 46 layers)
+GLM = dict(hidden=1024, intermediate=512, dense_intermediate=2816, layers=16, heads=16, kv_heads=4, head_dim=64,
+           experts=32, experts_per_token=4, glm=True)
 
 
 def model_path(row: str) -> Path:
@@ -57,7 +63,8 @@ def model_path(row: str) -> Path:
     if name == "smollm2":
         shipped = default_model_path()
         return shipped if kind == "Q4_1" else llama_cpp.make_variant(shipped, kind)
-    shape, stem = {"moe": (MOE, "qwen3moe"), "oss": (GPT_OSS, "gpt-oss")}.get(name, (TINYLLAMA, "tinyllama"))
+    shape, stem = {"moe": (MOE, "qwen3moe"), "oss": (GPT_OSS, "gpt-oss"), "glm": (GLM, "glm4moe")}.get(
+        name, (TINYLLAMA, "tinyllama"))
     base = llama_cpp.CACHE / "bench" / f"{stem}-shape-random.BF16.gguf"
     if not base.exists():
         base.parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no bench cache yet
@@ -71,24 +78,33 @@ def write_random_llama(tokenizer_gguf: Path, out: Path, t: dict) -> None:
     import numpy as np
     import torch
     from gguf import GGUFWriter
-    from gguf.constants import GGMLQuantizationType as GGML, RopeScalingType
+    from gguf.constants import ExpertGatingFuncType, GGMLQuantizationType as GGML, RopeScalingType
 
     from meshllm.model.gguf import GGUFFile
     from tests.quantized_gguf import copy_tokenizer
 
     meta = GGUFFile.open(tokenizer_gguf).metadata
-    experts, oss = t.get("experts", 0), t.get("gpt_oss", False)
-    w = GGUFWriter(out.with_suffix(".tmp"), "gpt-oss" if oss else "qwen3moe" if experts else "llama")
+    experts, oss, glm = t.get("experts", 0), t.get("gpt_oss", False), t.get("glm", False)
+    arch = "gpt-oss" if oss else "glm4moe" if glm else "qwen3moe" if experts else "llama"
+    w = GGUFWriter(out.with_suffix(".tmp"), arch)
     for add, value in ((w.add_block_count, t["layers"]), (w.add_context_length, 2048),
-                       (w.add_embedding_length, t["hidden"]), (w.add_feed_forward_length, t["intermediate"]),
+                       (w.add_embedding_length, t["hidden"]),
+                       (w.add_feed_forward_length, t.get("dense_intermediate", t["intermediate"])),
                        (w.add_head_count, t["heads"]), (w.add_head_count_kv, t["kv_heads"]),
-                       (w.add_rope_dimension_count, t["head_dim"]), (w.add_layer_norm_rms_eps, 1e-5),
+                       (w.add_rope_dimension_count, t["head_dim"] // 2 if glm else t["head_dim"]),
+                       (w.add_layer_norm_rms_eps, 1e-5),
                        (w.add_rope_freq_base, 10000.0)):
         add(value)
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(t["experts_per_token"])
         w.add_expert_feed_forward_length(t["intermediate"])
+    if glm:  # as conversion/glm.py writes GLM-4.5-Air's
+        w.add_expert_shared_count(1)
+        w.add_leading_dense_block_count(1)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_weights_norm(True)
     if oss:  # as conversion/gpt_oss.py writes gpt-oss-20b's: a 128 window, YaRN over 4096 positions
         w.add_key_length(t["head_dim"])
         w.add_value_length(t["head_dim"])
@@ -115,11 +131,20 @@ def write_random_llama(tokenizer_gguf: Path, out: Path, t: dict) -> None:
     for b in range(t["layers"]):
         for name, rows, cols in (("attn_q", q, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, q)):
             add(f"blk.{b}.{name}.weight", rows, cols)
-        for name, rows, cols in (("gate", i, h), ("up", i, h), ("down", h, i)):
-            add(f"blk.{b}.ffn_{name}{'_exps' if experts else ''}.weight", rows, cols, experts)
-        if experts:  # the router
+        sparse = experts and not (glm and b == 0)  # GLM's first layer is dense
+        width = i if sparse or not glm else t["dense_intermediate"]
+        for name, rows, cols in (("gate", width, h), ("up", width, h), ("down", h, width)):
+            add(f"blk.{b}.ffn_{name}{'_exps' if sparse else ''}.weight", rows, cols, experts if sparse else 0)
+        if sparse:  # the router
             w.add_tensor(f"blk.{b}.ffn_gate_inp.weight", (torch.randn(experts, h, generator=g) * 0.02).numpy())
-        if experts and not oss:  # Qwen3's q/k norms
+        if glm:  # q/k/v biases; a sparse layer's shared expert and the bias that picks its experts
+            for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+                w.add_tensor(f"blk.{b}.{name}.bias", (torch.randn(rows, generator=g) * 0.02).numpy())
+            if sparse:
+                for name, rows, cols in (("gate", i, h), ("up", i, h), ("down", h, i)):
+                    add(f"blk.{b}.ffn_{name}_shexp.weight", rows, cols)
+                w.add_tensor(f"blk.{b}.exp_probs_b.bias", (torch.randn(experts, generator=g) * 0.02).numpy())
+        if experts and not oss and not glm:  # Qwen3's q/k norms
             for norm in ("attn_q_norm", "attn_k_norm"):
                 w.add_tensor(f"blk.{b}.{norm}.weight", np.ones(t["head_dim"], dtype=np.float32))
         if oss:  # biases everywhere, the sinks; the MLP's norm is named post_attention_norm
@@ -131,7 +156,8 @@ def write_random_llama(tokenizer_gguf: Path, out: Path, t: dict) -> None:
                 w.add_tensor(f"blk.{b}.ffn_{name}_exps.bias", small(experts, rows))
             w.add_tensor(f"blk.{b}.attn_sinks.weight", small(t["heads"]))
         w.add_tensor(f"blk.{b}.attn_norm.weight", np.ones(h, dtype=np.float32))
-        w.add_tensor(f"blk.{b}.{'post_attention_norm' if oss else 'ffn_norm'}.weight", np.ones(h, dtype=np.float32))
+        w.add_tensor(f"blk.{b}.{'post_attention_norm' if oss or glm else 'ffn_norm'}.weight",
+                     np.ones(h, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

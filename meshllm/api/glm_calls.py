@@ -5,15 +5,16 @@
     <arg_value>Paris</arg_value>
     </tool_call>
 
-A value is its text for a string parameter, else JSON (the templates write other values with
-`tojson`); text that is no JSON stays text, as vLLM's GLM-4.5 parser reads it. The name ends at
-the first newline or tag (GLM-4.7 writes no newlines between tags). The call's id and name
-stream as soon as the name is complete, its arguments as one JSON object when its block closes
-(whether a value is JSON is known only then).
+A value is its text for a string parameter (and for one whose schema names no type), else JSON
+(the templates write other values with `tojson`); text that is no JSON stays text, as vLLM's
+GLM-4.5 parser reads it. The name ends at the first newline or tag (GLM-4.7 writes no newlines
+between tags). The call's id and name stream once the name is complete; its arguments as a JSON
+object growing one argument at a time, each when its value closes, and closed with the block.
+A call cut at the token limit keeps the arguments streamed so far, as OpenAI reports a cut call.
 
 `GlmCallReader` has ToolCallParser's interface; `calls_grammar` gives the lark a forced or
-strict call must match: each parameter's value typed by its schema (strings as raw text, with
-their enum or maxLength; anything else as JSON by llguidance's %json), required ones in order.
+strict call must match: each parameter's value typed by its schema (text for strings, with
+their enum or maxLength; JSON by llguidance's %json for the rest), required ones in order.
 """
 
 from __future__ import annotations
@@ -27,9 +28,18 @@ from meshllm.engine.grammar import schema_text
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
 MARKERS = (OPEN, CLOSE, KEY, KEY_END, VALUE, VALUE_END)
-_ARGUMENT = re.compile(re.escape(KEY) + r"(.*?)" + re.escape(KEY_END) + r"\s*" + re.escape(VALUE) + r"(.*?)"
+# one whole argument at the start of the text (after whitespace)
+_ARGUMENT = re.compile(r"\s*" + re.escape(KEY) + r"(.*?)" + re.escape(KEY_END) + r"\s*" + re.escape(VALUE) + r"(.*?)"
                        + re.escape(VALUE_END), re.DOTALL)
 _NAME_END = re.compile(r"\n|" + re.escape(KEY) + "|" + re.escape(CLOSE))
+
+
+def is_text(spec: dict) -> bool:
+    """Whether a parameter's value is written as its text (not JSON): a string, a string enum, or
+    a parameter whose schema says neither type nor enum."""
+    if "enum" in spec:
+        return all(isinstance(v, str) for v in spec["enum"])
+    return spec.get("type", "string") == "string"
 
 
 class GlmCallReader:
@@ -39,10 +49,7 @@ class GlmCallReader:
     def __init__(self, new_call_id, tools: list[dict], parallel: bool = True, forced: bool = False):
         self.new_call_id = new_call_id
         self.parallel, self.forced = parallel, forced
-        # each function's parameters' declared types: a string parameter's value is its text
-        self.types = {t["function"]["name"]: {key: spec.get("type") for key, spec in
-                                              ((t["function"].get("parameters") or {}).get("properties") or {}).items()}
-                      for t in tools}
+        self.specs = {t["function"]["name"]: _properties(t["function"].get("parameters")) for t in tools}
         self.content: list[str] = []
         self.calls: list[ParsedCall] = []
         self._held = ""
@@ -63,15 +70,15 @@ class GlmCallReader:
         return "".join(self.content[before:]), deltas
 
     def finish(self, cut: bool = False) -> str:
-        """Content still held at the end. A block cut at the token limit is no content: its call is
-        reported with the arguments complete so far, or dropped before its name was (as
-        ToolCallParser does); a reply that stopped by itself inside a block's name keeps the text."""
+        """Content still held at the end. Inside a block nothing is content: its call keeps the
+        arguments streamed so far (a dropped call is gone), and a block cut before its name was
+        complete is gone too, unless the reply stopped there by itself (its text then stays, as
+        ToolCallParser keeps it)."""
         held, self._held = self._held, ""
         if self._state == "call":
-            if self._call is not None:
-                self._call.arguments = self._arguments(self._call.name, held)
+            if self._call is not None or self._dropped or cut or self.forced:
                 return ""
-            return "" if cut or self.forced else self._emit(held)
+            return self._emit(held)
         if cut and self.forced:
             return ""
         return self._emit(held) if self._state == "content" else ""
@@ -106,15 +113,26 @@ class GlmCallReader:
             if end is None:
                 return False
             self._start(self._held[:end.start()].strip(), deltas)
-        at = self._held.find(CLOSE)
-        if at < 0:
-            return False
-        block, self._held, self._state = self._held[:at], self._held[at + len(CLOSE):], "between"
-        if self._call is not None:
-            self._call.arguments = self._arguments(self._call.name, block)
-            self._call.complete = True
-            deltas.append(CallDelta(self.calls.index(self._call), arguments=self._call.arguments))
-        return True
+            self._held = self._held[end.start():]
+        while (argument := _ARGUMENT.match(self._held)) is not None:
+            self._held = self._held[argument.end():]
+            key = argument.group(1).strip()
+            value = _value(argument.group(2), self.specs.get(self._call.name if self._call else "", {}).get(key, {}))
+            self._stream(("{" if self._call is not None and not self._call.arguments else ", ")
+                         + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False), deltas)
+        rest = self._held.lstrip()
+        if rest.startswith(CLOSE):
+            self._stream("}" if self._call is not None and self._call.arguments else "{}", deltas)
+            if self._call is not None:
+                self._call.complete = True
+            self._held, self._state = rest[len(CLOSE):], "between"
+            return True
+        # Text that is no tag (a weak model's stray words) is skipped up to the next one
+        tag = min((at for at in (rest.find(KEY), rest.find(CLOSE)) if at > 0), default=None)
+        if tag is not None and VALUE not in rest[:tag]:
+            self._held = rest[tag:]
+            return True
+        return False
 
     def _start(self, name: str, deltas: list[CallDelta]) -> None:
         if not self.parallel and self.calls:
@@ -124,14 +142,23 @@ class GlmCallReader:
         self.calls.append(self._call)
         deltas.append(CallDelta(len(self.calls) - 1, self._call.id, name))
 
-    def _arguments(self, name: str, block: str) -> str:
-        types = self.types.get(name, {})
-        arguments = {key.strip(): _value(value, types.get(key.strip())) for key, value in _ARGUMENT.findall(block)}
-        return json.dumps(arguments, ensure_ascii=False)
+    def _stream(self, piece: str, deltas: list[CallDelta]) -> None:
+        if self._call is not None:
+            self._call.arguments += piece
+            deltas.append(CallDelta(self.calls.index(self._call), arguments=piece))
 
 
-def _value(text: str, declared) -> object:
-    if declared == "string":
+def _properties(schema) -> dict[str, dict]:
+    """A function's parameters' schemas by name ({} for a boolean or missing one)."""
+    properties = schema.get("properties") if isinstance(schema, dict) else None
+    return {k: v if isinstance(v, dict) else {} for k, v in (properties or {}).items()} \
+        if isinstance(properties, dict) else {}
+
+
+def _value(text: str, spec: dict) -> object:
+    """A string parameter's value as its text; any other (an untyped one too) as JSON where the
+    text is JSON, else as the text."""
+    if ("type" in spec or "enum" in spec) and is_text(spec):
         return text
     try:
         return json.loads(text)
@@ -141,42 +168,43 @@ def _value(text: str, declared) -> object:
 
 def calls_grammar(markers: dict[str, str], tools: list[dict], parallel: bool) -> str:
     """Lark rules `calls` (the opening and every call) and `first` (the first call after the
-    opening) for calls to `tools`. `markers`: each tag's lark (its token, or its text quoted)."""
+    opening) for calls to `tools`. `markers`: each tag's lark (its token, or its text quoted).
+    Newlines as GLM-4.5's templates write them, optional (GLM-4.7's write none)."""
     m = markers
     rules, bodies = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
-        schema = function.get("parameters") or {}
-        properties = schema.get("properties") or {}
+        schema = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
+        properties = _properties(schema)
         required = set(schema.get("required") or ())
         arguments = []
         for j, (key, spec) in enumerate(properties.items()):
             rules.append(_value_rule(f"v{i}_{j}", spec, m[VALUE_END]))
-            argument = f'{m[KEY]} {json.dumps(key)} {m[KEY_END]} "\\n" {m[VALUE]} v{i}_{j} "\\n"'
+            argument = f'{m[KEY]} {json.dumps(key)} {m[KEY_END]} "\\n"? {m[VALUE]} v{i}_{j} "\\n"?'
             arguments.append(f"({argument})" + ("" if key in required else "?"))
         if not properties and schema.get("additionalProperties", True) is not False:  # any keys
             rules.append(_value_rule(f"any{i}", {}, m[VALUE_END]))
-            arguments.append(f'({m[KEY]} /[^<\\n]+/ {m[KEY_END]} "\\n" {m[VALUE]} any{i} "\\n")*')
-        rules.append(f'tool{i}: {json.dumps(function["name"])} "\\n" {" ".join(arguments)} {m[CLOSE]}')
+            arguments.append(f'({m[KEY]} /[^<\\n]+/ {m[KEY_END]} "\\n"? {m[VALUE]} any{i} "\\n"?)*')
+        rules.append(f'tool{i}: {json.dumps(function["name"])} "\\n"? {" ".join(arguments)} {m[CLOSE]}')
         bodies.append(f"tool{i}")
     more = f' ("\\n" {m[OPEN]} body)*' if parallel else ""
     # the templates write a newline before each call
-    return "\n".join([f'calls: "\\n"? {m[OPEN]} first', f"first: body{more}", f"body: {' | '.join(bodies)}", *rules]) + "\n"
+    return "\n".join([f'calls: "\\n"? {m[OPEN]} first', f"first: body{more}", f"body: {' | '.join(bodies)}",
+                      *rules]) + "\n"
 
 
 def _value_rule(name: str, spec: dict, end: str) -> str:
-    """Rule `name`: a value's text with its closing tag. A string parameter's is raw text (its
-    enum's literals, or text up to maxLength that does not close the value), anything else JSON
-    of its schema."""
-    if spec.get("type") == "string" or ("enum" in spec and all(isinstance(v, str) for v in spec["enum"])):
-        if "enum" in spec:
-            return f"{name}: (" + " | ".join(json.dumps(v) for v in spec["enum"]) + f") {end}"
-        most = spec.get("maxLength")
-        text = f"/(?s:.{{0,{int(most)}}})/" if most is not None else "/(?s:.*)/"
-        if end.startswith("<["):  # the closing tag is a token of its own: the text ends where it comes
-            return f"{name}: {text} {end}"
-        # a lazy lexeme ending at the tag, which it consumes (a greedy one would take "</arg_value"
-        # into the text before seeing the ">": as tool_formats' text before a call)
-        return f"{name}[suffix={end}]: {text}"
-    any_json = {"type": ["string", "number", "boolean", "object", "array", "null"]}
-    return f"{name}: %json {schema_text(spec or any_json)} {end}"
+    """Rule `name`: a value and its closing tag. Text for a string parameter (its enum's literals,
+    or text up to maxLength that does not close the value) and for an untyped one (the reader
+    takes it as JSON where it is); JSON of its schema for the rest."""
+    if not is_text(spec):
+        return f"{name}: %json {schema_text(spec)} {end}"
+    if "enum" in spec:
+        return f"{name}: (" + " | ".join(json.dumps(v) for v in spec["enum"]) + f") {end}"
+    most = spec.get("maxLength")
+    text = f"/(?s:.{{0,{int(most)}}})/" if most is not None else "/(?s:.*)/"
+    if end.startswith("<["):  # the closing tag is a token of its own: the text ends where it comes
+        return f"{name}: {text} {end}"
+    # a lazy lexeme ending at the tag, which it consumes (a greedy one would take "</arg_value"
+    # into the text before seeing the ">": as tool_formats' text before a call)
+    return f"{name}[suffix={end}]: {text}"

@@ -217,8 +217,8 @@ class ModelConfig:
     def layer_parameters(self, layer: int | None = None) -> int:
         """Parameters of decoder layer `layer`; None: of the largest (a mixture of experts' first
         layers may be dense, the rest are all the same size)."""
-        if layer is None:
-            layer = self.num_hidden_layers - 1
+        if layer is None:  # the layers are of two kinds: the first dense_layers, and the rest
+            return max(self.layer_parameters(0), self.layer_parameters(self.num_hidden_layers - 1))
         h, i = self.hidden_size, self.intermediate_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim

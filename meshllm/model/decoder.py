@@ -339,7 +339,9 @@ class MoE(nn.Module):
         self.round_weights = config.model_type == "qwen3_moe"
         self.softmax_after_topk, self.swiglu_limit = config.softmax_after_topk, config.swiglu_limit
         bias = config.expert_biases  # GPT-OSS's: each expert's rows of the bias too
-        self.router = nn.Linear(h, e, bias=bias, dtype=dtype)
+        # GLM-4.5's router and bias in float32, as transformers keeps them: its bias is a large
+        # offset (~10) with a spread of a few hundredths between experts, which bf16 would erase
+        self.router = nn.Linear(h, e, bias=bias, dtype=torch.float32 if config.sigmoid_router else dtype)
         self.gate_proj = nn.Linear(h, e * i, bias=bias, dtype=dtype)
         self.up_proj = nn.Linear(h, e * i, bias=bias, dtype=dtype)
         self.down_proj = nn.Linear(i, e * h, bias=bias, dtype=dtype)
@@ -350,9 +352,9 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, experts) [tokens, top_k] of each token, as transformers computes them."""
-        if self.sigmoid_router:  # GLM-4.5's Glm4MoeTopkRouter (the scores in float32 as there)
-            scores = self.router(x).float().sigmoid()
-            experts = (scores + self.selection_bias.float()).topk(self.top_k, dim=-1).indices
+        if self.sigmoid_router:  # GLM-4.5's Glm4MoeTopkRouter, in float32 as there
+            scores = self.router(x.float()).sigmoid()
+            experts = (scores + self.selection_bias).topk(self.top_k, dim=-1).indices
             weights = scores.gather(1, experts)
             if self.normalize:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

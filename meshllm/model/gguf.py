@@ -625,7 +625,7 @@ def _glm4_moe(file: GGUFFile, config: dict) -> dict:
     """GLM-4.5's config.json fields, as its converter writes them (conversion/glm.py Glm4MoeModel)
     and llama.cpp reads them (src/models/glm4-moe.cpp)."""
     meta = file.metadata
-    gating = int(meta.get("glm4moe.expert_gating_func", _SIGMOID_GATING))
+    gating = int(meta.get("glm4moe.expert_gating_func", 0)) or _SIGMOID_GATING  # none (0): sigmoid, as llama.cpp
     if gating != _SIGMOID_GATING:
         raise UnsupportedArchitecture(f"{file.path}: glm4moe.expert_gating_func {gating}; GLM-4.5's experts are "
                                       f"picked by sigmoid scores ({_SIGMOID_GATING})")

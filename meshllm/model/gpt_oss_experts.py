@@ -49,9 +49,10 @@ def expert_views(num_layers: int, num_experts: int, shapes: dict[str, tuple[int,
             biases = moe.expert_bias_names(layer, e)
             for names, suffix, transposed in ((weights, "", True), (biases, "_bias", False)):
                 for name, stored, rows in zip(names, ("gate_up_proj", "gate_up_proj", "down_proj"), (gate, up, every)):
-                    views[name] = (
-                        ExpertView(f"{stem}.{stored}_blocks", e, rows, False, f"{stem}.{stored}_scales")
-                        if in_blocks and names is weights else ExpertView(f"{stem}.{stored}{suffix}", e, rows, transposed))
+                    if in_blocks and names is weights:
+                        views[name] = ExpertView(f"{stem}.{stored}_blocks", e, rows, False, f"{stem}.{stored}_scales")
+                    else:
+                        views[name] = ExpertView(f"{stem}.{stored}{suffix}", e, rows, transposed)
     return views
 
 

@@ -201,7 +201,9 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
     # Gemma's norms scale by 1 + w: added, and kept, in float32 as transformers computes them (in
     # bf16 the 1 would leave w a step of 1/128); its GGUF stores 1 + w in float32 (llama.cpp's)
     gemma_norm = config.model_type in gemma.MODEL_TYPES and ours.endswith(_NORM_WEIGHTS)
-    parts = source.read(hf_names, torch.float32 if gemma_norm else dtype)
+    # GLM-4.5's router and the bias that picks its experts: float32 too (decoder.MoE says why)
+    router = config.sigmoid_router and ours.endswith((".mlp.router.weight", ".mlp.selection_bias"))
+    parts = source.read(hf_names, torch.float32 if gemma_norm or router else dtype)
     if gemma_norm and config.norm_weight_offset:
         parts = {name: t + config.norm_weight_offset for name, t in parts.items()}
     for hf, rows in zip(hf_names, _part_rows(config, ours, shape, len(hf_names))):

@@ -53,14 +53,15 @@ def _glm4_moe_fields(d: dict, experts: int, per_token: int, num_layers: int, ori
     if chosen_groups < groups:  # DeepSeek-V3's: experts from the best groups only
         raise UnsupportedArchitecture(f"{origin}: group-limited routing ({chosen_groups} of {groups} expert groups) "
                                       f"is not supported")
-    dense = int(d.get("first_k_dense_replace") or 0)
+    # transformers' Glm4MoeConfig defaults (every released config names both)
+    dense = int(d.get("first_k_dense_replace", 1))
     if not 0 <= dense <= num_layers:
         raise ModelLoadError(f"{origin}: first_k_dense_replace {dense} of {num_layers} layers")
     width = int(d["moe_intermediate_size"])
     return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=width,
                 normalize_expert_weights=bool(d.get("norm_topk_prob", True)), sigmoid_router=True,
                 expert_weights_scale=float(d.get("routed_scaling_factor", 1.0)),
-                shared_expert_size=width * int(d.get("n_shared_experts") or 0), dense_layers=dense,
+                shared_expert_size=width * int(d.get("n_shared_experts", 1)), dense_layers=dense,
                 qk_norm=bool(d.get("use_qk_norm", False)))
 
 

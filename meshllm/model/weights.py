@@ -86,6 +86,11 @@ class SafetensorsSource:
         self._expert_views = {} if self._config.model_type != "gpt_oss" else gpt_oss_experts.expert_views(
             self._config.num_hidden_layers, self._config.num_experts, shapes)
         stored_experts = {name for view in self._expert_views.values() for name in (view.stored, view.scales)}
+        lacking = sorted({view.scales for view in self._expert_views.values()
+                          if view.scales is not None and view.stored in shapes and view.scales not in shapes})
+        if lacking:
+            raise ModelLoadError(f"{self.path}: MXFP4 experts without their exponents ({', '.join(lacking[:2])} "
+                                 f"missing); the checkpoint is incomplete")
         for name, view in self._expert_views.items():
             if view.stored in shapes:
                 shapes[name] = gpt_oss_experts.view_shape(view, shapes[view.stored])

@@ -53,9 +53,12 @@ def test_calls_and_content_whatever_the_chunking(output, content, calls):
         assert streamed == reader.text == content, chunks
         assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == calls, chunks
         assert all(c.complete for c in reader.calls)
-        for index, made in enumerate(reader.calls):  # id and name first, then the arguments whole
+        for index, made in enumerate(reader.calls):  # id and name first, then an argument at a time, then "}"
             mine = [d for d in deltas if d.index == index]
-            assert [(d.id, d.name, d.arguments) for d in mine] == [(made.id, made.name, ""), (None, None, made.arguments)]
+            assert (mine[0].id, mine[0].name, mine[0].arguments) == (made.id, made.name, "")
+            assert all(d.id is None and d.name is None for d in mine[1:])
+            assert "".join(d.arguments for d in mine) == made.arguments
+            assert len(mine) == 2 + len(json.loads(made.arguments)) - (made.arguments == "{}")
 
 
 def test_parallel_false_keeps_only_the_first_call():
@@ -63,7 +66,7 @@ def test_parallel_false_keeps_only_the_first_call():
     assert [c.name for c in reader.calls] == ["note"] and {d.index for d in deltas} == {0}
 
 
-def test_a_reply_cut_inside_a_call_reports_the_arguments_complete_so_far():
+def test_a_reply_cut_inside_a_call_keeps_the_arguments_streamed_so_far():
     text = call("get_weather", ("city", "Paris"), ("days", "2"))
     for end in range(1, len(text)):
         reader = GlmCallReader(lambda: "call_0", TOOLS)
@@ -75,7 +78,25 @@ def test_a_reply_cut_inside_a_call_reports_the_arguments_complete_so_far():
             continue
         assert content == "", (end, content)
         assert [c.name for c in reader.calls] == (["get_weather"] if named else []), end
-        if named:  # each argument once its value's closing tag came
-            closed = [k for k, closing in (("city", text.index("</arg_value>")), ("days", text.rindex("</arg_value>")))
+        if named:  # the arguments streamed: each once its value's closing tag came, the object unclosed
+            closed = [piece for piece, closing in (('{"city": "Paris"', text.index("</arg_value>")),
+                                                   (', "days": 2', text.rindex("</arg_value>")))
                       if closing + len("</arg_value>") <= end]
-            assert json.loads(reader.calls[0].arguments) == {k: {"city": "Paris", "days": 2}[k] for k in closed}, end
+            assert reader.calls[0].arguments == "".join(closed), end
+
+
+def test_a_dropped_call_the_reply_stops_inside_is_no_content():
+    # parallel_tool_calls false: a second call is read and dropped, even unfinished (found by review)
+    text = call("note", ("text", "a")) + "\n" + "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>B"
+    reader, streamed, _ = _read([text], parallel=False)
+    assert streamed == "" and [c.name for c in reader.calls] == ["note"]
+
+
+def test_values_follow_the_schema_and_odd_schemas_do_not_break_the_reader():
+    # a string enum stays text however it reads; an untyped value is JSON where it is; a boolean
+    # schema (JSON Schema allows `true`) or no parameters at all is read as untyped
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "level": {"enum": ["1", "2"]}, "free": {}, "any": True}}}}, {"type": "function", "function": {"name": "g"}}]
+    reader = GlmCallReader(lambda: "c", tools)
+    reader.feed(call("f", ("level", "1"), ("free", "[1]"), ("any", "x")) + call("g", ("n", "7")))
+    assert [json.loads(c.arguments) for c in reader.calls] == [{"level": "1", "free": [1], "any": "x"}, {"n": 7}]

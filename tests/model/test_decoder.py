@@ -79,6 +79,26 @@ def test_a_released_gpt_oss_folder_gives_transformers_logits(tiny_model_dir, tmp
     torch.testing.assert_close(_load(folder).forward_full(ids), want, atol=1e-4, rtol=0)
 
 
+def test_glm4_moe_picks_experts_in_float32_in_a_bf16_model(tiny_model_dir, tmp_path):
+    # GLM-4.5's bias that picks experts is a large offset with a small spread (~10.16 +- 0.04 in the
+    # released models): in bf16 (steps of 0.06 there) most tokens would get other experts (found by
+    # review: 16% agreed). The router and the bias stay float32, as in transformers.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(tiny_model_dir("glm4-moe"), tmp_path / "glm")
+    tensors = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith("e_score_correction_bias")]:
+        tensors[name] = 10.16 + 0.04 * torch.randn(tensors[name].shape, generator=g)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    wide, narrow = _load(folder).layers[-1].mlp, _load(folder, dtype=torch.bfloat16).layers[-1].mlp
+    assert narrow.selection_bias.dtype == narrow.router.weight.dtype == torch.float32
+    x = torch.randn(200, 64, generator=g).to(torch.bfloat16)  # the same inputs for both
+    assert torch.equal(narrow.route(x)[1].sort(-1).values, wide.route(x.float())[1].sort(-1).values)
+
+
 def test_transformers_reference_applies_the_sliding_window(tiny_model_dir):
     # transformers' eager and sdpa paths both honour Mistral's sliding window (checked with 5.x); if a
     # version ignored it, test_logits_match_transformers[mistral] would compare against full attention.
