@@ -302,9 +302,10 @@ class GGMLStage:
                     sums = self._block_sums(s, x) if sums is None else sums
                     out = g.ggml_add(s.ctx, out, g.ggml_out_prod(s.ctx, remainder, sums))
                 outs.append((out, first, rows))
-        if w.bias is not None:
-            assert len(outs) == 1, "a bias over mixed-type parts is not supported"
-            outs = [(g.ggml_add(s.ctx, outs[0][0], w.bias), *outs[0][1:])]
+        if w.bias is not None:  # each part its rows' share (a K-quant mix stores q, k and v in two types)
+            outs = [(g.ggml_add(s.ctx, out, w.bias if len(outs) == 1 else
+                                g.ggml_view_1d(s.ctx, w.bias, rows, first * w.bias.contents.nb[0])), first, rows)
+                    for out, first, rows in outs]
         return outs
 
     def _quant_few_rows_op(self, tensor, n: int):

@@ -57,3 +57,20 @@ def test_a_stage_of_nope_layers_only_gives_the_whole_models_logits(rt, tiny_mode
         got = _logits([first, last], SEQS, 8, 3, fast, torch.float32)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_q_k_v_biases_over_parts_of_two_types(rt, tiny_model_dir, tmp_path):
+    # llama.cpp's K-quant mixes keep some attn_v in another type than attn_q/attn_k (Q4_K_M:
+    # Q6_K for half the layers): q/k/v are then two matrices under one bias, each adding its rows'
+    # share (a GLM-4.5 Q4_K_M file failed to load; Qwen2.5's are the common case)
+    from gguf.constants import GGMLQuantizationType as GGML
+
+    from meshllm.model.gguf import GGUFSource
+    from tests.model.test_gguf import write_model_gguf
+
+    source = GGUFSource(write_model_gguf(tiny_model_dir("qwen2"), tmp_path / "qwen2.gguf", "qwen2",
+                                         types={"attn_q": GGML.Q4_0, "attn_k": GGML.Q4_0, "attn_v": GGML.Q8_0}))
+    decoder = load_stage_decoder(source, source.config())
+    qkv = decoder.layers[0].self_attn.qkv_proj
+    assert set(qkv.weight_types) == {"Q4_0", "Q8_0"} and qkv.bias is not None
+    assert_ggml_matches_torch(decoder, SEQS, 8, 3, atol=5e-2)  # ggml's products take Q8_0 activations

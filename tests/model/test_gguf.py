@@ -60,12 +60,14 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
 
 
 def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray | None = None,
-                     nextn: int = 0, experts_type: GGML | None = None) -> Path:
+                     nextn: int = 0, experts_type: GGML | None = None, types: dict[str, GGML] | None = None) -> Path:
     """Convert a HF safetensors folder to an F32 GGUF as llama.cpp would (metadata, names, q/k
     permutation; for phi3 fused attn_qkv and gate-up ffn_up, the sliding window and LongRoPE).
     `nextn`: that many multi-token-prediction blocks after the model's (GLM-4.5's, GLM-OCR's),
     here copies of its last block's tensors, which a reader must skip. `experts_type`: the
-    experts tensors quantized to it (GPT-OSS's files hold them MXFP4)."""
+    experts tensors quantized to it (GPT-OSS's files hold them MXFP4). `types`: GGUF name pieces
+    ("attn_v") whose tensors are quantized to that type (as llama.cpp's K-quant mixes keep some
+    matrices in another type than the rest)."""
     source = SafetensorsSource(folder)
     cfg = source.config()
     hf = json.loads((folder / "config.json").read_text())
@@ -169,7 +171,12 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
     for name, tensor in tensors.items():
         if arch in pairs and (".q_proj." in name or ".k_proj." in name):
             tensor = _interleaved(tensor, cfg.head_dim, pairs[arch])
-        w.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(tensor.numpy()))
+        gguf_name = _gguf_name(name, arch)
+        kind = (types or {}).get(gguf_name.split(".")[2] if gguf_name.startswith("blk.") else None)
+        if kind is not None and gguf_name.endswith(".weight"):
+            w.add_tensor(gguf_name, quants.quantize(tensor.numpy(), kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(tensor.numpy()))
     if rope_freqs is not None:
         w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     last = f"blk.{cfg.num_hidden_layers - 1}."
