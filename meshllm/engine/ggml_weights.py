@@ -27,7 +27,9 @@ from meshllm.errors import ModelLoadError
 
 # Types kept quantized in memory; gguf's numbering is ggml's.
 KEPT_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K,
-              GGML.Q2_K, GGML.Q3_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.MXFP4, GGML.BF16, GGML.F16)
+              GGML.Q2_K, GGML.Q3_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.MXFP4, GGML.BF16, GGML.F16,
+              # the i-quants of llama.cpp's imatrix files (UD-Q2_K_XL, IQ2_XXS ...): ggml's kernels
+              GGML.IQ3_S, GGML.IQ3_XXS, GGML.IQ2_S, GGML.IQ2_XS, GGML.IQ2_XXS, GGML.IQ1_M, GGML.IQ1_S)
 
 
 @dataclass(frozen=True, eq=False)
@@ -136,8 +138,13 @@ def quantize(rt: Runtime | None, weight: Tensor, ggml_type: GGML) -> BlockMatrix
     if rt is None:
         return BlockMatrix(torch.from_numpy(quants.quantize(w.numpy(), ggml_type)), ggml_type, cols)
     out = torch.empty(rows, cols // block * block_bytes, dtype=torch.uint8)
+    # The lowest i-quants need an importance matrix (llama-quantize takes one measured on text):
+    # here every column weighs alike (tests write such files; --quantize offers none of them).
+    importance = torch.ones(cols) if rt.lib.ggml_quantize_requires_imatrix(int(ggml_type)) else None
     rt.lib.ggml_quantize_chunk(int(ggml_type), ctypes.cast(w.data_ptr(), ctypes.POINTER(ctypes.c_float)),
-                               out.data_ptr(), 0, rows, cols, None)
+                               out.data_ptr(), 0, rows, cols,
+                               None if importance is None else ctypes.cast(importance.data_ptr(),
+                                                                           ctypes.POINTER(ctypes.c_float)))
     return BlockMatrix(out, ggml_type, cols)
 
 

@@ -34,9 +34,11 @@ from meshllm.model.tokenizer import without_harmony_end
 from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
 _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
-# Block-quantized types gguf.quants dequantizes (the brief's list plus their common siblings).
+# Block-quantized types gguf.quants dequantizes (the brief's list plus their common siblings, and
+# the 1-3 bit i-quants of llama.cpp's imatrix quantizations, which big mixtures of experts ship in).
 _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q3_K,
-                GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.MXFP4}
+                GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_NL, GGML.IQ4_XS, GGML.MXFP4,
+                GGML.IQ3_S, GGML.IQ3_XXS, GGML.IQ2_S, GGML.IQ2_XS, GGML.IQ2_XXS, GGML.IQ1_M, GGML.IQ1_S}
 # general.architecture -> our model_type. llama.cpp writes Mistral models as "llama".
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
                   "gemma3": "gemma3_text",

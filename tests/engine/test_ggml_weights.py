@@ -66,6 +66,26 @@ def test_matmul_matches_reference_dequantization(rt, ggml_type, num_rows):
     assert float((reference_weight - weight.double()).abs().max()) < 0.1 * float(weight.abs().max())
 
 
+# The lower-bit types of llama.cpp's imatrix quantizations (unsloth's UD-Q2_K_XL files of big
+# mixtures of experts are mostly these): the same bound, and the blocks still the weight's shape.
+LOW_BIT_TYPES = [GGML.Q2_K, GGML.Q3_K, GGML.IQ4_XS, GGML.IQ4_NL, GGML.IQ3_S, GGML.IQ3_XXS, GGML.IQ2_S,
+                 GGML.IQ2_XS, GGML.IQ2_XXS, GGML.IQ1_M, GGML.IQ1_S]
+
+
+@pytest.mark.parametrize("ggml_type", LOW_BIT_TYPES, ids=lambda t: t.name)
+def test_low_bit_matmul_matches_reference_dequantization(rt, ggml_type):
+    g = torch.Generator().manual_seed(int(ggml_type))
+    weight = torch.randn(40, 256, generator=g) * 0.05  # small: IQ1_M's search alone takes seconds at 264x512
+    blocks = quantize(rt, weight, ggml_type)
+    reference_weight = blocks.dequantize().double()
+    x = torch.randn(9, 256, generator=g)
+    y = GGMLMatrix(rt, blocks).matmul(x)
+    error = (y.double() - x.double() @ reference_weight.T).abs()
+    assert bool((error <= _bound(reference_weight, x.double())).all())
+    # 1-2 bits a weight: far from exact (IQ1_S keeps a cosine of ~0.89), but a wrong layout is noise
+    assert torch.nn.functional.cosine_similarity(reference_weight.flatten(), weight.double().flatten(), dim=0) > 0.85
+
+
 @pytest.mark.parametrize("ggml_type", [GGML.Q4_0, GGML.Q4_K], ids=lambda t: t.name)
 def test_repacked_and_plain_layouts_agree(rt, ggml_type):
     weight = torch.randn(256, 512, generator=torch.Generator().manual_seed(3)) * 0.05

@@ -23,7 +23,7 @@ from tests.quantized_gguf import write_quantized_llama
 
 pytestmark = pytest.mark.slow
 
-TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]
+TYPES = [GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.Q3_K, GGML.IQ3_S, GGML.IQ2_XXS]
 # Other families, as llama.cpp writes them, on ggml's path: Phi-3 (fused q/k/v and gate/up) as
 # Phi-4-mini (no window, 48 of each head's 64 dims turned) and with a window the prompts and
 # replies cross; Gemma 3's windowed and full
