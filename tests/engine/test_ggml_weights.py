@@ -17,7 +17,7 @@ import ctypes
 
 import pytest
 import torch
-from gguf.constants import GGMLQuantizationType as GGML
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 from meshllm.engine.ggml_lib import GGML_VERSION
 from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, quantize
@@ -68,22 +68,48 @@ def test_matmul_matches_reference_dequantization(rt, ggml_type, num_rows):
 
 # The lower-bit types of llama.cpp's imatrix quantizations (unsloth's UD-Q2_K_XL files of big
 # mixtures of experts are mostly these): the same bound, and the blocks still the weight's shape.
-LOW_BIT_TYPES = [GGML.Q2_K, GGML.Q3_K, GGML.IQ4_XS, GGML.IQ4_NL, GGML.IQ3_S, GGML.IQ3_XXS, GGML.IQ2_S,
-                 GGML.IQ2_XS, GGML.IQ2_XXS, GGML.IQ1_M, GGML.IQ1_S]
+LOW_BIT_TYPES = [GGML.Q2_K, GGML.Q3_K, GGML.IQ4_XS, GGML.IQ4_NL, GGML.IQ3_S, GGML.IQ3_XXS, GGML.IQ2_XS,
+                 GGML.IQ2_XXS]
+# Any bytes are blocks of these (grid indices and signs), once the scale is a small normal float:
+# ggml's quantizer takes 7 s (IQ2_S) and 15 s (IQ1_S, IQ1_M) to build their grids, so their
+# products are checked on random blocks, against the same reference. The f16 scale's place: IQ2_S
+# and IQ1_S open with it; IQ1_M spreads it over the top 4 bits of its four 16-bit block scales.
+RANDOM_BLOCK_TYPES = [GGML.IQ2_S, GGML.IQ1_S, GGML.IQ1_M]
 
 
 @pytest.mark.parametrize("ggml_type", LOW_BIT_TYPES, ids=lambda t: t.name)
 def test_low_bit_matmul_matches_reference_dequantization(rt, ggml_type):
     g = torch.Generator().manual_seed(int(ggml_type))
-    weight = torch.randn(40, 256, generator=g) * 0.05  # small: IQ1_M's search alone takes seconds at 264x512
+    weight = torch.randn(40, 256, generator=g) * 0.05
     blocks = quantize(rt, weight, ggml_type)
+    _assert_product_within_bound(rt, blocks, torch.randn(9, 256, generator=g))
+    # 2-3 bits a weight: far from exact (IQ2_XXS keeps a cosine of ~0.94), but a wrong layout is noise
     reference_weight = blocks.dequantize().double()
-    x = torch.randn(9, 256, generator=g)
-    y = GGMLMatrix(rt, blocks).matmul(x)
-    error = (y.double() - x.double() @ reference_weight.T).abs()
+    assert torch.nn.functional.cosine_similarity(reference_weight.flatten(), weight.double().flatten(), dim=0) > 0.9
+
+
+@pytest.mark.parametrize("ggml_type", RANDOM_BLOCK_TYPES, ids=lambda t: t.name)
+def test_random_low_bit_blocks_multiply_as_the_reference_reads_them(rt, ggml_type):
+    import numpy as np
+
+    g = torch.Generator().manual_seed(int(ggml_type))
+    block_bytes = GGML_QUANT_SIZES[ggml_type][1]
+    data = torch.randint(0, 256, (40 * block_bytes,), dtype=torch.uint8, generator=g).view(40, block_bytes)
+    scale = int(np.float16(0.004).view(np.uint16))
+    if ggml_type == GGML.IQ1_M:
+        scales = data[:, -8:].contiguous().view(torch.int16).to(torch.int32) & 0x0FFF
+        scales |= torch.tensor([(scale >> (4 * i) & 0xF) << 12 for i in range(4)], dtype=torch.int32)
+        data[:, -8:] = scales.to(torch.int16).view(torch.uint8)
+    else:
+        data[:, :2] = torch.tensor([scale & 0xFF, scale >> 8], dtype=torch.uint8)
+    _assert_product_within_bound(rt, BlockMatrix(data, ggml_type, 256), torch.randn(9, 256, generator=g))
+
+
+def _assert_product_within_bound(rt, blocks: BlockMatrix, x: torch.Tensor) -> None:
+    reference_weight = blocks.dequantize().double()
+    assert reference_weight.abs().max() > 0 and bool(torch.isfinite(reference_weight).all())
+    error = (GGMLMatrix(rt, blocks).matmul(x).double() - x.double() @ reference_weight.T).abs()
     assert bool((error <= _bound(reference_weight, x.double())).all())
-    # 1-2 bits a weight: far from exact (IQ1_S keeps a cosine of ~0.89), but a wrong layout is noise
-    assert torch.nn.functional.cosine_similarity(reference_weight.flatten(), weight.double().flatten(), dim=0) > 0.85
 
 
 @pytest.mark.parametrize("ggml_type", [GGML.Q4_0, GGML.Q4_K], ids=lambda t: t.name)
