@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 
-from meshllm.api.tool_parser import CallDelta, ParsedCall
+from meshllm.api.tool_parser import CallDelta, CallReader, ParsedCall
 from meshllm.engine.grammar import schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -42,32 +42,16 @@ def is_text(spec: dict) -> bool:
     return spec.get("type", "string") == "string"
 
 
-class GlmCallReader:
+class GlmCallReader(CallReader):
     """One choice's reply. States: content (looking for `<tool_call>`), call (inside a block),
     between (whitespace after a block)."""
 
     def __init__(self, new_call_id, tools: list[dict], parallel: bool = True, forced: bool = False):
+        super().__init__(parallel, forced)
         self.new_call_id = new_call_id
-        self.parallel, self.forced = parallel, forced
         self.specs = {t["function"]["name"]: _properties(t["function"].get("parameters")) for t in tools}
-        self.content: list[str] = []
-        self.calls: list[ParsedCall] = []
-        self._held = ""
-        self._state = "content"
         self._call: ParsedCall | None = None  # the open block's call, once its name is complete
         self._dropped = False  # the open block is a later call where only one may be made
-
-    @property
-    def text(self) -> str:
-        return "".join(self.content)
-
-    def feed(self, text: str, token_id: int | None = None) -> tuple[str, list[CallDelta]]:
-        before = len(self.content)
-        deltas: list[CallDelta] = []
-        self._held += text
-        while self._held and self._step(deltas):
-            pass
-        return "".join(self.content[before:]), deltas
 
     def finish(self, cut: bool = False) -> str:
         """Content still held at the end. Inside a block nothing is content: its call keeps the
@@ -82,11 +66,6 @@ class GlmCallReader:
         if cut and self.forced:
             return ""
         return self._emit(held) if self._state == "content" else ""
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self.content.append(text)
-        return text
 
     def _step(self, deltas: list[CallDelta]) -> bool:
         if self._state == "content":

@@ -53,21 +53,18 @@ class _CallScan:
     sent: int = 0  # characters of the arguments already streamed
 
 
-class ToolCallParser:
-    """Per choice; fed on the event loop in token order. States: content (looking for a call's
-    opening), calls (between or inside call objects), closing (hermes: expecting </tool_call>),
-    between (hermes: whitespace after a block)."""
+class CallReader:
+    """What the readers of a reply's tool calls share (this module's JSON families', GLM's tags):
+    the content so far, the calls, and held text that the next text decides, stepped through by
+    each reader's own `_step` (False: more text is needed)."""
 
-    def __init__(self, fmt: ToolFormat, parallel: bool = True, forced: bool = False):
+    def __init__(self, parallel: bool, forced: bool):
         """`forced`: a grammar makes the reply calls only (tool_choice required or named)."""
-        self.fmt = fmt
-        self.parallel = parallel
-        self.forced = forced
+        self.parallel, self.forced = parallel, forced
         self.content: list[str] = []
         self.calls: list[ParsedCall] = []
         self._held = ""  # text not yet known to be content or call
         self._state = "content"
-        self._scan: _CallScan | None = None
 
     @property
     def text(self) -> str:
@@ -77,13 +74,38 @@ class ToolCallParser:
         """(content to stream, call deltas) that `text` (the token `token_id`'s text) adds."""
         before = len(self.content)
         deltas: list[CallDelta] = []
-        if token_id is not None and token_id == self.fmt.begin_token and self._state == "content":
-            self._emit(self._held)
-            self._held, self._state = "", "calls"
+        self._opening_token(token_id)
         self._held += text
         while self._held and self._step(deltas):
             pass
         return "".join(self.content[before:]), deltas
+
+    def _opening_token(self, token_id: int | None) -> None:
+        """A family whose calls open with a special token (no text) sees it here."""
+
+    def _step(self, deltas: list[CallDelta]) -> bool:
+        raise NotImplementedError
+
+    def _emit(self, text: str) -> str:
+        if text:
+            self.content.append(text)
+        return text
+
+
+class ToolCallParser(CallReader):
+    """Per choice; fed on the event loop in token order. States: content (looking for a call's
+    opening), calls (between or inside call objects), closing (hermes: expecting </tool_call>),
+    between (hermes: whitespace after a block)."""
+
+    def __init__(self, fmt: ToolFormat, parallel: bool = True, forced: bool = False):
+        super().__init__(parallel, forced)
+        self.fmt = fmt
+        self._scan: _CallScan | None = None
+
+    def _opening_token(self, token_id: int | None) -> None:
+        if token_id is not None and token_id == self.fmt.begin_token and self._state == "content":
+            self._emit(self._held)
+            self._held, self._state = "", "calls"
 
     def finish(self, cut: bool = False) -> str:
         """Content still held at the end (text that never became a call).
@@ -101,11 +123,6 @@ class ToolCallParser:
             rest = self._scan.text + rest
         self._held, self._scan = "", None
         return self._emit(rest)
-
-    def _emit(self, text: str) -> str:
-        if text:
-            self.content.append(text)
-        return text
 
     def _step(self, deltas: list[CallDelta]) -> bool:
         """Consume what the held text decides; False when more text is needed."""
