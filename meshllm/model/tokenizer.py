@@ -157,18 +157,53 @@ class Tokenizer:
         Raises BadRequest when the template rejects the conversation (e.g. roles that do not
         alternate): that is the caller's input, and the template's message says what is wrong.
         """
+        if messages and messages[0].get("role") == "system" and not self._takes_system_role:
+            messages = _system_in_first_user_turn(messages)
+        try:
+            return self._render(messages, add_generation_prompt, tools, variables)
+        except jinja2.TemplateError as e:
+            raise BadRequest(f"the model's chat template rejected these messages: {e}") from None
+        except TypeError as e:  # e.g. a message whose content is not text, for the plain template
+            raise BadRequest(f"the messages do not fit the model's chat template: {e}") from None
+
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+                variables: dict | None) -> str:
         # JSON round trips: the template sees plain data, as transformers' does
         context = {**json.loads(json.dumps(variables or {})),
                    **{name: text for name, text in self.special_tokens.items() if text is not None},
                    "messages": json.loads(json.dumps(messages)),
                    "tools": json.loads(json.dumps(tools)) if tools else None,
                    "documents": None, "add_generation_prompt": add_generation_prompt}
+        return self._template.render(**context)
+
+    @functools.cached_property
+    def _takes_system_role(self) -> bool:
+        """Whether the template renders a system message. Gemma 2's and Mistral v0.2's refuse one
+        (raise_exception); clients send one anyway, and llama.cpp's server and ollama then put
+        it at the start of the first user turn (minja's polyfill), as apply_chat_template does."""
+        probe = [{"role": "system", "content": _PROBES[0]}, {"role": "user", "content": _PROBES[1]}]
         try:
-            return self._template.render(**context)
-        except jinja2.TemplateError as e:
-            raise BadRequest(f"the model's chat template rejected these messages: {e}") from None
-        except TypeError as e:  # e.g. a message whose content is not text, for the plain template
-            raise BadRequest(f"the messages do not fit the model's chat template: {e}") from None
+            text = self._render(probe, True, None, None)
+        except (jinja2.TemplateError, TypeError):
+            return False
+        return _PROBES[0] in text or _PROBES[1] not in text  # not dropped where the user's text shows
+
+
+_PROBES = ("meshllm-system-probe", "meshllm-user-probe")
+
+
+def _system_in_first_user_turn(messages: list[dict]) -> list[dict]:
+    """A leading system message's text put before the first user message's (or, with none, the
+    system message as the user's); the rest as it was. Content that is not text stays apart."""
+    system, rest = messages[0], messages[1:]
+    if not isinstance(system.get("content"), str):
+        return messages
+    first_user = next((i for i, m in enumerate(rest) if m.get("role") == "user"), None)
+    if first_user is None or not isinstance(rest[first_user].get("content"), str):
+        return [{**system, "role": "user"}, *rest]
+    merged = {**rest[first_user], "content": f"{system['content']}\n\n{rest[first_user]['content']}"}
+    return [*rest[:first_user], merged, *rest[first_user + 1:]]
 
 
 class DecodeStream:

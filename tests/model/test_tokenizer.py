@@ -124,6 +124,32 @@ def test_folder_chat_template_renders_like_transformers(tmp_path, aidreams_path)
         ours.apply_chat_template(CONVERSATION[1:] + CONVERSATION[:1])
 
 
+# google/gemma-2-2b-it's template (Mistral v0.2's refuses a system message the same way)
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}"
+    "{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+
+
+def test_a_system_message_goes_into_the_first_user_turn_where_the_template_refuses_one(tmp_path, aidreams_path):
+    # as llama.cpp's server and ollama render it (minja's polyfill): clients send a system prompt
+    # to every model, and Gemma 2 refused it with a 400
+    refuses = Tokenizer.from_folder(_folder_with(tmp_path / "g", aidreams_path, chat_template=GEMMA2_TEMPLATE))
+    system = {"role": "system", "content": "Answer briefly."}
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+             {"role": "user", "content": "Why?"}]
+    assert refuses.apply_chat_template([system, *turns]) == refuses.apply_chat_template(
+        [{"role": "user", "content": "Answer briefly.\n\nHi"}, *turns[1:]])
+    assert "<start_of_turn>user\nAnswer briefly.<end_of_turn>" in refuses.apply_chat_template([system])
+    with pytest.raises(BadRequest, match="roles must alternate"):  # its other rules still hold
+        refuses.apply_chat_template([system, turns[0], turns[2]])
+    takes = Tokenizer.from_folder(_folder_with(tmp_path / "t", aidreams_path, chat_template=TEMPLATE))
+    assert "[SYSTEM] Answer briefly." in takes.apply_chat_template([system, *turns])  # left as it is
+
+
 def test_chat_template_sources_and_fallback(tmp_path, aidreams_path):
     plain = Tokenizer.from_folder(aidreams_path)  # aidreams has no template
     assert plain.chat_template is None
