@@ -6,8 +6,8 @@ from __future__ import annotations
 import codecs
 from dataclasses import dataclass, field
 
-from meshllm.api.glm_calls import GlmCallReader
 from meshllm.api.harmony import HarmonyReader
+from meshllm.api.tag_calls import TagCallReader
 from meshllm.api.prompts import ChoiceRequest
 from meshllm.api.think import ThinkReader
 from meshllm.api.responses import ChatLogprobs, CompletionLogprobs, PromptTokensDetails, TokenLogprob, TopLogprob, Usage
@@ -33,7 +33,7 @@ class ChoiceState:
     and `delta` is what the last event added (content, call deltas) for streaming."""
 
     request: ChoiceRequest
-    tool_parser: ToolCallParser | GlmCallReader | HarmonyReader | ThinkReader | None = None
+    tool_parser: ToolCallParser | TagCallReader | HarmonyReader | ThinkReader | None = None
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)

@@ -5,8 +5,9 @@ The family is read from the template's own protocol markers, as llama.cpp does:
 - mistral: `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects;
 - llama3: a bare JSON object {"name", "parameters"} (maybe after `<|python_tag|>`);
 - harmony (GPT-OSS): a message to `functions.NAME` whose body is the arguments (api/harmony.py);
-- glm (GLM-4.5, 4.6, 4.7): `<tool_call>NAME` then `<arg_key>`/`<arg_value>` tags per argument
-  (api/glm_calls.py);
+- glm (GLM-4.5, 4.6, 4.7): `<tool_call>NAME` then `<arg_key>`/`<arg_value>` tags per argument;
+  qwen3_coder (Qwen3-Coder): `<tool_call>`, `<function=NAME>`, `<parameter=KEY>` per argument
+  (api/tag_calls.py);
 - hermes: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>` blocks (Qwen2.5, Qwen3, Hermes,
   SmolLM3 templates);
 - a template that never mentions tools (SmolLM2's, the plain fallback) gets the Hermes
@@ -28,14 +29,14 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from meshllm.api import glm_calls, harmony
-from meshllm.api.glm_calls import GlmCallReader
+from meshllm.api import harmony, tag_calls
 from meshllm.api.harmony import HarmonyTokens
+from meshllm.api.tag_calls import TagCallReader, TagForm
 from meshllm.api.tool_parser import ToolCallParser
 from meshllm.engine.grammar import schema_text
 from meshllm.model.tokenizer import Tokenizer
 
-Family = Literal["hermes", "llama3", "mistral", "harmony", "glm"]
+Family = Literal["hermes", "llama3", "mistral", "harmony", "glm", "qwen3_coder"]
 
 HERMES_SYSTEM = """# Tools
 
@@ -65,7 +66,8 @@ class ToolFormat:
     grammar_begin: str = '""'
     grammar_end: str = '""'
     harmony: HarmonyTokens | None = None  # GPT-OSS's markers (api/harmony.py reads and constrains its replies)
-    glm_tags: dict[str, str] | None = None  # GLM's tags -> their lark (api/glm_calls.py)
+    tag_form: TagForm | None = None  # calls written with tags (api/tag_calls.py)
+    tag_markers: dict[str, str] | None = None  # that form's tags -> their lark
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "ToolFormat":
@@ -73,9 +75,11 @@ class ToolFormat:
         markers = HarmonyTokens.of({t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()})
         if "<|channel|>" in template and markers is not None:
             return cls("harmony", True, None, None, "arguments", harmony=markers)
-        if glm_calls.KEY in template:
-            return cls("glm", True, glm_calls.OPEN, None, "arguments", _lark_marker(tokenizer, glm_calls.OPEN),
-                       glm_tags={tag: _lark_marker(tokenizer, tag) for tag in glm_calls.MARKERS})
+        for form in tag_calls.FORMS:
+            if form.detect in template:
+                markers = {tag: _lark_marker(tokenizer, tag) for tag in form.markers}
+                return cls(form.family, True, tag_calls.OPEN, None, "arguments", markers[tag_calls.OPEN],
+                           tag_form=form, tag_markers=markers)
         if "[TOOL_CALLS]" in template:
             return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments",
                        _lark_marker(tokenizer, "[TOOL_CALLS]"))
@@ -84,10 +88,10 @@ class ToolFormat:
         return cls("hermes", "<tool_call>" in template and "tools" in template, "<tool_call>", None, "arguments",
                    _lark_marker(tokenizer, "<tool_call>"), _lark_marker(tokenizer, "</tool_call>"))
 
-    def call_reader(self, tools: list[dict], parallel: bool, forced: bool) -> ToolCallParser | GlmCallReader:
+    def call_reader(self, tools: list[dict], parallel: bool, forced: bool) -> ToolCallParser | TagCallReader:
         """What reads a reply's tool calls as it streams (`forced`: a grammar makes it calls only)."""
-        if self.glm_tags is not None:
-            return GlmCallReader(self.new_call_id, tools, parallel, forced)
+        if self.tag_form is not None:
+            return TagCallReader(self.tag_form, self.new_call_id, tools, parallel, forced)
         return ToolCallParser(self, parallel, forced)
 
     def new_call_id(self) -> str:
@@ -140,8 +144,8 @@ class ToolFormat:
 
     def _calls_grammar(self, tools: list[dict], parallel: bool) -> str:
         """`calls` (a call block, opening included) and `first` (the first call after its opening)."""
-        if self.glm_tags is not None:
-            return glm_calls.calls_grammar(self.glm_tags, tools, parallel)
+        if self.tag_form is not None:
+            return tag_calls.calls_grammar(self.tag_form, self.tag_markers, tools, parallel)
         options = [{"type": "object", "properties": {
             "name": {"const": t["function"]["name"]},
             self.arguments_key: t["function"].get("parameters") or {"type": "object"}},

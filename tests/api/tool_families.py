@@ -3,7 +3,8 @@
 The templates are written here in the shape of the families' published templates (Qwen2.5's
 Hermes-style `<tool_call>` blocks, Llama 3.1's JSON calls with the ipython role, Mistral
 v0.3's `[AVAILABLE_TOOLS]` / `[TOOL_CALLS]` / `[TOOL_RESULTS]` with 9-character call ids,
-GPT-OSS's harmony messages on channels, GLM-4.5's `<arg_key>`/`<arg_value>` tags);
+GPT-OSS's harmony messages on channels, GLM-4.5's `<arg_key>`/`<arg_value>` tags, Qwen3-Coder's
+`<function=...>`/`<parameter=...>` ones);
 the tokenizer is byte-level BPE over the 256 bytes plus each family's special tokens.
 """
 
@@ -168,6 +169,42 @@ For each function call, output the function name and arguments within the follow
 {%- if add_generation_prompt -%}<|assistant|>{%- endif -%}
 """
 
+QWEN3_CODER_TEMPLATE = r"""
+{%- if tools %}
+{{- '<|im_start|>system\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
+{{- "You have access to the following functions:\n\n<tools>" }}
+{%- for tool in tools %}
+{{- "\n<function>\n<name>" + tool.function.name + "</name>\n<parameters>" + (tool.function.parameters | tojson) }}
+{{- "</parameters>\n</function>" }}
+{%- endfor %}
+{{- "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format:\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n" }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}{%- set tc = tool_call.function %}
+{{- '\n<tool_call>\n<function=' + tc.name + '>\n' }}
+{%- for k, v in tc.arguments.items() %}
+{{- '<parameter=' + k + '>\n' + (v if v is string else v | tojson) + '\n</parameter>\n' }}
+{%- endfor %}
+{{- '</function>\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+
 # family -> (transformers variant, template, special tokens (first is BOS or None), eos, plain added tokens)
 FAMILIES = {
     "hermes": ("qwen2", HERMES_TEMPLATE, [None, "<|im_start|>", "<|im_end|>"], "<|im_end|>",
@@ -181,6 +218,8 @@ FAMILIES = {
     "glm": ("glm4-moe", GLM_TEMPLATE, [None, "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                                        "<|observation|>"], "<|user|>",
             ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]),
+    "qwen3_coder": ("qwen3-moe", QWEN3_CODER_TEMPLATE, [None, "<|im_start|>", "<|im_end|>"], "<|im_end|>",
+                    ["<tool_call>", "</tool_call>"]),
 }
 # A harmony reply ends at <|call|> too (GPT-OSS's generation_config lists both); GLM's at <|observation|>
 _MORE_EOS = {"harmony": ["<|call|>"], "glm": ["<|observation|>"]}

@@ -1,37 +1,60 @@
-"""Tool calls of GLM-4.5, 4.6 and 4.7, in their templates' own form: tags, not JSON.
+"""Tool calls written with tags, not JSON: GLM-4.5 / 4.6 / 4.7's and Qwen3-Coder's templates.
 
-    <tool_call>get_weather
-    <arg_key>city</arg_key>
-    <arg_value>Paris</arg_value>
-    </tool_call>
+    GLM:                           Qwen3-Coder:
+    <tool_call>get_weather         <tool_call>
+    <arg_key>city</arg_key>        <function=get_weather>
+    <arg_value>Paris</arg_value>   <parameter=city>
+    </tool_call>                   Paris
+                                   </parameter>
+                                   </function>
+                                   </tool_call>
 
-A value is its text for a string parameter (and for one whose schema names no type), else JSON
-(the templates write other values with `tojson`); text that is no JSON stays text, as vLLM's
-GLM-4.5 parser reads it. The name ends at the first newline or tag (GLM-4.7 writes no newlines
-between tags). The call's id and name stream once the name is complete; its arguments as a JSON
-object growing one argument at a time, each when its value closes, and closed with the block.
-A call cut at the token limit keeps the arguments streamed so far, as OpenAI reports a cut call.
+A `TagForm` says where a call's name and each argument's key and value lie. A value is its text
+for a string parameter (and for one whose schema names no type), else JSON (the templates write
+other values with `tojson`); text that is no JSON stays text, as vLLM's parsers read them. GLM's
+name ends at the first newline or tag (GLM-4.7 writes no newlines between tags); Qwen3-Coder's
+values sit between newlines, which are not part of them. A call's id and name stream once the
+name is complete; its arguments as a JSON object growing one argument at a time, each when its
+value closes, and closed with the block. A call cut at the token limit keeps the arguments
+streamed so far, as OpenAI reports a cut call.
 
-`GlmCallReader` has ToolCallParser's interface; `calls_grammar` gives the lark a forced or
-strict call must match: each parameter's value typed by its schema (text for strings, with
-their enum or maxLength; JSON by llguidance's %json for the rest), required ones in order.
+`TagCallReader` has ToolCallParser's interface; `calls_grammar` gives the lark a forced or strict
+call must match: each parameter's value typed by its schema (text for strings, with their enum or
+maxLength; JSON by llguidance's %json for the rest), required ones in order.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 from meshllm.api.tool_parser import CallDelta, CallReader, ParsedCall
 from meshllm.engine.grammar import schema_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
-MARKERS = (OPEN, CLOSE, KEY, KEY_END, VALUE, VALUE_END)
-# one whole argument at the start of the text (after whitespace)
-_ARGUMENT = re.compile(r"\s*" + re.escape(KEY) + r"(.*?)" + re.escape(KEY_END) + r"\s*" + re.escape(VALUE) + r"(.*?)"
-                       + re.escape(VALUE_END), re.DOTALL)
-_NAME_END = re.compile(r"\n|" + re.escape(KEY) + "|" + re.escape(CLOSE))
+
+
+@dataclass(frozen=True)
+class TagForm:
+    family: str
+    detect: str  # text only this family's templates hold
+    name: re.Pattern  # at a block's start, once its name is complete: group 1 the name
+    argument: re.Pattern  # one whole argument at the start of the text: groups 1 and 2 key and value
+    opens: str  # the text an argument starts with
+    value_opens: str  # after it, a value is open until the argument closes
+    strip_value_newlines: bool  # the value's one leading and one trailing newline are layout
+    markers: tuple[str, ...]  # the tags a vocabulary may hold as tokens of their own
+
+
+GLM = TagForm("glm", "<arg_key>", re.compile(r"(.*?)(?=\n|<arg_key>|</tool_call>)", re.DOTALL),
+              re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL),
+              "<arg_key>", "<arg_value>", False,
+              (OPEN, CLOSE, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
+QWEN3_CODER = TagForm("qwen3_coder", "<parameter=", re.compile(r"\s*<function=([^>\n]*)>"),
+                      re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL),
+                      "<parameter=", "<parameter=", True, (OPEN, CLOSE))
+FORMS = (GLM, QWEN3_CODER)
 
 
 def is_text(spec: dict) -> bool:
@@ -42,13 +65,13 @@ def is_text(spec: dict) -> bool:
     return spec.get("type", "string") == "string"
 
 
-class GlmCallReader(CallReader):
+class TagCallReader(CallReader):
     """One choice's reply. States: content (looking for `<tool_call>`), call (inside a block),
     between (whitespace after a block)."""
 
-    def __init__(self, new_call_id, tools: list[dict], parallel: bool = True, forced: bool = False):
+    def __init__(self, form: TagForm, new_call_id, tools: list[dict], parallel: bool = True, forced: bool = False):
         super().__init__(parallel, forced)
-        self.new_call_id = new_call_id
+        self.form, self.new_call_id = form, new_call_id
         self.specs = {t["function"]["name"]: _properties(t["function"].get("parameters")) for t in tools}
         self._call: ParsedCall | None = None  # the open block's call, once its name is complete
         self._dropped = False  # the open block is a later call where only one may be made
@@ -88,15 +111,17 @@ class GlmCallReader(CallReader):
 
     def _read_block(self, deltas: list[CallDelta]) -> bool:
         if self._call is None and not self._dropped:
-            end = _NAME_END.search(self._held)
-            if end is None:
+            name = self.form.name.match(self._held)
+            if name is None:
                 return False
-            self._start(self._held[:end.start()].strip(), deltas)
-            self._held = self._held[end.start():]
-        while (argument := _ARGUMENT.match(self._held)) is not None:
+            self._start(name.group(1).strip(), deltas)
+            self._held = self._held[name.end():]
+        while (argument := self.form.argument.match(self._held)) is not None:
             self._held = self._held[argument.end():]
-            key = argument.group(1).strip()
-            value = _value(argument.group(2), self.specs.get(self._call.name if self._call else "", {}).get(key, {}))
+            key, text = argument.group(1).strip(), argument.group(2)
+            if self.form.strip_value_newlines:
+                text = text.removeprefix("\n").removesuffix("\n")
+            value = _value(text, self.specs.get(self._call.name if self._call else "", {}).get(key, {}))
             self._stream(("{" if self._call is not None and not self._call.arguments else ", ")
                          + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False), deltas)
         rest = self._held.lstrip()
@@ -106,9 +131,10 @@ class GlmCallReader(CallReader):
                 self._call.complete = True
             self._held, self._state = rest[len(CLOSE):], "between"
             return True
-        # Text that is no tag (a weak model's stray words) is skipped up to the next one
-        tag = min((at for at in (rest.find(KEY), rest.find(CLOSE)) if at > 0), default=None)
-        if tag is not None and VALUE not in rest[:tag]:
+        # Text that is no argument (Qwen3-Coder's </function>, a weak model's stray words) is
+        # skipped up to the next tag that is, unless a value is open in it
+        tag = min((at for at in (rest.find(self.form.opens), rest.find(CLOSE)) if at > 0), default=None)
+        if tag is not None and self.form.value_opens not in rest[:tag]:
             self._held = rest[tag:]
             return True
         return False
@@ -145,31 +171,44 @@ def _value(text: str, spec: dict) -> object:
         return text
 
 
-def calls_grammar(markers: dict[str, str], tools: list[dict], parallel: bool) -> str:
+def calls_grammar(form: TagForm, markers: dict[str, str], tools: list[dict], parallel: bool) -> str:
     """Lark rules `calls` (the opening and every call) and `first` (the first call after the
-    opening) for calls to `tools`. `markers`: each tag's lark (its token, or its text quoted).
-    Newlines as GLM-4.5's templates write them, optional (GLM-4.7's write none)."""
-    m = markers
+    opening) for calls to `tools` in `form`. `markers`: each tag's lark (its token, or its text
+    quoted). Newlines as the templates write them (GLM-4.5's optional: GLM-4.7's write none)."""
+    glm = form is GLM
+    m, nl = markers, '"\\n"?' if glm else '"\\n"'
     rules, bodies = [], []
     for i, tool in enumerate(tools):
         function = tool["function"]
         schema = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
         properties = _properties(schema)
         required = set(schema.get("required") or ())
+
+        def argument(key: str, value: str) -> str:  # `key` lark, `value` the rule of the value and its end
+            if glm:
+                return f'{m["<arg_key>"]} {key} {m["</arg_key>"]} {nl} {m["<arg_value>"]} {value} {nl}'
+            return f'"<parameter=" {key} ">\\n" {value} "\\n"'
+
+        end = m["</arg_value>"] if glm else json.dumps("\n</parameter>")
         arguments = []
         for j, (key, spec) in enumerate(properties.items()):
-            rules.append(_value_rule(f"v{i}_{j}", spec, m[VALUE_END]))
-            argument = f'{m[KEY]} {json.dumps(key)} {m[KEY_END]} "\\n"? {m[VALUE]} v{i}_{j} "\\n"?'
-            arguments.append(f"({argument})" + ("" if key in required else "?"))
+            rules.append(_value_rule(f"v{i}_{j}", spec, end))
+            arguments.append(f"({argument(json.dumps(key), f'v{i}_{j}')})" + ("" if key in required else "?"))
         if not properties and schema.get("additionalProperties", True) is not False:  # any keys
-            rules.append(_value_rule(f"any{i}", {}, m[VALUE_END]))
-            arguments.append(f'({m[KEY]} /[^<\\n]+/ {m[KEY_END]} "\\n"? {m[VALUE]} any{i} "\\n"?)*')
-        rules.append(f'tool{i}: {json.dumps(function["name"])} "\\n"? {" ".join(arguments)} {m[CLOSE]}')
+            rules.append(_value_rule(f"any{i}", {}, end))
+            arguments.append(f"({argument(ANY_KEY, f'any{i}')})*")
+        name = json.dumps(function["name"]) if glm else json.dumps(f"<function={function['name']}>")
+        closing = m[CLOSE] if glm else f'"</function>\\n" {m[CLOSE]}'
+        rules.append(f"tool{i}: {name} {nl} {' '.join(arguments)} {closing}")
         bodies.append(f"tool{i}")
-    more = f' ("\\n" {m[OPEN]} body)*' if parallel else ""
+    lead = "" if glm else '"\\n" '  # Qwen3-Coder's templates start each call on a line of its own
+    more = f' ("\\n" {m[OPEN]} {lead}body)*' if parallel else ""
     # the templates write a newline before each call
-    return "\n".join([f'calls: "\\n"? {m[OPEN]} first', f"first: body{more}", f"body: {' | '.join(bodies)}",
-                      *rules]) + "\n"
+    return "\n".join([f'calls: "\\n"? {m[OPEN]} first', f"first: {lead}body{more}",
+                      f"body: {' | '.join(bodies)}", *rules]) + "\n"
+
+
+ANY_KEY = "/[^<>\\n]+/"  # a key of a function whose parameters are any
 
 
 def _value_rule(name: str, spec: dict, end: str) -> str:

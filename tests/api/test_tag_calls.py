@@ -1,4 +1,5 @@
-"""GLM-4.5's tool calls (api/glm_calls.py): tags, not JSON, read whole and in every chunking."""
+"""Tool calls written with tags (api/tag_calls.py), GLM-4.5's and Qwen3-Coder's: read whole and in
+every chunking, cut anywhere."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 import pytest
 
-from meshllm.api.glm_calls import GlmCallReader
+from meshllm.api.tag_calls import GLM, QWEN3_CODER, TagCallReader
 from tests.api.test_tool_parser import _chunkings
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -16,8 +17,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
         "text": {"type": "string"}}}}}]
 
 
-def call(name: str, *pairs: tuple[str, str], newlines: bool = True) -> str:
-    """A call as GLM's templates write one (GLM-4.7: no newlines between tags)."""
+def call(name: str, *pairs: tuple[str, str], newlines: bool = True, form=GLM) -> str:
+    """A call as the form's templates write one (GLM-4.7: no newlines between tags)."""
+    if form is QWEN3_CODER:
+        return f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
+                                                            for k, v in pairs) + "</function>\n</tool_call>"
     n = "\n" if newlines else ""
     return f"<tool_call>{name}{n}" + "".join(f"<arg_key>{k}</arg_key>{n}<arg_value>{v}</arg_value>{n}"
                                               for k, v in pairs) + "</tool_call>"
@@ -34,10 +38,18 @@ CASES = [
     (call("other", ("n", "1.5"), ("s", "plain")), "", [("other", {"n": 1.5, "s": "plain"})]),
     ("No call: <tool is not a tag, 3 < 4.", "No call: <tool is not a tag, 3 < 4.", []),
 ]
+QWEN3_CODER_CASES = [
+    # values between newlines (not part of them), a value's own newlines kept; two calls
+    ("I will check.\n" + call("get_weather", ("city", "123"), ("days", "3"), ("tags", '["a"]'), form=QWEN3_CODER)
+     + "\n" + call("note", ("text", "line 1\n<b>line 2</b>\n"), form=QWEN3_CODER),
+     "I will check.", [("get_weather", {"city": "123", "days": 3, "tags": ["a"]}),
+                       ("note", {"text": "line 1\n<b>line 2</b>\n"})]),
+    ("Plain <function=text> here.", "Plain <function=text> here.", []),
+]
 
 
-def _read(chunks: list[str], parallel: bool = True):
-    reader = GlmCallReader(lambda: f"call_{len(reader.calls)}", TOOLS, parallel)
+def _read(chunks: list[str], parallel: bool = True, form=GLM):
+    reader = TagCallReader(form, lambda: f"call_{len(reader.calls)}", TOOLS, parallel)
     streamed, deltas = "", []
     for chunk in chunks:
         content, new = reader.feed(chunk)
@@ -46,10 +58,11 @@ def _read(chunks: list[str], parallel: bool = True):
     return reader, streamed + reader.finish(), deltas
 
 
-@pytest.mark.parametrize("output, content, calls", CASES)
-def test_calls_and_content_whatever_the_chunking(output, content, calls):
+@pytest.mark.parametrize("form, output, content, calls", [(GLM, *case) for case in CASES]
+                         + [(QWEN3_CODER, *case) for case in QWEN3_CODER_CASES])
+def test_calls_and_content_whatever_the_chunking(form, output, content, calls):
     for chunks in _chunkings(output, seed=len(output)):
-        reader, streamed, deltas = _read(chunks)
+        reader, streamed, deltas = _read(chunks, form=form)
         assert streamed == reader.text == content, chunks
         assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == calls, chunks
         assert all(c.complete for c in reader.calls)
@@ -66,22 +79,25 @@ def test_parallel_false_keeps_only_the_first_call():
     assert [c.name for c in reader.calls] == ["note"] and {d.index for d in deltas} == {0}
 
 
-def test_a_reply_cut_inside_a_call_keeps_the_arguments_streamed_so_far():
-    text = call("get_weather", ("city", "Paris"), ("days", "2"))
+@pytest.mark.parametrize("form", [GLM, QWEN3_CODER], ids=["glm", "qwen3_coder"])
+def test_a_reply_cut_inside_a_call_keeps_the_arguments_streamed_so_far(form):
+    text = call("get_weather", ("city", "Paris"), ("days", "2"), form=form)
+    value_end = "</arg_value>" if form is GLM else "</parameter>"
+    name_end = text.index("\n") if form is GLM else text.index(">", len("<tool_call>")) + 1
     for end in range(1, len(text)):
-        reader = GlmCallReader(lambda: "call_0", TOOLS)
+        reader = TagCallReader(form, lambda: "call_0", TOOLS)
         content, _ = reader.feed(text[:end])
         content += reader.finish(cut=True)
-        named = end > text.index("\n")
+        named = end >= name_end + (form is GLM)
         if end < len("<tool_call>"):
             assert content == text[:end] and not reader.calls, end  # "<tool" may be text
             continue
         assert content == "", (end, content)
         assert [c.name for c in reader.calls] == (["get_weather"] if named else []), end
         if named:  # the arguments streamed: each once its value's closing tag came, the object unclosed
-            closed = [piece for piece, closing in (('{"city": "Paris"', text.index("</arg_value>")),
-                                                   (', "days": 2', text.rindex("</arg_value>")))
-                      if closing + len("</arg_value>") <= end]
+            closed = [piece for piece, closing in (('{"city": "Paris"', text.index(value_end)),
+                                                   (', "days": 2', text.rindex(value_end)))
+                      if closing + len(value_end) <= end]
             assert reader.calls[0].arguments == "".join(closed), end
 
 
@@ -97,6 +113,37 @@ def test_values_follow_the_schema_and_odd_schemas_do_not_break_the_reader():
     # schema (JSON Schema allows `true`) or no parameters at all is read as untyped
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "level": {"enum": ["1", "2"]}, "free": {}, "any": True}}}}, {"type": "function", "function": {"name": "g"}}]
-    reader = GlmCallReader(lambda: "c", tools)
+    reader = TagCallReader(GLM, lambda: "c", tools)
     reader.feed(call("f", ("level", "1"), ("free", "[1]"), ("any", "x")) + call("g", ("n", "7")))
     assert [json.loads(c.arguments) for c in reader.calls] == [{"level": "1", "free": [1], "any": "x"}, {"n": 7}]
+
+
+@pytest.mark.parametrize("family", ["glm", "qwen3_coder"])
+def test_a_forced_calls_grammar_takes_what_the_template_writes(tiny_model_dir, family):
+    """The family is read off the template, and its grammar accepts the template's own rendering
+    of a call (so constrained calls are written as the model was trained to write them)."""
+    from meshllm.api.tool_formats import ToolFormat
+    from meshllm.engine.grammar import GrammarCompiler
+    from meshllm.model.tokenizer import Tokenizer
+    from tests.api.tool_families import tiny_family_model
+
+    tokenizer = Tokenizer.from_folder(tiny_family_model(tiny_model_dir, family, seed=31))
+    fmt = ToolFormat.of(tokenizer)
+    assert fmt.family == fmt.tag_form.family == family
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+        "required": ["city"]}}}]
+    ask = {"role": "user", "content": "Weather?"}
+    called = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]}
+    before = tokenizer.apply_chat_template([ask], True, tools=tools)
+    messages, with_tools = fmt.template_inputs([ask, called], tools)
+    after = tokenizer.apply_chat_template(messages, False, tools=with_tools)
+    written = after[len(before):].split("</tool_call>")[0] + "</tool_call>"
+    compiler = GrammarCompiler(tokenizer)
+    matcher = compiler.matcher(compiler.lark(fmt.call_grammar(tools, parallel=False), "forced"))
+    assert all(matcher.accept(t) for t in tokenizer.encode(written, add_special_tokens=False)), written
+    assert matcher.is_accepting
+    reader = fmt.call_reader(tools, parallel=False, forced=True)
+    reader.feed(written)
+    assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [("get_weather", {"city": "Oslo", "days": 2})]
