@@ -78,11 +78,11 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
         if chat and fmt.harmony is not None:
             return [ChoiceState(c, HarmonyReader(fmt.harmony, fmt.new_call_id, body.parallel_calls, body.calls_tools,
                                                  in_final=body.continue_final_message)) for c in choices]
-        reads_calls = chat and body.calls_tools
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if chat and body.calls_tools else None
 
         def reader(c: ChoiceRequest):
-            calls = fmt.call_reader([t.model_dump(exclude_none=True) for t in body.tools], body.parallel_calls,
-                                    forced=body.forced_tools is not None) if reads_calls else None
+            calls = None if tools is None else fmt.call_reader(tools, body.parallel_calls,
+                                                               forced=body.forced_tools is not None)
             if not chat or not model_text.thinks or body.continue_final_message:
                 return calls
             # a <think> block first (Qwen3, DeepSeek-R1): reasoning_content; the prompt may have opened it

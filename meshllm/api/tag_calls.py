@@ -156,8 +156,9 @@ class TagCallReader(CallReader):
 def _properties(schema) -> dict[str, dict]:
     """A function's parameters' schemas by name ({} for a boolean or missing one)."""
     properties = schema.get("properties") if isinstance(schema, dict) else None
-    return {k: v if isinstance(v, dict) else {} for k, v in (properties or {}).items()} \
-        if isinstance(properties, dict) else {}
+    if not isinstance(properties, dict):
+        return {}
+    return {k: v if isinstance(v, dict) else {} for k, v in properties.items()}
 
 
 def _value(text: str, spec: dict) -> object:

@@ -54,7 +54,7 @@ class _CallScan:
 
 
 class CallReader:
-    """What the readers of a reply's tool calls share (this module's JSON families', GLM's tags):
+    """What the readers of a reply's tool calls share (this module's JSON families', the tag forms'):
     the content so far, the calls, and held text that the next text decides, stepped through by
     each reader's own `_step` (False: more text is needed)."""
 

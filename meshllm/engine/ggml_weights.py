@@ -234,7 +234,7 @@ class GGMLMatrix:
         g = self.g
         self._ctx = g.ggml_init(g.ggml_init_params(mem_size=g.ggml_tensor_overhead() * 2, mem_buffer=None,
                                                    no_alloc=True))
-        if getattr(self, "experts", 1) > 1:
+        if self.experts > 1:
             self.tensor = g.ggml_new_tensor_3d(self._ctx, int(matrix.ggml_type), self.cols, self.rows // self.experts,
                                                self.experts)
         else:

@@ -44,6 +44,8 @@ _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": 
                   "gemma3": "gemma3_text",
                   "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4",
                   "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
+# Mixtures of experts, by general.architecture (Mixtral is written as "llama")
+_MOE_ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
 # its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
 # and Granite's converters are Llama's)
 _PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral", "smollm3", "granite"}
@@ -525,7 +527,7 @@ def config_dict(file: GGUFFile) -> dict:
         raise UnsupportedArchitecture(f"{file.path} is a GGUF of architecture {arch!r}; meshllm runs GGUF "
                                       f"architectures {sorted(_ARCHITECTURES)}")
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
-    if experts and arch not in ("llama", "qwen3moe", "gpt-oss", "glm4moe"):
+    if experts and arch not in _MOE_ARCHITECTURES:
         raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts {arch} model; meshllm runs the "
                                       f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe), GPT-OSS (gpt-oss) and "
                                       f"GLM-4.5 (glm4moe) files")
@@ -589,9 +591,7 @@ def config_dict(file: GGUFFile) -> dict:
                                             meta.get("tokenizer.ggml.tokens") or []),
     }
     if experts:  # Mixtral is written as "llama"; llama.cpp renormalizes the chosen experts of both
-        config.update(model_type={"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
-                                  "glm4moe": "glm4_moe"}[arch],
-                      num_experts=experts,
+        config.update(model_type=_MOE_ARCHITECTURES[arch], num_experts=experts,
                       num_local_experts=experts,
                       num_experts_per_tok=int(key("expert_used_count")), norm_topk_prob=True,
                       moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length",

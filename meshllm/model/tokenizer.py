@@ -166,7 +166,6 @@ class Tokenizer:
         except TypeError as e:  # e.g. a message whose content is not text, for the plain template
             raise BadRequest(f"the messages do not fit the model's chat template: {e}") from None
 
-
     def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
                 variables: dict | None) -> str:
         # JSON round trips: the template sees plain data, as transformers' does

@@ -169,8 +169,10 @@ For each function call, output the function name and arguments within the follow
 {%- if add_generation_prompt -%}<|assistant|>{%- endif -%}
 """
 
-QWEN3_CODER_TEMPLATE = r"""
-{%- if tools %}
+# Qwen3-Coder's: Qwen's ChatML turns, with its own tool listing and call form in place of Hermes'
+_HERMES_TOOLS = HERMES_TEMPLATE[HERMES_TEMPLATE.index("{%- if tools %}"):HERMES_TEMPLATE.index("{%- elif")]
+_HERMES_CALL = next(line for line in HERMES_TEMPLATE.splitlines() if '"arguments": ' in line)
+QWEN3_CODER_TEMPLATE = HERMES_TEMPLATE.replace(_HERMES_TOOLS, r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}
 {%- if messages[0].role == 'system' %}{{- messages[0].content + '\n\n' }}{%- endif %}
 {{- "You have access to the following functions:\n\n<tools>" }}
@@ -179,31 +181,12 @@ QWEN3_CODER_TEMPLATE = r"""
 {{- "</parameters>\n</function>" }}
 {%- endfor %}
 {{- "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format:\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n" }}
-{%- elif messages[0].role == 'system' %}
-{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- for message in messages %}
-{%- if message.role == 'system' %}
-{%- elif message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) %}
-{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}
-{%- elif message.role == 'assistant' %}
-{{- '<|im_start|>assistant' }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}
-{%- for tool_call in message.tool_calls %}{%- set tc = tool_call.function %}
-{{- '\n<tool_call>\n<function=' + tc.name + '>\n' }}
+""").replace(_HERMES_CALL, r"""{{- '\n<tool_call>\n<function=' + tc.name + '>\n' }}
 {%- for k, v in tc.arguments.items() %}
 {{- '<parameter=' + k + '>\n' + (v if v is string else v | tojson) + '\n</parameter>\n' }}
 {%- endfor %}
-{{- '</function>\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\n' }}
-{%- elif message.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
-"""
+{{- '</function>\n</tool_call>' }}""")
+assert "You have access" in QWEN3_CODER_TEMPLATE and '"arguments"' not in QWEN3_CODER_TEMPLATE  # both replaced
 
 # family -> (transformers variant, template, special tokens (first is BOS or None), eos, plain added tokens)
 FAMILIES = {
