@@ -84,6 +84,11 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "glm4-moe": ("Glm4MoeConfig", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                        n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
                                        use_qk_norm=True, routed_scaling_factor=2.5, n_group=1, topk_group=1)),
+    # MiniMax-M2: GLM-4.5's routing (a random selection bias) in Mixtral's layout, no shared expert
+    # or dense layers; q/k norms across all heads; a quarter of each head turned (rotate-half; the
+    # released model turns half). Experts 64 wide so a GGUF of it can hold them in 32-column blocks.
+    "minimax-m2": ("MiniMaxM2Config", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                                           rotary_dim=4, bos_token_id=1, eos_token_id=2)),
 }
 
 

@@ -374,10 +374,15 @@ class GGMLStage:
         g, ctx, c = s.g, s.ctx, self.config
         hd, heads, kv_heads = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         qkv = self._linear(s, w["qkv"], x)
-        q = self._rows(s, qkv, 0, self.q_size, (hd, heads, n))
-        k = self._rows(s, qkv, self.q_size, self.kv_size, (hd, kv_heads, n))
         v = self._rows(s, qkv, self.q_size + self.kv_size, self.kv_size, (hd, kv_heads, n))
-        if w["q_norm"] is not None:
+        if c.qk_norm_across_heads:  # MiniMax-M2: one RMS over all of q's heads, one over k's
+            q = self._norm(s, self._rows(s, qkv, 0, self.q_size, (self.q_size, n)), w["q_norm"])
+            k = self._norm(s, self._rows(s, qkv, self.q_size, self.kv_size, (self.kv_size, n)), w["k_norm"])
+            q, k = g.ggml_reshape_3d(ctx, q, hd, heads, n), g.ggml_reshape_3d(ctx, k, hd, kv_heads, n)
+        else:
+            q = self._rows(s, qkv, 0, self.q_size, (hd, heads, n))
+            k = self._rows(s, qkv, self.q_size, self.kv_size, (hd, kv_heads, n))
+        if w["q_norm"] is not None and not c.qk_norm_across_heads:
             q = self._norm(s, q, w["q_norm"])
             k = self._norm(s, k, w["k_norm"])
         if w["rope"] is not None:  # None: a NoPE layer (SmolLM3's every fourth)

@@ -43,6 +43,9 @@ SUPPORTED_MODEL_TYPES = {
     # GLM-4.5 / 4.6 / Air: experts picked by sigmoid scores, a shared expert, dense first layers
     # (model/moe.py); q/k/v biases, half of each head turned (rotate-half, not GLM-4's pairs)
     "glm4_moe": {},
+    # MiniMax-M2 (M2.1, M2.5): GLM-4.5's routing in Mixtral's layout, q/k norms across all heads,
+    # half of each head turned rotate-half (model/moe.py)
+    "minimax_m2": {},
 }
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -59,6 +62,7 @@ SUPPORTED_ARCHITECTURES = {
     "Glm4ForCausalLM": "glm4",
     "GptOssForCausalLM": "gpt_oss",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
 }
 
 
@@ -103,6 +107,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 adds a bias on q, k and v
     qk_norm: bool = False  # Qwen3 normalises q and k per head
+    # MiniMax-M2 normalises them across all heads at once (one RMS over q, one over k; weights of
+    # heads * head_dim), before the heads are split out
+    qk_norm_across_heads: bool = False
     sliding_window: int | None = None  # Mistral, Phi-3; None = full attention
     # Partial rotary (Phi-4-mini): only the first rotary_dim dims of each head rotate, the rest
     # pass through. None: the whole head (every other model).
@@ -223,7 +230,8 @@ class ModelConfig:
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
         bias = ((q + 2 * kv) if self.attention_bias else 0) + (h if self.o_proj_bias else 0)
-        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        qk_norms = (q + kv if self.qk_norm_across_heads else 2 * self.head_dim) if self.qk_norm else 0
+        norms = (4 if self.sandwich_norms else 2) * h + qk_norms
         sinks = self.num_attention_heads if self.attention_sinks else 0
         e, w = self.num_experts, self.expert_intermediate_size
         mlp = 3 * h * i if not self.layer_is_moe(layer) else (
@@ -355,9 +363,9 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
                                       f"some layers only) is not supported; set it to false")
     partial = _partial_rotary_factor(d, model_type)
-    if partial != 1.0 and model_type not in ("phi3", "glm4", "glm4_moe"):  # of the families here, theirs only
+    if partial != 1.0 and model_type not in PARTIAL_ROTARY_TYPES:  # of the families here, theirs only
         raise UnsupportedArchitecture(f"{origin}: partial_rotary_factor {partial} on {model_type} is not supported "
-                                      f"(meshllm rotates part of the head for phi3, glm4 and glm4_moe only)")
+                                      f"(meshllm rotates part of the head for {', '.join(PARTIAL_ROTARY_TYPES)} only)")
     if not 0.0 < partial <= 1.0:
         raise ModelLoadError(f"{origin}: partial_rotary_factor must be in (0, 1], got {partial}")
 
@@ -374,12 +382,18 @@ def _rope_layers(d: dict, model_type: str, layers: int) -> tuple[bool, ...] | No
     return tuple(bool(f) for f in flags)
 
 
+PARTIAL_ROTARY_TYPES = ("phi3", "glm4", "glm4_moe", "minimax_m2")
+
+
 def _partial_rotary_factor(d: dict, model_type: str) -> float:
     """The share of each head the rotary turns (Phi-4-mini: 0.75), from either config layout;
-    transformers' Glm4Config and Glm4MoeConfig default it to 0.5."""
+    transformers' Glm4Config and Glm4MoeConfig default it to 0.5. MiniMax-M2's released config
+    names a rotary_dim instead (64 of 128), as transformers reads it."""
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     inner = rope.get("partial_rotary_factor") if isinstance(rope, dict) else None
     value = d.get("partial_rotary_factor", inner)
+    if value is None and model_type == "minimax_m2" and d.get("rotary_dim") and d.get("head_dim"):
+        value = int(d["rotary_dim"]) / int(d["head_dim"])
     return (0.5 if model_type in ("glm4", "glm4_moe") else 1.0) if value is None else float(value)
 
 

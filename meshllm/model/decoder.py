@@ -225,8 +225,11 @@ class Attention(nn.Module):
         # q, k and v fused into one matmul: one weight read, one dispatch.
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype)
         self.o_proj = nn.Linear(self.q_size, h, bias=config.o_proj_bias, dtype=dtype)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype) if config.qk_norm else None
+        # per head (Qwen3), or across all heads at once (MiniMax-M2: weights of every head's dims)
+        self.qk_norm_across_heads = config.qk_norm_across_heads
+        q_dims, k_dims = (self.q_size, self.kv_size) if config.qk_norm_across_heads else (self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(q_dims, config.rms_norm_eps, dtype) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dims, config.rms_norm_eps, dtype) if config.qk_norm else None
         # Attend one query row at a time with the decode kernel, so a row's bits never depend on
         # how many rows share its chunk (batch-invariant mode; see engine/batch_invariant.py).
         self.per_row = False
@@ -234,9 +237,13 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rotation: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
         n, heads = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
+        if self.qk_norm_across_heads:
+            q_k = self.q_size + self.kv_size
+            qkv = torch.cat((self.q_norm(qkv[:, :self.q_size]), self.k_norm(qkv[:, self.q_size:q_k]), qkv[:, q_k:]),
+                            dim=1)
         qk = qkv[:, :self.q_size + self.kv_size].view(n, heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_across_heads:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         # q and k of every head rotate together in one batched matmul (see Rotary.rotation); a
         # NoPE layer's (rotation None) stay as they are.

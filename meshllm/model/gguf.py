@@ -43,9 +43,12 @@ _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
                   "gemma3": "gemma3_text",
                   "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4",
-                  "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
+                  "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2"}
 # Mixtures of experts, by general.architecture (Mixtral is written as "llama")
-_MOE_ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe"}
+_MOE_ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe",
+                      "minimax-m2": "minimax_m2"}
+# rotate part of each head (Phi-4-mini 96 of 128, GLM and MiniMax-M2 half)
+_PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "minimax-m2")
 # its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
 # and Granite's converters are Llama's)
 _PERMUTED_QK_ARCHITECTURES = {"llama", "mixtral", "smollm3", "granite"}
@@ -464,8 +467,8 @@ def _expert_tensors(file: GGUFFile, config: ModelConfig) -> dict[str, GGUFTensor
         if router_bias is not None:  # GPT-OSS
             out[moe.router_bias_name(layer)] = router_bias
         selection_bias = file.tensors.get(f"blk.{layer}.exp_probs_b.bias")
-        if selection_bias is not None:  # GLM-4.5
-            out[moe.selection_bias_name(layer)] = selection_bias
+        if selection_bias is not None:  # GLM-4.5, MiniMax-M2
+            out[moe.selection_bias_name(config.model_type, layer)] = selection_bias
         for index, projection in enumerate(("gate", "up", "down")):
             for kind in ("weight", "bias"):  # GPT-OSS's biases: [experts, rows]
                 info = file.tensors.get(f"blk.{layer}.ffn_{projection}_exps.{kind}")
@@ -529,8 +532,8 @@ def config_dict(file: GGUFFile) -> dict:
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if experts and arch not in _MOE_ARCHITECTURES:
         raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts {arch} model; meshllm runs the "
-                                      f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe), GPT-OSS (gpt-oss) and "
-                                      f"GLM-4.5 (glm4moe) files")
+                                      f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe), GPT-OSS (gpt-oss), "
+                                      f"GLM-4.5 (glm4moe) and MiniMax-M2 (minimax-m2) files")
     if int(meta.get(f"{arch}.expert_shared_count", 0) or 0) and arch != "glm4moe":
         raise UnsupportedArchitecture(f"{file.path} has shared experts ({arch}.expert_shared_count), which "
                                       f"meshllm runs for GLM-4.5 (glm4moe) only")
@@ -549,9 +552,9 @@ def config_dict(file: GGUFFile) -> dict:
         kv_heads = kv_heads[0]
     head_dim = int(key("attention.key_length", hidden // heads))
     rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dims != head_dim and arch not in ("phi3", "glm4", "glm4moe"):  # Phi-4-mini 96 of 128, GLM half
+    if rope_dims != head_dim and arch not in _PARTIAL_ROTARY_ARCHITECTURES:
         raise UnsupportedArchitecture(f"{file.path} rotates {rope_dims} of {head_dim} head dims (partial rotary); "
-                                      f"meshllm runs that for phi3, glm4 and glm4moe only")
+                                      f"meshllm runs that for {', '.join(_PARTIAL_ROTARY_ARCHITECTURES)} only")
     sections = meta.get(f"{arch}.rope.dimension_sections")
     if sections is not None and any(int(x) for x in np.asarray(sections).ravel()):
         # GLM-4V's text model: multimodal rope sections, its q/k already in halves for them
@@ -598,6 +601,8 @@ def config_dict(file: GGUFFile) -> dict:
                                                          config["intermediate_size"])))
     if arch == "glm4moe":
         config.update(_glm4_moe(file, config))
+    if arch == "minimax-m2":
+        config.update(_minimax_m2(file, config))
     if arch == "smollm3":  # not in the file: llama.cpp runs every fourth layer without rope (as transformers)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":  # its converter writes the multipliers as scales
@@ -627,16 +632,28 @@ def _glm4_moe(file: GGUFFile, config: dict) -> dict:
     """GLM-4.5's config.json fields, as its converter writes them (conversion/glm.py Glm4MoeModel)
     and llama.cpp reads them (src/models/glm4-moe.cpp)."""
     meta = file.metadata
-    gating = int(meta.get("glm4moe.expert_gating_func", 0)) or _SIGMOID_GATING  # none (0): sigmoid, as llama.cpp
-    if gating != _SIGMOID_GATING:
-        raise UnsupportedArchitecture(f"{file.path}: glm4moe.expert_gating_func {gating}; GLM-4.5's experts are "
-                                      f"picked by sigmoid scores ({_SIGMOID_GATING})")
+    _check_sigmoid_gating(file, "glm4moe", int(meta.get("glm4moe.expert_gating_func", 0)) or _SIGMOID_GATING)
     return dict(n_routed_experts=config["num_experts"],
                 n_shared_experts=int(meta.get("glm4moe.expert_shared_count", 0) or 0),
                 first_k_dense_replace=int(meta.get("glm4moe.leading_dense_block_count", 0) or 0),
                 routed_scaling_factor=float(meta.get("glm4moe.expert_weights_scale", 1.0)),
                 norm_topk_prob=bool(meta.get("glm4moe.expert_weights_norm", False)),
                 use_qk_norm="blk.0.attn_q_norm.weight" in file.tensors)
+
+
+def _minimax_m2(file: GGUFFile, config: dict) -> dict:
+    """MiniMax-M2's config.json fields, as its converter writes them (conversion/minimax.py) and
+    llama.cpp reads them (src/models/minimax-m2.cpp: the chosen experts' weights always
+    renormalized, never scaled; q/k norms across all heads; no gating func is an abort there)."""
+    _check_sigmoid_gating(file, "minimax-m2", int(file.metadata.get("minimax-m2.expert_gating_func", 0)))
+    return dict(intermediate_size=config["moe_intermediate_size"], scoring_func="sigmoid", use_routing_bias=True,
+                use_qk_norm=True, qk_norm_type="per_layer")
+
+
+def _check_sigmoid_gating(file: GGUFFile, arch: str, gating: int) -> None:
+    if gating != _SIGMOID_GATING:
+        raise UnsupportedArchitecture(f"{file.path}: {arch}.expert_gating_func {gating}; this family's experts "
+                                      f"are picked by sigmoid scores ({_SIGMOID_GATING})")
 
 
 def _layer_types(pattern, layers: int, window: int) -> list[str]:

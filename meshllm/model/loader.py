@@ -78,7 +78,7 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
                 for index, projection in enumerate(("gate_proj", "up_proj", "down_proj")):
                     names[f"{ours}.mlp.{projection}.bias"] = [names_of[index] for names_of in biases]
             if config.sigmoid_router:
-                names[f"{ours}.mlp.selection_bias"] = [moe.selection_bias_name(i)]
+                names[f"{ours}.mlp.selection_bias"] = [moe.selection_bias_name(config.model_type, i)]
             if config.shared_expert_size:
                 gate, up, down = moe.shared_expert_names(i)
                 names[f"{ours}.mlp.shared.gate_up_proj.weight"] = [gate, up]

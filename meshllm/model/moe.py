@@ -1,4 +1,4 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, GPT-OSS, GLM-4.5) read from config.json.
+"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, GPT-OSS, GLM-4.5, MiniMax-M2) read from config.json.
 
 Each layer's MLP is `num_experts` SwiGLU experts of `expert_intermediate_size` and a router: a
 token's router logits go through a softmax, its `num_experts_per_tok` most probable experts run,
@@ -8,14 +8,16 @@ router and on each expert's projections, the softmax over the chosen experts' lo
 clamped SwiGLU; and its attention has sinks and an o_proj bias, every other layer windowed.
 GLM-4.5 (4.6, Air) scores experts by a sigmoid, picks them by score plus a learned bias per
 expert, weights them by their scores (renormalized, scaled), runs a shared expert for every
-token beside them, and keeps its first layers dense.
+token beside them, and keeps its first layers dense. MiniMax-M2 (M2.1, M2.5) routes as GLM-4.5
+does, with neither shared expert nor dense layers, in Mixtral's layout (block_sparse_moe, w1/w3/w2),
+and normalizes q and k across all heads at once.
 """
 
 from __future__ import annotations
 
 from meshllm.errors import ModelLoadError, UnsupportedArchitecture
 
-MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe")
+MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "minimax_m2")
 
 
 def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
@@ -42,6 +44,8 @@ def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
                     o_proj_bias=True, attention_sinks=True, **_gpt_oss_windows(d, num_layers, origin))
     elif model_type == "glm4_moe":
         return _glm4_moe_fields(d, experts, per_token, num_layers, origin)
+    elif model_type == "minimax_m2":
+        return _minimax_m2_fields(d, experts, per_token, num_layers, origin)
     else:  # Mixtral: every layer sparse, the top two always renormalized
         width, normalize = int(d["intermediate_size"]), True
     return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=width,
@@ -63,6 +67,32 @@ def _glm4_moe_fields(d: dict, experts: int, per_token: int, num_layers: int, ori
                 expert_weights_scale=float(d.get("routed_scaling_factor", 1.0)),
                 shared_expert_size=width * int(d.get("n_shared_experts", 1)), dense_layers=dense,
                 qk_norm=bool(d.get("use_qk_norm", False)))
+
+
+def _minimax_m2_fields(d: dict, experts: int, per_token: int, num_layers: int, origin: str) -> dict:
+    """MiniMax-M2's released config.json (and transformers' MiniMaxM2Config, which names fewer of
+    these): each switch it may name that would change the computation is checked, not assumed."""
+    scoring = d.get("scoring_func", "sigmoid")
+    if scoring != "sigmoid" or d.get("use_routing_bias", True) is not True:
+        raise UnsupportedArchitecture(f"{origin}: scoring_func {scoring!r} / use_routing_bias "
+                                      f"{d.get('use_routing_bias')!r}: meshllm runs MiniMax-M2's sigmoid router "
+                                      f"with its selection bias")
+    if d.get("use_qk_norm", True) is not True or d.get("qk_norm_type", "per_layer") != "per_layer":
+        raise UnsupportedArchitecture(f"{origin}: use_qk_norm {d.get('use_qk_norm')!r} / qk_norm_type "
+                                      f"{d.get('qk_norm_type')!r}: meshllm runs MiniMax-M2's q/k norms across "
+                                      f"all heads (per_layer)")
+    if int(d.get("shared_intermediate_size") or 0):
+        raise UnsupportedArchitecture(f"{origin}: a shared expert (shared_intermediate_size "
+                                      f"{d['shared_intermediate_size']}) is not supported on minimax_m2")
+    kinds = d.get("attn_type_list")
+    if kinds is not None and (len(kinds) != num_layers or any(int(k) != 1 for k in kinds)):
+        # MiniMax-01 / M1's lightning (linear) attention layers are 0 here
+        raise UnsupportedArchitecture(f"{origin}: attn_type_list {kinds!r}: meshllm runs MiniMax-M2's full "
+                                      f"attention (1) on every layer, not linear attention")
+    return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=int(d["intermediate_size"]),
+                normalize_expert_weights=True, sigmoid_router=True,
+                expert_weights_scale=float(d.get("routed_scaling_factor", 1.0)),
+                qk_norm=True, qk_norm_across_heads=True)
 
 
 def _gpt_oss_windows(d: dict, num_layers: int, origin: str) -> dict:
@@ -89,9 +119,10 @@ def expert_names(model_type: str, layer: int, expert: int) -> tuple[str, str, st
     return tuple(f"{stem}.{name}.weight" for name in _PROJECTIONS[model_type])
 
 
-def selection_bias_name(layer: int) -> str:
-    """GLM-4.5's bias [experts] added to a layer's sigmoid scores to pick its experts."""
-    return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+def selection_bias_name(model_type: str, layer: int) -> str:
+    """GLM-4.5's and MiniMax-M2's bias [experts] added to a layer's sigmoid scores to pick its experts."""
+    gate = "gate." if model_type == "glm4_moe" else ""
+    return f"model.layers.{layer}.{_BLOCK[model_type]}.{gate}e_score_correction_bias"
 
 
 def shared_expert_names(layer: int) -> tuple[str, str, str]:
@@ -111,6 +142,8 @@ def expert_bias_names(layer: int, expert: int) -> tuple[str, str, str]:
 
 # gpt_oss: the names each expert's slice takes, of a GGUF's experts tensors (model/gguf.py) and of
 # a folder's fused, transposed ones (model/gpt_oss_experts.py)
-_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp", "glm4_moe": "mlp"}
+_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp", "glm4_moe": "mlp",
+          "minimax_m2": "block_sparse_moe"}
 _PROJECTIONS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
-                "gpt_oss": ("gate_proj", "up_proj", "down_proj"), "glm4_moe": ("gate_proj", "up_proj", "down_proj")}
+                "gpt_oss": ("gate_proj", "up_proj", "down_proj"), "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
+                "minimax_m2": ("w1", "w3", "w2")}

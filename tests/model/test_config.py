@@ -55,6 +55,9 @@ def _folder_with(tmp_path, text: str):
                         rope_attention_factor=array("f", [1 + 0.1 * math.log(8)])[0])),
     ("smollm3", dict(model_type="smollm3", rope_layers=(True, True, True, False), tie_word_embeddings=True)),
     ("glm4", dict(model_type="glm4", rotary_dim=8, attention_bias=True, sandwich_norms=True)),
+    ("minimax-m2", dict(model_type="minimax_m2", rotary_dim=4, num_experts=4, num_experts_per_tok=2,
+                        expert_intermediate_size=64, normalize_expert_weights=True, sigmoid_router=True,
+                        qk_norm=True, qk_norm_across_heads=True, shared_expert_size=0, dense_layers=0)),
     ("granite", dict(model_type="granite", embedding_scale=3.0, attention_scale=array("f", [0.15])[0],
                      residual_scale=array("f", [0.4])[0], logit_scale=2.5)),
 ])
@@ -67,14 +70,19 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe",
-                                     "mixtral", "smollm3", "granite", "glm4", "gpt-oss"])
+                                     "mixtral", "smollm3", "granite", "glm4", "gpt-oss", "glm4-moe", "minimax-m2"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
-    # The planner budgets memory from these counts.
+    # The planner budgets memory from these counts. The bias that picks GLM-4.5's and MiniMax-M2's
+    # experts is a buffer to transformers, and weights all the same.
     folder = tiny_model_dir(variant)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     config = ModelConfig.from_folder(folder)
-    assert config.num_parameters == model.num_parameters()
-    assert config.layer_parameters() == sum(p.numel() for p in model.model.layers[0].parameters())
+
+    def weights(module) -> int:
+        return sum(p.numel() for p in module.parameters()) + sum(
+            b.numel() for name, b in module.named_buffers() if name.endswith("e_score_correction_bias"))
+    assert config.num_parameters == weights(model)
+    assert config.layer_parameters() == max(weights(model.model.layers[i]) for i in (0, -1))
 
 
 def test_transformers_4_and_5_rope_layouts_parse_the_same():
@@ -184,6 +192,49 @@ def test_mixture_of_experts_layouts_meshllm_lacks_are_refused(change, words):
     ModelConfig.from_dict(qwen_moe)  # as it is: runs
     with pytest.raises(UnsupportedArchitecture) as info:
         ModelConfig.from_dict({**qwen_moe, **change})
+    for word in words:
+        assert word in str(info.value)
+
+
+# MiniMaxAI/MiniMax-M2's config.json as released (M2.1 and M2.5 name the same fields), its 62-entry
+# attn_type_list aside
+MINIMAX_M2 = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608, "mtp_transformer_layers": 1,
+    "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62, "num_key_value_heads": 8,
+    "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer", "rms_norm_eps": 1e-06,
+    "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid", "shared_intermediate_size": 0,
+    "tie_word_embeddings": False, "use_mtp": True, "use_qk_norm": True, "use_routing_bias": True,
+    "vocab_size": 200064, "torch_dtype": "bfloat16",
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "float8_e4m3fn", "quant_method": "fp8",
+                            "weight_block_size": [128, 128],
+                            "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]},
+}
+
+
+def test_minimax_m2_as_released_parses():
+    config = ModelConfig.from_dict({**MINIMAX_M2, "attn_type_list": [1] * 62})
+    assert (config.rotary_dim, config.rope_theta, config.num_experts, config.num_experts_per_tok) == (64, 5e6, 256, 8)
+    assert (config.expert_intermediate_size, config.shared_expert_size, config.dense_layers) == (1536, 0, 0)
+    assert config.sigmoid_router and config.normalize_expert_weights and config.expert_weights_scale == 1.0
+    assert config.qk_norm and config.qk_norm_across_heads
+    # a layer: q/k/v/o, 256 experts, the router and its bias, two norms and the q/k norms at their
+    # width (6144 + 1024); ~229B in all (MiniMax's "230B-A10B")
+    attention = 3072 * (6144 + 2 * 1024) + 6144 * 3072
+    assert config.layer_parameters() == attention + 256 * (3 * 3072 * 1536 + 3072 + 1) + 2 * 3072 + 6144 + 1024
+    assert 228e9 < config.num_parameters < 230e9
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"scoring_func": "softmax"}, ["scoring_func 'softmax'", "sigmoid router"]),
+    ({"use_routing_bias": False}, ["use_routing_bias False"]),
+    ({"qk_norm_type": "per_head"}, ["qk_norm_type 'per_head'", "across all heads"]),
+    ({"shared_intermediate_size": 512}, ["shared_intermediate_size 512"]),
+    ({"attn_type_list": [0] + [1] * 61}, ["attn_type_list", "not linear attention"]),
+])
+def test_minimax_layouts_meshllm_lacks_are_refused(change, words):
+    with pytest.raises(UnsupportedArchitecture) as info:
+        ModelConfig.from_dict({**MINIMAX_M2, **change})
     for word in words:
         assert word in str(info.value)
 

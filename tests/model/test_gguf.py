@@ -112,11 +112,15 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
             w.add_expert_shared_count(cfg.shared_expert_size // cfg.expert_intermediate_size)
             w.add_leading_dense_block_count(cfg.dense_layers)
-            w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
             w.add_expert_weights_scale(cfg.expert_weights_scale)
             w.add_expert_weights_norm(cfg.normalize_expert_weights)
+        if arch == "minimax-m2":  # conversion/minimax.py MiniMaxM2Model
+            w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+        if cfg.sigmoid_router:  # conversion/base.py: scoring_func "sigmoid"; the bias as exp_probs_b
+            w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
             for i in range(cfg.dense_layers, cfg.num_hidden_layers):
-                w.add_tensor(f"blk.{i}.exp_probs_b.bias", tensors.pop(moe.selection_bias_name(i)).numpy())
+                bias = tensors.pop(moe.selection_bias_name(cfg.model_type, i))
+                w.add_tensor(f"blk.{i}.exp_probs_b.bias", bias.numpy())
         for i in range(cfg.dense_layers, cfg.num_hidden_layers):
             w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", tensors.pop(moe.router_name(cfg.model_type, i)).numpy())
             names = [moe.expert_names(cfg.model_type, i, e) for e in range(cfg.num_experts)]
@@ -360,7 +364,7 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
                                           ("gemma2", "gemma2"), ("gpt-oss", "gpt-oss"),
                                           ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                           ("qwen3-yarn", "qwen3"), ("glm4", "glm4"), ("glm4-moe", "glm4moe"),
-                                          ("mixtral", "llama")])
+                                          ("mixtral", "llama"), ("minimax-m2", "minimax-m2")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
     if variant in ("gemma2", "gemma3"):  # a GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (27B aside)
@@ -383,7 +387,7 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "normalize_expert_weights", "rope_layers", "residual_scale", "logit_scale",
                   "attn_softcap", "final_softcap", "expert_biases", "softmax_after_topk", "swiglu_limit",
                   "o_proj_bias", "attention_sinks", "sigmoid_router", "expert_weights_scale",
-                  "shared_expert_size", "dense_layers"):
+                  "shared_expert_size", "dense_layers", "qk_norm_across_heads"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())
