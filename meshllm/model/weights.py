@@ -24,7 +24,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from safetensors import SafetensorError, safe_open
 
 from meshllm.errors import CorruptWeights, ModelLoadError
-from meshllm.model import gpt_oss_experts
+from meshllm.model import fp8_blocks, gpt_oss_experts
 from meshllm.model.config import ModelConfig
 from meshllm.model.fused import split_fused, visible_names
 from meshllm.model.rope_rows import rope_rows_to_half, trained_in_pairs
@@ -74,6 +74,7 @@ class SafetensorsSource:
             raise ModelLoadError(f"model folder {self.path} does not exist")
         self._config = ModelConfig.from_folder(self.path)
         self._entries = _index(self.path)
+        self._fp8_block = _fp8_block(self.path, self._entries)
         try:
             self._parts = split_fused(self._config, {n: e.shape for n, e in self._entries.items()})
         except ModelLoadError as e:
@@ -94,7 +95,8 @@ class SafetensorsSource:
         for name, view in self._expert_views.items():
             if view.stored in shapes:
                 shapes[name] = gpt_oss_experts.view_shape(view, shapes[view.stored])
-        shown = [n for n in visible_names(self._entries.keys(), self._parts) if n not in stored_experts]
+        hidden = stored_experts | {n for n in self._entries if self._fp8_block and n.endswith(fp8_blocks.SCALE_SUFFIX)}
+        shown = [n for n in visible_names(self._entries.keys(), self._parts) if n not in hidden]
         shown += [n for n, view in self._expert_views.items() if view.stored in shapes]
         # The names it shows, once: a mixture of experts has tens of thousands (Qwen3-30B-A3B: 18k)
         self._shapes = {name: shapes[name] for name in shown}
@@ -178,7 +180,9 @@ class SafetensorsSource:
                         stored, rows, cols = self._region(name, parts[name])
                         entry = self._entries[stored]
                         view = self._expert_views.get(name)
-                        if view is not None:  # one expert's slice of the stored experts, as read
+                        if entry.dtype == fp8_blocks.FP8_DTYPE:  # codes times their tiles' factors
+                            out[name] = self._fp8_values(f, file, stored, rows, cols, dtype)
+                        elif view is not None:  # one expert's slice of the stored experts, as read
                             assert parts[name] is None, "a GPT-OSS expert is read whole (no TP for experts)"
                             out[name] = gpt_oss_experts.take(view, f.get_slice(stored)[view.expert]).to(dtype)
                         elif rows is None and cols is None:
@@ -195,6 +199,23 @@ class SafetensorsSource:
             except SafetensorError as e:
                 raise CorruptWeights(f"{file} cannot be read as safetensors ({e}); re-download the file") from None
         return out
+
+    def _fp8_values(self, f, file: Path, stored: str, rows: tuple[int, int] | None, cols: tuple[int, int] | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """Rows and columns (None: all) of a block-scaled FP8 weight, dequantized (model/fp8_blocks.py)."""
+        shape = self._entries[stored].shape
+        rows, cols = rows or (0, shape[0]), cols or (0, shape[1])
+        codes = f.get_slice(stored)[rows[0]:rows[1], cols[0]:cols[1]]
+        scale_name = stored + fp8_blocks.SCALE_SUFFIX
+        (s0, s1), (t0, t1) = fp8_blocks.scale_region(rows, cols, self._fp8_block)
+        scale_entry = self._entries[scale_name]
+        if scale_entry.file == file:
+            scales = f.get_slice(scale_name)[s0:s1, t0:t1]
+        else:  # a shard may hold a weight without its factors
+            with safe_open(scale_entry.file, framework="pt") as other:
+                scales = other.get_slice(scale_name)[s0:s1, t0:t1]
+        self._bytes_read += scales.numel() * scales.element_size()
+        return fp8_blocks.dequantize(codes, scales, rows, cols, self._fp8_block, dtype)
 
     def _stored(self, name: str) -> str:
         view = self._expert_views.get(name)
@@ -252,6 +273,26 @@ def _index(folder: Path) -> dict[str, _TensorEntry]:
                                      f"remove the stray file from {folder}")
             entries[name] = entry
     return entries
+
+
+def _fp8_block(folder: Path, entries: dict[str, _TensorEntry]) -> tuple[int, int] | None:
+    """The tile of a block-scaled FP8 folder (model/fp8_blocks.py), each FP8 weight checked to
+    have its factors; None for a folder without FP8 weights."""
+    origin = folder / "config.json"
+    block = fp8_blocks.block_shape(json.loads(origin.read_text()), str(origin))
+    quantized = [name for name, e in entries.items() if e.dtype == fp8_blocks.FP8_DTYPE]
+    if quantized and block is None:
+        raise ModelLoadError(f"{folder}: {quantized[0]!r} and {len(quantized) - 1} more tensors are FP8 but "
+                             f"config.json names no block-scaled quantization_config to scale them by")
+    for name in quantized:
+        scales, want = entries.get(name + fp8_blocks.SCALE_SUFFIX), None
+        if len(entries[name].shape) == 2:
+            want = fp8_blocks.scale_shape(entries[name].shape, block)
+        if scales is None or want is None or scales.shape != want:
+            raise CorruptWeights(f"{folder}: FP8 tensor {name!r} {list(entries[name].shape)} needs "
+                                 f"{name + fp8_blocks.SCALE_SUFFIX!r} of shape {list(want or [])}, found "
+                                 f"{None if scales is None else list(scales.shape)}; the checkpoint is incomplete")
+    return block if quantized else None
 
 
 def _weight_files(folder: Path) -> list[Path]:
