@@ -9,8 +9,9 @@ embeddings, routers, lm_head: the config's modules_to_not_convert) are stored un
 
 meshllm dequantizes them as they are read, multiplying in float32 and rounding once to the run
 dtype; `--quantize int8|int4` quantizes the linears on from there. Other quantization methods
-(GPTQ, AWQ, bitsandbytes, compressed-tensors, per-tensor FP8, ...) are refused by name: their
-tensors would otherwise load as raw codes and run as a silently wrong model.
+(GPTQ, AWQ, bitsandbytes, compressed-tensors, per-tensor FP8, ...) are refused by name, before any
+tensor is read (their packed codes and factors would otherwise fail the load as missing or unused
+tensors, which names the symptom, not the cause).
 """
 
 from __future__ import annotations
