@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshllm.api import think
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from meshllm.api.tool_formats import ToolFormat
-from meshllm.engine.grammar import Grammar, GrammarCompiler
+from meshllm.api.tool_formats import ToolFormat, lark_marker
+from meshllm.engine.grammar import Grammar, GrammarCompiler, schema_text
 from meshllm.engine.sampler import SamplingParams
 from meshllm.errors import BadRequest, ContextOverflow
 from meshllm.model.tokenizer import Tokenizer
@@ -63,12 +64,14 @@ class ModelText:
     tool_format: ToolFormat
     grammars: GrammarCompiler
     thinks: bool = False  # its template speaks of a <think> block: replies are read for one (api/think.py)
+    reasoning_end: str = '"</think>"'  # that block's end in lark (its token where the vocabulary has one)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, max_context: int) -> "ModelText":
         fmt = ToolFormat.of(tokenizer)
-        thinks = fmt.harmony is None and "</think>" in (tokenizer.chat_template or "")
-        return cls(tokenizer, max_context, fmt, GrammarCompiler(tokenizer), thinks)
+        thinks = fmt.harmony is None and think.CLOSE in (tokenizer.chat_template or "")
+        return cls(tokenizer, max_context, fmt, GrammarCompiler(tokenizer), thinks,
+                   lark_marker(tokenizer, think.CLOSE))
 
 
 def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRequest]:
@@ -89,8 +92,9 @@ def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRe
     # A model's own template writes BOS itself where it wants one (transformers encodes the
     # rendered text without special tokens); the plain fallback template does not.
     ids = tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
-    return _expand([ids], body, body.completion_limit, body.num_logprobs, model, _chat_grammar(model, body),
-                   continues_prompt=body.continue_final_message)
+    in_reasoning = model.thinks and not body.continue_final_message and think.prompt_opens_reasoning(text[-64:])
+    return _expand([ids], body, body.completion_limit, body.num_logprobs, model,
+                   _chat_grammar(model, body, in_reasoning), continues_prompt=body.continue_final_message)
 
 
 def _cut_after(text: str, final: str) -> str:
@@ -106,10 +110,12 @@ def _cut_after(text: str, final: str) -> str:
     return text[:at + len(whole)] if text[at:at + len(whole)] == whole else text[:at + len(core)]
 
 
-def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | None:
+def _chat_grammar(model: ModelText, body: ChatCompletionRequest, in_reasoning: bool = False) -> Grammar | None:
     """The grammar the reply must match: a forced tool call; else the response_format (or, with
-    tools on auto, the response_format or a tool call); else none."""
-    fmt, compiler = model.tool_format, model.grammars
+    tools on auto, the response_format or a tool call); else none. `in_reasoning`: the prompt
+    left a reasoning block open, and the grammar holds from its end (think.after_reasoning)."""
+    fmt = model.tool_format
+    compiler = _ReasoningFirst(model.grammars, model.reasoning_end) if in_reasoning else model.grammars
     answer = None
     if body.response_format is not None and body.response_format.type == "json_object":
         answer, what = {"type": "object"}, "response_format json_object"
@@ -122,7 +128,7 @@ def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | No
         return compiler.lark(fmt.call_grammar(tools, body.parallel_calls),
                              f"tool_choice {', '.join(t.function.name for t in forced)}")
     if answer is None:
-        return _strict_calls_grammar(model, body)
+        return _strict_calls_grammar(model, body, compiler)
     if body.calls_tools:
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
         return compiler.lark(fmt.call_grammar(tools, body.parallel_calls, answer), f"{what} or a tool call")
@@ -130,7 +136,21 @@ def _chat_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | No
     return compiler.json_schema(answer, what) if wrapped is None else compiler.lark(wrapped, what)
 
 
-def _strict_calls_grammar(model: ModelText, body: ChatCompletionRequest) -> Grammar | None:
+class _ReasoningFirst:
+    """GrammarCompiler's lark and json_schema, each after the reasoning block the prompt opened."""
+
+    def __init__(self, compiler: GrammarCompiler, reasoning_end: str):
+        self.compiler, self.reasoning_end = compiler, reasoning_end
+
+    def lark(self, text: str, description: str) -> Grammar:
+        return self.compiler.lark(think.after_reasoning(text, self.reasoning_end), description)
+
+    def json_schema(self, schema: dict, description: str) -> Grammar:
+        return self.lark(f"start: %json {schema_text(schema)}", description)
+
+
+def _strict_calls_grammar(model: ModelText, body: ChatCompletionRequest,
+                          compiler: GrammarCompiler | _ReasoningFirst) -> Grammar | None:
     """With tool_choice auto and a function marked `strict`: free text or calls whose arguments match
     the strict functions' schemas (the others' arguments are any JSON object), as OpenAI's strict
     mode promises. None when no tool is strict (the model then writes calls unconstrained)."""
@@ -138,8 +158,7 @@ def _strict_calls_grammar(model: ModelText, body: ChatCompletionRequest) -> Gram
         return None
     tools = [t.model_dump(exclude_none=True, exclude=None if t.function.strict else {"function": {"parameters"}})
              for t in body.tools]
-    return model.grammars.lark(model.tool_format.text_or_call_grammar(tools, body.parallel_calls),
-                               "strict tools")
+    return compiler.lark(model.tool_format.text_or_call_grammar(tools, body.parallel_calls), "strict tools")
 
 
 def completion_choices(model: ModelText, body: CompletionRequest) -> list[ChoiceRequest]:

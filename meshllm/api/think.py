@@ -10,6 +10,9 @@ decides, so the split is the same however the reply is chunked.
 
 from __future__ import annotations
 
+import json
+import re
+
 from meshllm.api.tool_parser import CallDelta, ParsedCall, ToolCallParser
 
 OPEN, CLOSE = "<think>", "</think>"
@@ -18,6 +21,24 @@ OPEN, CLOSE = "<think>", "</think>"
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
     """Whether a rendered prompt ends inside a reasoning block (the template opened it)."""
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
+
+
+def after_reasoning(lark: str, close: str) -> str:
+    """`lark` (a grammar whose first rule is `start`) for a reply that opens inside a reasoning
+    block (MiniMax-M2's and DeepSeek-R1's prompts leave one open): the reasoning is free text up
+    to the block's end, `close` (its lark: the `</think>` token where the vocabulary has one),
+    then the newlines the templates write after it (one or two: unbounded whitespace let a weak
+    model pad forever), then what `lark` constrains. As vLLM applies structured output only past
+    the reasoning: a forced call or a JSON answer written inside the block would be read as
+    reasoning and never reach the client."""
+    body = re.sub(r"^start:", "constrained:", lark, count=1, flags=re.MULTILINE)
+    if close.startswith("<["):  # a token of its own: the reasoning ends where it comes
+        reasoning = f'REASONING: /(?s:.+)/ & ~(/(?s:.*)/ {json.dumps(CLOSE)} /(?s:.*)/)'
+        head = f"start: REASONING? {close} SPACE? constrained"
+    else:  # a lazy lexeme up to the tag, which it consumes
+        reasoning = f"reasoning[suffix={close}]: /(?s:.*)/"
+        head = "start: reasoning SPACE? constrained"
+    return "\n".join([head, reasoning, "SPACE: /\\n{1,2}/", body])
 
 
 class ThinkReader:

@@ -6,8 +6,9 @@ The family is read from the template's own protocol markers, as llama.cpp does:
 - llama3: a bare JSON object {"name", "parameters"} (maybe after `<|python_tag|>`);
 - harmony (GPT-OSS): a message to `functions.NAME` whose body is the arguments (api/harmony.py);
 - glm (GLM-4.5, 4.6, 4.7): `<tool_call>NAME` then `<arg_key>`/`<arg_value>` tags per argument;
-  qwen3_coder (Qwen3-Coder): `<tool_call>`, `<function=NAME>`, `<parameter=KEY>` per argument
-  (api/tag_calls.py);
+  qwen3_coder (Qwen3-Coder): `<tool_call>`, `<function=NAME>`, `<parameter=KEY>` per argument;
+  minimax (MiniMax-M2): one `<minimax:tool_call>` block of `<invoke name="NAME">` calls, each
+  with `<parameter name="KEY">` per argument (api/tag_calls.py);
 - hermes: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>` blocks (Qwen2.5, Qwen3, Hermes,
   SmolLM3 templates);
 - a template that never mentions tools (SmolLM2's, the plain fallback) gets the Hermes
@@ -36,7 +37,7 @@ from meshllm.api.tool_parser import ToolCallParser
 from meshllm.engine.grammar import schema_text
 from meshllm.model.tokenizer import Tokenizer
 
-Family = Literal["hermes", "llama3", "mistral", "harmony", "glm", "qwen3_coder"]
+Family = Literal["hermes", "llama3", "mistral", "harmony", "glm", "qwen3_coder", "minimax"]
 
 HERMES_SYSTEM = """# Tools
 
@@ -77,16 +78,16 @@ class ToolFormat:
             return cls("harmony", True, None, None, "arguments", harmony=markers)
         for form in tag_calls.FORMS:
             if form.detect in template:
-                markers = {tag: _lark_marker(tokenizer, tag) for tag in form.markers}
-                return cls(form.family, True, tag_calls.OPEN, None, "arguments", markers[tag_calls.OPEN],
+                markers = {tag: lark_marker(tokenizer, tag) for tag in form.markers}
+                return cls(form.family, True, form.open, None, "arguments", markers[form.open],
                            tag_form=form, tag_markers=markers)
         if "[TOOL_CALLS]" in template:
             return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments",
-                       _lark_marker(tokenizer, "[TOOL_CALLS]"))
+                       lark_marker(tokenizer, "[TOOL_CALLS]"))
         if "<|python_tag|>" in template or "ipython" in template:
             return cls("llama3", True, None, _special_id(tokenizer, "<|python_tag|>"), "parameters")
         return cls("hermes", "<tool_call>" in template and "tools" in template, "<tool_call>", None, "arguments",
-                   _lark_marker(tokenizer, "<tool_call>"), _lark_marker(tokenizer, "</tool_call>"))
+                   lark_marker(tokenizer, "<tool_call>"), lark_marker(tokenizer, "</tool_call>"))
 
     def call_reader(self, tools: list[dict], parallel: bool, forced: bool) -> ToolCallParser | TagCallReader:
         """What reads a reply's tool calls as it streams (`forced`: a grammar makes it calls only)."""
@@ -161,7 +162,8 @@ class ToolFormat:
         return f"calls: {self.grammar_begin} first\nfirst: {block}{more}\nbody: %json {schema_text(call)}\n"
 
 
-def _lark_marker(tokenizer: Tokenizer, text: str) -> str:
+def lark_marker(tokenizer: Tokenizer, text: str) -> str:
+    """`text` in lark: its token where the vocabulary has it as one (a model writes it so), else quoted."""
     for token_id, added in tokenizer.backend.get_added_tokens_decoder().items():
         if added.content == text:
             return f"<[{token_id}]>"

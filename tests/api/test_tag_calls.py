@@ -1,5 +1,5 @@
-"""Tool calls written with tags (api/tag_calls.py), GLM-4.5's and Qwen3-Coder's: read whole and in
-every chunking, cut anywhere."""
+"""Tool calls written with tags (api/tag_calls.py), GLM-4.5's, Qwen3-Coder's and MiniMax-M2's: read
+whole and in every chunking, cut anywhere."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from meshllm.api.tag_calls import GLM, QWEN3_CODER, TagCallReader
+from meshllm.api.tag_calls import GLM, MINIMAX, QWEN3_CODER, TagCallReader
 from tests.api.test_tool_parser import _chunkings
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
@@ -18,13 +18,23 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 def call(name: str, *pairs: tuple[str, str], newlines: bool = True, form=GLM) -> str:
-    """A call as the form's templates write one (GLM-4.7: no newlines between tags)."""
+    """A call as the form's templates write one (GLM-4.7: no newlines between tags; MiniMax-M2: a
+    block of its own)."""
+    if form is MINIMAX:
+        return minimax_block((name, pairs))
     if form is QWEN3_CODER:
         return f"<tool_call>\n<function={name}>\n" + "".join(f"<parameter={k}>\n{v}\n</parameter>\n"
                                                             for k, v in pairs) + "</function>\n</tool_call>"
     n = "\n" if newlines else ""
     return f"<tool_call>{name}{n}" + "".join(f"<arg_key>{k}</arg_key>{n}<arg_value>{v}</arg_value>{n}"
                                               for k, v in pairs) + "</tool_call>"
+
+
+def minimax_block(*calls: tuple[str, tuple[tuple[str, str], ...]]) -> str:
+    """One MiniMax-M2 block of calls, as its template writes it."""
+    return "<minimax:tool_call>\n" + "".join(
+        f'<invoke name="{name}">\n' + "".join(f'<parameter name="{k}">{v}</parameter>\n' for k, v in pairs)
+        + "</invoke>\n" for name, pairs in calls) + "</minimax:tool_call>"
 
 
 CASES = [
@@ -46,6 +56,17 @@ QWEN3_CODER_CASES = [
                        ("note", {"text": "line 1\n<b>line 2</b>\n"})]),
     ("Plain <function=text> here.", "Plain <function=text> here.", []),
 ]
+MINIMAX_CASES = [
+    # two calls in one block (values as text or JSON by schema, tags' look-alikes in a value), then
+    # a block of its own
+    ("Let me check.\n" + minimax_block(("get_weather", (("city", "123"), ("days", "3"), ("tags", '["a"]'))),
+                                       ("note", (("text", 'a "quote" <b>\nline 2'),)))
+     + "\n" + minimax_block(("get_weather", (("city", "Oslo"),))),
+     "Let me check.", [("get_weather", {"city": "123", "days": 3, "tags": ["a"]}),
+                       ("note", {"text": 'a "quote" <b>\nline 2'}), ("get_weather", {"city": "Oslo"})]),
+    (minimax_block(("note", ())), "", [("note", {})]),
+    ('No call: <minimax is <invoke name="x"> text.', 'No call: <minimax is <invoke name="x"> text.', []),
+]
 
 
 def _read(chunks: list[str], parallel: bool = True, form=GLM):
@@ -59,7 +80,8 @@ def _read(chunks: list[str], parallel: bool = True, form=GLM):
 
 
 @pytest.mark.parametrize("form, output, content, calls", [(GLM, *case) for case in CASES]
-                         + [(QWEN3_CODER, *case) for case in QWEN3_CODER_CASES])
+                         + [(QWEN3_CODER, *case) for case in QWEN3_CODER_CASES]
+                         + [(MINIMAX, *case) for case in MINIMAX_CASES])
 def test_calls_and_content_whatever_the_chunking(form, output, content, calls):
     for chunks in _chunkings(output, seed=len(output)):
         reader, streamed, deltas = _read(chunks, form=form)
@@ -71,33 +93,40 @@ def test_calls_and_content_whatever_the_chunking(form, output, content, calls):
             assert (mine[0].id, mine[0].name, mine[0].arguments) == (made.id, made.name, "")
             assert all(d.id is None and d.name is None for d in mine[1:])
             assert "".join(d.arguments for d in mine) == made.arguments
-            assert len(mine) == 2 + len(json.loads(made.arguments)) - (made.arguments == "{}")
+            assert len(mine) == 2 + len(json.loads(made.arguments))  # an empty object: "{}" at once
 
 
-def test_parallel_false_keeps_only_the_first_call():
-    reader, _, deltas = _read([CASES[1][0]], parallel=False)
-    assert [c.name for c in reader.calls] == ["note"] and {d.index for d in deltas} == {0}
+@pytest.mark.parametrize("form, output", [(GLM, CASES[1][0]), (MINIMAX, MINIMAX_CASES[0][0])], ids=["glm", "minimax"])
+def test_parallel_false_keeps_only_the_first_call(form, output):
+    # MiniMax-M2's later calls share the first's block: read and dropped, their arguments too
+    reader, _, deltas = _read([output], parallel=False, form=form)
+    assert len(reader.calls) == 1 and {d.index for d in deltas} == {0}
+    first = next(case for case in (CASES if form is GLM else MINIMAX_CASES) if case[0] == output)[2][0]
+    assert (reader.calls[0].name, json.loads(reader.calls[0].arguments)) == first and reader.calls[0].complete
 
 
-@pytest.mark.parametrize("form", [GLM, QWEN3_CODER], ids=["glm", "qwen3_coder"])
+@pytest.mark.parametrize("form", [GLM, QWEN3_CODER, MINIMAX], ids=["glm", "qwen3_coder", "minimax"])
 def test_a_reply_cut_inside_a_call_keeps_the_arguments_streamed_so_far(form):
     text = call("get_weather", ("city", "Paris"), ("days", "2"), form=form)
     value_end = "</arg_value>" if form is GLM else "</parameter>"
-    name_end = text.index("\n") if form is GLM else text.index(">", len("<tool_call>")) + 1
+    name_end = text.index("\n") if form is GLM else text.index(">", len(form.open)) + 1
     for end in range(1, len(text)):
         reader = TagCallReader(form, lambda: "call_0", TOOLS)
         content, _ = reader.feed(text[:end])
         content += reader.finish(cut=True)
         named = end >= name_end + (form is GLM)
-        if end < len("<tool_call>"):
+        if end < len(form.open):
             assert content == text[:end] and not reader.calls, end  # "<tool" may be text
             continue
         assert content == "", (end, content)
         assert [c.name for c in reader.calls] == (["get_weather"] if named else []), end
         if named:  # the arguments streamed: each once its value's closing tag came, the object unclosed
-            closed = [piece for piece, closing in (('{"city": "Paris"', text.index(value_end)),
-                                                   (', "days": 2', text.rindex(value_end)))
-                      if closing + len(value_end) <= end]
+            # (MiniMax-M2's closed with its invoke, before the block closes)
+            call_end = text.index("</invoke>") + len("</invoke>") if form is MINIMAX else len(text) + 1
+            closed = [piece for piece, complete_at in (('{"city": "Paris"', text.index(value_end) + len(value_end)),
+                                                       (', "days": 2', text.rindex(value_end) + len(value_end)),
+                                                       ("}", call_end))
+                      if complete_at <= end]
             assert reader.calls[0].arguments == "".join(closed), end
 
 
@@ -118,7 +147,7 @@ def test_values_follow_the_schema_and_odd_schemas_do_not_break_the_reader():
     assert [json.loads(c.arguments) for c in reader.calls] == [{"level": "1", "free": [1], "any": "x"}, {"n": 7}]
 
 
-@pytest.mark.parametrize("family", ["glm", "qwen3_coder"])
+@pytest.mark.parametrize("family", ["glm", "qwen3_coder", "minimax"])
 def test_a_forced_calls_grammar_takes_what_the_template_writes(tiny_model_dir, family):
     """The family is read off the template, and its grammar accepts the template's own rendering
     of a call (so constrained calls are written as the model was trained to write them)."""
@@ -136,10 +165,13 @@ def test_a_forced_calls_grammar_takes_what_the_template_writes(tiny_model_dir, f
     ask = {"role": "user", "content": "Weather?"}
     called = {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Oslo", "days": 2}'}}]}
-    before = tokenizer.apply_chat_template([ask], True, tools=tools)
     messages, with_tools = fmt.template_inputs([ask, called], tools)
     after = tokenizer.apply_chat_template(messages, False, tools=with_tools)
-    written = after[len(before):].split("</tool_call>")[0] + "</tool_call>"
+    # the call's block (the last: MiniMax-M2's system prompt shows one), with the newline before it
+    start = after.rindex(fmt.tag_form.open)
+    start -= after[start - 1] == "\n"
+    written = after[start:after.index(fmt.tag_form.close, start) + len(fmt.tag_form.close)]
+    assert "Oslo" in written
     compiler = GrammarCompiler(tokenizer)
     matcher = compiler.matcher(compiler.lark(fmt.call_grammar(tools, parallel=False), "forced"))
     assert all(matcher.accept(t) for t in tokenizer.encode(written, add_special_tokens=False)), written

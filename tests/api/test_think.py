@@ -95,3 +95,53 @@ def test_a_prompt_that_opens_the_block_makes_the_reply_reasoning(tiny_model_dir,
             assert streamed == message.reasoning_content
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("family", ["hermes", "minimax"], ids=["tag-as-text", "tag-as-token"])
+def test_a_grammar_holds_past_the_reasoning_the_prompt_opened(tiny_model_dir, tmp_path, family):
+    """Where the prompt opened a reasoning block, a forced call or a JSON answer is constrained only
+    past its end: free reasoning, `</think>` (spelled out, or MiniMax-M2's token), then the answer."""
+    from meshllm.api.prompts import ModelText
+    from meshllm.api.think import after_reasoning
+    from meshllm.engine.grammar import GrammarCompiler, schema_text
+    from meshllm.model.tokenizer import Tokenizer
+
+    folder = tiny_family_model(tiny_model_dir, family, seed=31)
+    if family == "hermes":  # DeepSeek-R1's way: the tag is text in its vocabulary
+        folder = with_template(folder, tmp_path, PREFILLED)
+    tokenizer = Tokenizer.from_folder(folder)
+    model = ModelText.of(tokenizer, 2048)
+    assert model.thinks and model.reasoning_end.startswith("<[") == (family == "minimax")
+    compiler = GrammarCompiler(tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    grammar = compiler.lark(after_reasoning(f"start: %json {schema_text(schema)}", model.reasoning_end), "answer")
+
+    def accepts(text: str) -> tuple[bool, bool]:  # (every token allowed, complete)
+        matcher = compiler.matcher(grammar)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.accept(t) for t in ids), matcher.is_accepting
+
+    assert accepts('Let me think: {"a": 2}?</think>\n\n{"a": 1}') == (True, True)
+    assert accepts('</think>{"a": 1}') == (True, True)  # no reasoning at all
+    assert accepts('{"a": 1}') == (True, False)  # inside the reasoning still: the answer is to come
+    assert accepts('Thought.</think>\n\nplain words')[0] is False  # past the block the schema holds
+
+
+def test_a_json_answer_after_the_reasoning_a_prompt_opened(tiny_model_dir):
+    # MiniMax-M2's template opens <think> in the prompt: the JSON is the content, not reasoning
+    folder = tiny_family_model(tiny_model_dir, "minimax", seed=31)
+    backend = build_local_backend(folder, ServingOptions(context_length=2048, max_batch=2))
+    close = backend.tokenizer.backend.token_to_id("</think>")
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}
+    try:
+        with serve(backend) as live:
+            reply = live.client().chat.completions.create(
+                model=backend.model_id, messages=[{"role": "user", "content": "A number?"}], max_tokens=60,
+                temperature=0, logit_bias={str(close): 100},  # the random model closes its reasoning at once
+                response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+            message = reply.choices[0].message
+            assert reply.choices[0].finish_reason == "stop" and not getattr(message, "reasoning_content", None)
+            assert json.loads(message.content)["n"] in (1, 2, 3)
+    finally:
+        backend.close()

@@ -1,6 +1,6 @@
 """Tool calling through real HTTP with the official `openai` client: SmolLM2 (its ChatML template
 knows no tools, so the Hermes protocol is written in) and tiny random models whose templates
-speak each family (hermes, llama3, mistral, glm, qwen3_coder). Forced calls (tool_choice required or named) are
+speak each family (hermes, llama3, mistral, glm, qwen3_coder, minimax). Forced calls (tool_choice required or named) are
 grammar-constrained, so even a random model's arguments validate against the schema. Also one
 agent loop of the `openai-agents` framework with this server as its model, over chat completions
 and over the Responses API (test_responses_api.py tests that API itself)."""
@@ -11,6 +11,7 @@ import json
 
 import jsonschema
 import pytest
+from tokenizers import Tokenizer
 
 from meshllm.api.backend import build_local_backend
 from meshllm.pipeline.cluster import ServingOptions
@@ -150,18 +151,22 @@ def test_tool_choice_none_and_auto_without_a_call_return_content(smollm2_fast_se
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral", "glm", "qwen3_coder"])
+@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral", "glm", "qwen3_coder", "minimax"])
 def test_family_tool_round_trip_on_a_tiny_random_model(tiny_model_dir, family):
-    backend = build_local_backend(tiny_family_model(tiny_model_dir, family, seed=31),
-                                  ServingOptions(context_length=2048, max_batch=4))
+    folder = tiny_family_model(tiny_model_dir, family, seed=31)
+    backend = build_local_backend(folder, ServingOptions(context_length=2048, max_batch=4))
+    # a random model would chain calls until max_tokens: one call per turn
+    extra: dict = {"parallel_tool_calls": False}
+    if family == "minimax":  # its prompt opens a <think> block: the random model is biased to close it
+        close = Tokenizer.from_file(str(folder / "tokenizer.json")).token_to_id("</think>")
+        extra["logit_bias"] = {str(close): 100}
     try:
         with serve(backend) as live:
             tools = [WEATHER] if family == "llama3" else [WEATHER, TIME]
-            # a random model would chain calls until max_tokens: one call per turn
-            _round_trip(live.client(), backend.model_id, tools, {"parallel_tool_calls": False})
+            _round_trip(live.client(), backend.model_id, tools, extra)
             reply = live.client().chat.completions.create(
                 model=backend.model_id, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                parallel_tool_calls=False, temperature=1.0, seed=5, max_tokens=300)
+                temperature=1.0, seed=5, max_tokens=300, **extra)
             assert len(reply.choices[0].message.tool_calls) == 1
             if family == "mistral":  # Mistral's template accepts only 9-character ids back
                 assert len(reply.choices[0].message.tool_calls[0].id) == 9

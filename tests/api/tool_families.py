@@ -4,8 +4,10 @@ The templates are written here in the shape of the families' published templates
 Hermes-style `<tool_call>` blocks, Llama 3.1's JSON calls with the ipython role, Mistral
 v0.3's `[AVAILABLE_TOOLS]` / `[TOOL_CALLS]` / `[TOOL_RESULTS]` with 9-character call ids,
 GPT-OSS's harmony messages on channels, GLM-4.5's `<arg_key>`/`<arg_value>` tags, Qwen3-Coder's
-`<function=...>`/`<parameter=...>` ones);
-the tokenizer is byte-level BPE over the 256 bytes plus each family's special tokens.
+`<function=...>`/`<parameter=...>` ones), except MiniMax-M2's, which is its published template
+itself (templates/minimax_m2.jinja: as llama.cpp's models/templates ships it, from MiniMax's
+model repository); the tokenizer is byte-level BPE over the 256 bytes plus each family's special
+tokens.
 """
 
 from __future__ import annotations
@@ -188,6 +190,9 @@ QWEN3_CODER_TEMPLATE = HERMES_TEMPLATE.replace(_HERMES_TOOLS, r"""{%- if tools %
 {{- '</function>\n</tool_call>' }}""")
 assert "You have access" in QWEN3_CODER_TEMPLATE and '"arguments"' not in QWEN3_CODER_TEMPLATE  # both replaced
 
+# MiniMax-M2's: its reply opens inside a <think> block the prompt left open
+MINIMAX_TEMPLATE = (Path(__file__).parent / "templates" / "minimax_m2.jinja").read_text()
+
 # family -> (transformers variant, template, special tokens (first is BOS or None), eos, plain added tokens)
 FAMILIES = {
     "hermes": ("qwen2", HERMES_TEMPLATE, [None, "<|im_start|>", "<|im_end|>"], "<|im_end|>",
@@ -203,6 +208,8 @@ FAMILIES = {
             ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"]),
     "qwen3_coder": ("qwen3-moe", QWEN3_CODER_TEMPLATE, [None, "<|im_start|>", "<|im_end|>"], "<|im_end|>",
                     ["<tool_call>", "</tool_call>"]),
+    "minimax": ("minimax-m2", MINIMAX_TEMPLATE, [None, "]~!b[", "]~b]", "[e~["], "[e~[",
+                ["<minimax:tool_call>", "</minimax:tool_call>", "<think>", "</think>"]),
 }
 # A harmony reply ends at <|call|> too (GPT-OSS's generation_config lists both); GLM's at <|observation|>
 _MORE_EOS = {"harmony": ["<|call|>"], "glm": ["<|observation|>"]}
