@@ -39,7 +39,8 @@ import llama_cpp  # noqa: E402  (bench/llama_cpp.py)
 
 # tiny variant (tests/conftest.py) : GGUF architecture
 FAMILIES = ["llama:llama", "qwen3:qwen3", "phi3-partial:phi3", "phi3-longrope:phi3", "gemma2:gemma2",
-            "gemma3:gemma3", "glm4:glm4", "qwen3-moe:qwen3moe", "gpt-oss:gpt-oss", "glm4-moe:glm4moe"]
+            "gemma3:gemma3", "glm4:glm4", "qwen3-moe:qwen3moe", "gpt-oss:gpt-oss", "glm4-moe:glm4moe",
+            "minimax-m2:minimax-m2"]
 IDS = [5, 9, 2, 7, 11, 3, 8, 40, 41, 42, 43, 44, 60, 61, 17, 18]
 VOCAB = 96  # the tiny models' (tests/conftest.py _COMMON)
 
