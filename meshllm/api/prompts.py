@@ -64,14 +64,15 @@ class ModelText:
     tool_format: ToolFormat
     grammars: GrammarCompiler
     thinks: bool = False  # its template speaks of a <think> block: replies are read for one (api/think.py)
-    reasoning_end: str = '"</think>"'  # that block's end in lark (its token where the vocabulary has one)
+    reasoning_marks: tuple[str, str] = ('"<think>"', '"</think>"')  # that block's tags in lark (their tokens
+    # where the vocabulary has them)
 
     @classmethod
     def of(cls, tokenizer: Tokenizer, max_context: int) -> "ModelText":
         fmt = ToolFormat.of(tokenizer)
         thinks = fmt.harmony is None and think.CLOSE in (tokenizer.chat_template or "")
         return cls(tokenizer, max_context, fmt, GrammarCompiler(tokenizer), thinks,
-                   lark_marker(tokenizer, think.CLOSE))
+                   (lark_marker(tokenizer, think.OPEN), lark_marker(tokenizer, think.CLOSE)))
 
 
 def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRequest]:
@@ -92,9 +93,11 @@ def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRe
     # A model's own template writes BOS itself where it wants one (transformers encodes the
     # rendered text without special tokens); the plain fallback template does not.
     ids = tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
-    in_reasoning = model.thinks and not body.continue_final_message and think.prompt_opens_reasoning(text[-64:])
+    reasoning = None  # the reply reasons first: inside a block the prompt opened, or one it may open
+    if model.thinks and not body.continue_final_message:
+        reasoning = "opened" if think.prompt_opens_reasoning(text[-64:]) else "may_open"
     return _expand([ids], body, body.completion_limit, body.num_logprobs, model,
-                   _chat_grammar(model, body, in_reasoning), continues_prompt=body.continue_final_message)
+                   _chat_grammar(model, body, reasoning), continues_prompt=body.continue_final_message)
 
 
 def _cut_after(text: str, final: str) -> str:
@@ -110,12 +113,14 @@ def _cut_after(text: str, final: str) -> str:
     return text[:at + len(whole)] if text[at:at + len(whole)] == whole else text[:at + len(core)]
 
 
-def _chat_grammar(model: ModelText, body: ChatCompletionRequest, in_reasoning: bool = False) -> Grammar | None:
+def _chat_grammar(model: ModelText, body: ChatCompletionRequest, reasoning: str | None = None) -> Grammar | None:
     """The grammar the reply must match: a forced tool call; else the response_format (or, with
-    tools on auto, the response_format or a tool call); else none. `in_reasoning`: the prompt
-    left a reasoning block open, and the grammar holds from its end (think.after_reasoning)."""
+    tools on auto, the response_format or a tool call); else none. `reasoning` "opened": the
+    prompt left a reasoning block open; "may_open": the reply may open one first; either way the
+    grammar holds from the block's end (think.after_reasoning)."""
     fmt = model.tool_format
-    compiler = _ReasoningFirst(model.grammars, model.reasoning_end) if in_reasoning else model.grammars
+    compiler = model.grammars if reasoning is None else _ReasoningFirst(model.grammars, model.reasoning_marks,
+                                                                          reasoning == "opened")
     answer = None
     if body.response_format is not None and body.response_format.type == "json_object":
         answer, what = {"type": "object"}, "response_format json_object"
@@ -137,13 +142,14 @@ def _chat_grammar(model: ModelText, body: ChatCompletionRequest, in_reasoning: b
 
 
 class _ReasoningFirst:
-    """GrammarCompiler's lark and json_schema, each after the reasoning block the prompt opened."""
+    """GrammarCompiler's lark and json_schema, each past a reasoning block (think.after_reasoning)."""
 
-    def __init__(self, compiler: GrammarCompiler, reasoning_end: str):
-        self.compiler, self.reasoning_end = compiler, reasoning_end
+    def __init__(self, compiler: GrammarCompiler, marks: tuple[str, str], opened: bool):
+        self.compiler, self.marks, self.opened = compiler, marks, opened
 
     def lark(self, text: str, description: str) -> Grammar:
-        return self.compiler.lark(think.after_reasoning(text, self.reasoning_end), description)
+        opening, close = self.marks
+        return self.compiler.lark(think.after_reasoning(text, close, None if self.opened else opening), description)
 
     def json_schema(self, schema: dict, description: str) -> Grammar:
         return self.lark(f"start: %json {schema_text(schema)}", description)

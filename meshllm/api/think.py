@@ -23,22 +23,24 @@ def prompt_opens_reasoning(prompt_tail: str) -> bool:
     return prompt_tail.rfind(OPEN) > prompt_tail.rfind(CLOSE)
 
 
-def after_reasoning(lark: str, close: str) -> str:
-    """`lark` (a grammar whose first rule is `start`) for a reply that opens inside a reasoning
-    block (MiniMax-M2's and DeepSeek-R1's prompts leave one open): the reasoning is free text up
-    to the block's end, `close` (its lark: the `</think>` token where the vocabulary has one),
-    then the newlines the templates write after it (one or two: unbounded whitespace let a weak
-    model pad forever), then what `lark` constrains. As vLLM applies structured output only past
-    the reasoning: a forced call or a JSON answer written inside the block would be read as
-    reasoning and never reach the client."""
+def after_reasoning(lark: str, close: str, opening: str | None = None) -> str:
+    """`lark` (a grammar whose first rule is `start`) past a reasoning block, as vLLM applies
+    structured output only past the reasoning: a forced call or a JSON answer written inside the
+    block would be read as reasoning and never reach the client, and a model that reasons first
+    (Qwen3, GLM-4.5) would be made to skip it. The reasoning is free text up to the block's end,
+    `close` (its lark: the `</think>` token where the vocabulary has one), then the newlines the
+    templates write after it (one or two: unbounded whitespace let a weak model pad forever),
+    then what `lark` constrains. `opening`: the prompt did not open the block (MiniMax-M2's and
+    DeepSeek-R1's do), so the reply may open one with this (`<think>`'s lark), or not."""
     body = re.sub(r"^start:", "constrained:", lark, count=1, flags=re.MULTILINE)
     if close.startswith("<["):  # a token of its own: the reasoning ends where it comes
-        reasoning = f'REASONING: /(?s:.+)/ & ~(/(?s:.*)/ {json.dumps(CLOSE)} /(?s:.*)/)'
-        head = f"start: REASONING? {close} SPACE? constrained"
+        rules = [f'REASONING: /(?s:.+)/ & ~(/(?s:.*)/ {json.dumps(CLOSE)} /(?s:.*)/)']
+        block = f"REASONING? {close} SPACE?"
     else:  # a lazy lexeme up to the tag, which it consumes
-        reasoning = f"reasoning[suffix={close}]: /(?s:.*)/"
-        head = "start: reasoning SPACE? constrained"
-    return "\n".join([head, reasoning, "SPACE: /\\n{1,2}/", body])
+        rules = [f"reasoning[suffix={close}]: /(?s:.*)/"]
+        block = "reasoning SPACE?"
+    head = f"start: {block} constrained" if opening is None else f"start: ({opening} {block})? constrained"
+    return "\n".join([head, *rules, "SPACE: /\\n{1,2}/", body])
 
 
 class ThinkReader:

@@ -98,33 +98,41 @@ def test_a_prompt_that_opens_the_block_makes_the_reply_reasoning(tiny_model_dir,
 
 
 @pytest.mark.parametrize("family", ["hermes", "minimax"], ids=["tag-as-text", "tag-as-token"])
-def test_a_grammar_holds_past_the_reasoning_the_prompt_opened(tiny_model_dir, tmp_path, family):
-    """Where the prompt opened a reasoning block, a forced call or a JSON answer is constrained only
-    past its end: free reasoning, `</think>` (spelled out, or MiniMax-M2's token), then the answer."""
+def test_a_grammar_holds_past_the_reasoning(tiny_model_dir, tmp_path, family):
+    """A forced call or a JSON answer is constrained only past the reasoning: where the prompt
+    opened the block, free reasoning, `</think>` (spelled out, or MiniMax-M2's token), then the
+    answer; where it did not (Qwen3's), the reply may open a block first, or answer at once."""
     from meshllm.api.prompts import ModelText
     from meshllm.api.think import after_reasoning
     from meshllm.engine.grammar import GrammarCompiler, schema_text
     from meshllm.model.tokenizer import Tokenizer
 
     folder = tiny_family_model(tiny_model_dir, family, seed=31)
-    if family == "hermes":  # DeepSeek-R1's way: the tag is text in its vocabulary
+    if family == "hermes":  # DeepSeek-R1's way: the tags are text in its vocabulary
         folder = with_template(folder, tmp_path, PREFILLED)
     tokenizer = Tokenizer.from_folder(folder)
     model = ModelText.of(tokenizer, 2048)
-    assert model.thinks and model.reasoning_end.startswith("<[") == (family == "minimax")
+    opening, close = model.reasoning_marks
+    assert model.thinks and close.startswith("<[") == opening.startswith("<[") == (family == "minimax")
     compiler = GrammarCompiler(tokenizer)
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    grammar = compiler.lark(after_reasoning(f"start: %json {schema_text(schema)}", model.reasoning_end), "answer")
+    answer = "start: %json " + schema_text({"type": "object", "properties": {"a": {"type": "integer"}},
+                                            "required": ["a"]})
 
-    def accepts(text: str) -> tuple[bool, bool]:  # (every token allowed, complete)
+    def accepts(text: str, may_open: bool) -> tuple[bool, bool]:  # (every token allowed, complete)
+        grammar = compiler.lark(after_reasoning(answer, close, opening if may_open else None), "answer")
         matcher = compiler.matcher(grammar)
         ids = tokenizer.encode(text, add_special_tokens=False)
         return all(matcher.accept(t) for t in ids), matcher.is_accepting
 
-    assert accepts('Let me think: {"a": 2}?</think>\n\n{"a": 1}') == (True, True)
-    assert accepts('</think>{"a": 1}') == (True, True)  # no reasoning at all
-    assert accepts('{"a": 1}') == (True, False)  # inside the reasoning still: the answer is to come
-    assert accepts('Thought.</think>\n\nplain words')[0] is False  # past the block the schema holds
+    # the prompt opened the block
+    assert accepts('Let me think: {"a": 2}?</think>\n\n{"a": 1}', False) == (True, True)
+    assert accepts('</think>{"a": 1}', False) == (True, True)  # no reasoning at all
+    assert accepts('{"a": 1}', False) == (True, False)  # inside the reasoning still: the answer is to come
+    assert accepts('Thought.</think>\n\nplain words', False)[0] is False  # past the block the schema holds
+    # the reply may open one
+    assert accepts('<think>\nA thought.\n</think>\n\n{"a": 1}', True) == (True, True)
+    assert accepts('{"a": 1}', True) == (True, True)
+    assert accepts('Thought.</think>{"a": 1}', True)[0] is False  # no block without its opening
 
 
 def test_a_json_answer_after_the_reasoning_a_prompt_opened(tiny_model_dir):
@@ -143,5 +151,32 @@ def test_a_json_answer_after_the_reasoning_a_prompt_opened(tiny_model_dir):
             message = reply.choices[0].message
             assert reply.choices[0].finish_reason == "stop" and not getattr(message, "reasoning_content", None)
             assert json.loads(message.content)["n"] in (1, 2, 3)
+    finally:
+        backend.close()
+
+
+def test_a_forced_call_may_come_after_reasoning_the_reply_opens(tiny_model_dir, tmp_path):
+    # Qwen3's and GLM-4.5's way: the prompt does not open the block, the model does, then calls
+    from tests.api.tool_families import MINIMAX_TEMPLATE
+
+    opens_itself = MINIMAX_TEMPLATE.replace("{{- ']~b]ai' ~ '\\n' ~ '<think>' ~ '\\n' }}", "{{- ']~b]ai' ~ '\\n' }}")
+    assert opens_itself != MINIMAX_TEMPLATE
+    folder = with_template(tiny_family_model(tiny_model_dir, "minimax", seed=31), tmp_path, opens_itself)
+    backend = build_local_backend(folder, ServingOptions(context_length=2048, max_batch=2))
+    ids = {tag: backend.tokenizer.backend.token_to_id(tag) for tag in ("<think>", "</think>")}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}}, "required": ["city"]}}}]
+    try:
+        with serve(backend) as live:
+            # biased to open a block and close it: a random model would not
+            reply = live.client().chat.completions.create(
+                model=backend.model_id, messages=[{"role": "user", "content": "Weather?"}], tools=tools,
+                tool_choice="required", max_tokens=300, temperature=0, logprobs=True,
+                logit_bias={str(ids["<think>"]): 50, str(ids["</think>"]): 100})
+            choice = reply.choices[0]
+            assert [t.token for t in choice.logprobs.content[:2]] == ["<think>", "</think>"]
+            assert choice.finish_reason == "tool_calls" and not choice.message.content, [t.token for t in choice.logprobs.content]
+            call = choice.message.tool_calls[0].function
+            assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Oslo", "Rome")
     finally:
         backend.close()
