@@ -60,7 +60,7 @@ GLM = TagForm("glm", "<arg_key>", re.compile(r"(.*?)(?=\n|<arg_key>|</tool_call>
 QWEN3_CODER = TagForm("qwen3_coder", "<parameter=", re.compile(r"\s*<function=([^>\n]*)>"),
                       re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL),
                       "<parameter=", "<parameter=", True, (OPEN, CLOSE))
-MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_OPEN, MINIMAX_CLOSE, MINIMAX_CALL = "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name="
 MINIMAX = TagForm("minimax", MINIMAX_OPEN, re.compile(r'\s*<invoke name="([^"\n]*)">'),
                   re.compile(r'\s*<parameter name="([^"\n]*)">(.*?)</parameter>', re.DOTALL),
                   "<parameter name=", "<parameter name=", False, (MINIMAX_OPEN, MINIMAX_CLOSE),
@@ -125,14 +125,19 @@ class TagCallReader(CallReader):
 
     def _read_block(self, deltas: list[CallDelta]) -> bool:
         form = self.form
+        many = form.call_close != form.close  # MiniMax's: a block of calls, each closed on its own
         if not self._named:
             rest = self._held.lstrip()
-            called = self._call is not None or self._dropped
-            if called and rest.startswith(form.close):  # MiniMax's block, after its calls
+            if many and rest.startswith(form.close):  # the block ends (after its calls, or none)
                 self._held, self._state = rest[len(form.close):], "between"
                 return True
             name = form.name.match(self._held)
             if name is None:
+                # between MiniMax's calls, stray words are skipped up to the next call or the block's end
+                tag = min((at for at in (rest.find(MINIMAX_CALL), rest.find(form.close)) if at > 0), default=None)
+                if many and tag is not None:
+                    self._held = rest[tag:]
+                    return True
                 return False
             self._start(name.group(1).strip(), deltas)
             self._held = self._held[name.end():]
@@ -145,17 +150,21 @@ class TagCallReader(CallReader):
             self._stream(("{" if self._call is not None and not self._call.arguments else ", ")
                          + json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False), deltas)
         rest = self._held.lstrip()
-        if rest.startswith(form.call_close):
+        ends_block = many and rest.startswith(form.close)  # a call left open when its block closes ends with it
+        if rest.startswith(form.call_close) or ends_block:
             self._stream("}" if self._call is not None and self._call.arguments else "{}", deltas)
             if self._call is not None and not self._dropped:
                 self._call.complete = True
-            self._held, self._named = rest[len(form.call_close):], False
-            if form.call_close == form.close:
-                self._state = "between"
+            self._named = False
+            if ends_block or not many:
+                self._held, self._state = rest[len(form.close):], "between"
+            else:
+                self._held = rest[len(form.call_close):]
             return True
         # Text that is no argument (Qwen3-Coder's </function>, a weak model's stray words) is
         # skipped up to the next tag that is, unless a value is open in it
-        tag = min((at for at in (rest.find(form.opens), rest.find(form.call_close)) if at > 0), default=None)
+        tags = (form.opens, form.call_close, *((form.close,) if many else ()))
+        tag = min((at for at in (rest.find(t) for t in tags) if at > 0), default=None)
         if tag is not None and form.value_opens not in rest[:tag]:
             self._held = rest[tag:]
             return True

@@ -39,7 +39,8 @@ def after_reasoning(lark: str, close: str, opening: str | None = None) -> str:
     else:  # a lazy lexeme up to the tag, which it consumes
         rules = [f"reasoning[suffix={close}]: /(?s:.*)/"]
         block = "reasoning SPACE?"
-    head = f"start: {block} constrained" if opening is None else f"start: ({opening} {block})? constrained"
+    # a reply may open its block after a newline (GLM-4.5's templates write "\n<think>")
+    head = f"start: {block} constrained" if opening is None else f'start: ("\\n"? {opening} {block})? constrained'
     return "\n".join([head, *rules, "SPACE: /\\n{1,2}/", body])
 
 

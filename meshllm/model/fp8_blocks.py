@@ -1,6 +1,6 @@
-"""Block-scaled FP8 checkpoints: DeepSeek-V3's format, which Qwen3-*-FP8, MiniMax-M2, GLM-4.5-FP8
-and Kimi K2 are released in (config.json: quantization_config quant_method "fp8" with a
-weight_block_size, usually [128, 128]).
+"""Block-scaled FP8 checkpoints: DeepSeek-V3's format, which Qwen3-*-FP8 and MiniMax-M2 are
+released in (config.json: quantization_config quant_method "fp8" with a weight_block_size,
+usually [128, 128]; `fmt` "e4m3" in Qwen's and DeepSeek's, "float8_e4m3fn" in MiniMax's).
 
 Each quantized weight is float8_e4m3fn, beside a `<name>_scale_inv` of one factor per tile of
 block rows x block columns ([ceil(rows / br), ceil(cols / bc)], the last tiles cut short where a
@@ -39,12 +39,12 @@ def block_shape(config: dict, origin: str) -> tuple[int, int] | None:
         raise UnsupportedArchitecture(f"{origin}: weights quantized by {method!r} are not supported; meshllm reads "
                                       f"unquantized and block-scaled FP8 folders, and GGUF files (convert the "
                                       f"model to GGUF, or use its unquantized release)")
-    size, fmt = q.get("weight_block_size"), q.get("fmt", "float8_e4m3fn")
+    size = q.get("weight_block_size")
     if not (isinstance(size, list) and len(size) == 2 and all(isinstance(n, int) and n > 0 for n in size)):
         raise UnsupportedArchitecture(f"{origin}: FP8 without a weight_block_size ({size!r}: per-tensor scales) "
                                       f"is not supported; meshllm reads block-scaled FP8 (DeepSeek-V3's format)")
-    if fmt != "float8_e4m3fn":
-        raise UnsupportedArchitecture(f"{origin}: FP8 format {fmt!r} is not supported (float8_e4m3fn is)")
+    # `fmt` is not read (Qwen's and DeepSeek's say "e4m3", MiniMax's "float8_e4m3fn", as transformers
+    # and vLLM ignore it): each tensor's own dtype says, and only float8_e4m3fn weights are read
     return size[0], size[1]
 
 

@@ -89,10 +89,10 @@ def _minimax_m2_fields(d: dict, experts: int, per_token: int, num_layers: int, o
         # MiniMax-01 / M1's lightning (linear) attention layers are 0 here
         raise UnsupportedArchitecture(f"{origin}: attn_type_list {kinds!r}: meshllm runs MiniMax-M2's full "
                                       f"attention (1) on every layer, not linear attention")
+    # Its chosen weights are renormalized and never scaled: transformers' MiniMaxM2 router and
+    # llama.cpp's minimax-m2 graph both ignore a routed_scaling_factor (the released config has none)
     return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=int(d["intermediate_size"]),
-                normalize_expert_weights=True, sigmoid_router=True,
-                expert_weights_scale=float(d.get("routed_scaling_factor", 1.0)),
-                qk_norm=True, qk_norm_across_heads=True)
+                normalize_expert_weights=True, sigmoid_router=True, qk_norm=True, qk_norm_across_heads=True)
 
 
 def _gpt_oss_windows(d: dict, num_layers: int, origin: str) -> dict:

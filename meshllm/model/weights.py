@@ -23,7 +23,7 @@ from gguf import quants
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 from safetensors import SafetensorError, safe_open
 
-from meshllm.errors import CorruptWeights, ModelLoadError
+from meshllm.errors import CorruptWeights, ModelLoadError, UnsupportedArchitecture
 from meshllm.model import fp8_blocks, gpt_oss_experts
 from meshllm.model.config import ModelConfig
 from meshllm.model.fused import split_fused, visible_names
@@ -280,17 +280,23 @@ def _fp8_block(folder: Path, entries: dict[str, _TensorEntry]) -> tuple[int, int
     have its factors; None for a folder without FP8 weights."""
     origin = folder / "config.json"
     block = fp8_blocks.block_shape(json.loads(origin.read_text()), str(origin))
+    other = next((name for name, e in entries.items() if e.dtype.startswith("F8_") and e.dtype != fp8_blocks.FP8_DTYPE),
+                 None)
+    if other is not None:
+        raise UnsupportedArchitecture(f"{folder}: tensor {other!r} is {entries[other].dtype}; meshllm reads FP8 "
+                                      f"weights in float8_e4m3fn ({fp8_blocks.FP8_DTYPE}) only")
     quantized = [name for name, e in entries.items() if e.dtype == fp8_blocks.FP8_DTYPE]
     if quantized and block is None:
         raise ModelLoadError(f"{folder}: {quantized[0]!r} and {len(quantized) - 1} more tensors are FP8 but "
                              f"config.json names no block-scaled quantization_config to scale them by")
     for name in quantized:
-        scales, want = entries.get(name + fp8_blocks.SCALE_SUFFIX), None
-        if len(entries[name].shape) == 2:
-            want = fp8_blocks.scale_shape(entries[name].shape, block)
-        if scales is None or want is None or scales.shape != want:
+        if len(entries[name].shape) != 2:  # experts stacked in one tensor, say: not a layout read here
+            raise UnsupportedArchitecture(f"{folder}: FP8 tensor {name!r} has shape {list(entries[name].shape)}; "
+                                          f"meshllm reads block-scaled FP8 matrices (2-d) only")
+        scales, want = entries.get(name + fp8_blocks.SCALE_SUFFIX), fp8_blocks.scale_shape(entries[name].shape, block)
+        if scales is None or scales.shape != want:
             raise CorruptWeights(f"{folder}: FP8 tensor {name!r} {list(entries[name].shape)} needs "
-                                 f"{name + fp8_blocks.SCALE_SUFFIX!r} of shape {list(want or [])}, found "
+                                 f"{name + fp8_blocks.SCALE_SUFFIX!r} of shape {list(want)}, found "
                                  f"{None if scales is None else list(scales.shape)}; the checkpoint is incomplete")
     return block if quantized else None
 

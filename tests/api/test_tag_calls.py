@@ -65,6 +65,15 @@ MINIMAX_CASES = [
      "Let me check.", [("get_weather", {"city": "123", "days": 3, "tags": ["a"]}),
                        ("note", {"text": 'a "quote" <b>\nline 2'}), ("get_weather", {"city": "Oslo"})]),
     (minimax_block(("note", ())), "", [("note", {})]),
+    # a weak model's slips (found by review): stray words between calls are skipped; an empty
+    # block is no call and no content; a call its block closes without </invoke> ends with it
+    (minimax_block(("note", (("text", "a"),))).replace("</invoke>\n", "</invoke>\nsome words\n")
+     .replace("</minimax:tool_call>", '<invoke name="note">\n<parameter name="text">b</parameter>\n</invoke>\n'
+              "</minimax:tool_call>") + "\nDone.",
+     "Done.", [("note", {"text": "a"}), ("note", {"text": "b"})]),
+    ("Hi\n<minimax:tool_call>\n</minimax:tool_call>\nbye", "Hibye", []),  # as around any block
+    (minimax_block(("get_weather", (("days", "1"),))).replace("</invoke>\n", "") + "\nafter",
+     "after", [("get_weather", {"days": 1})]),
     ('No call: <minimax is <invoke name="x"> text.', 'No call: <minimax is <invoke name="x"> text.', []),
 ]
 

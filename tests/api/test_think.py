@@ -131,6 +131,7 @@ def test_a_grammar_holds_past_the_reasoning(tiny_model_dir, tmp_path, family):
     assert accepts('Thought.</think>\n\nplain words', False)[0] is False  # past the block the schema holds
     # the reply may open one
     assert accepts('<think>\nA thought.\n</think>\n\n{"a": 1}', True) == (True, True)
+    assert accepts('\n<think>A thought.</think>\n{"a": 1}', True) == (True, True)  # GLM-4.5 writes "\n<think>"
     assert accepts('{"a": 1}', True) == (True, True)
     assert accepts('Thought.</think>{"a": 1}', True)[0] is False  # no block without its opening
 

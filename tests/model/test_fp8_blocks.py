@@ -37,9 +37,10 @@ def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor
     return codes, scales
 
 
-def fp8_folder(dense, out, block: tuple[int, int] = (16, 16)):
+def fp8_folder(dense, out, block: tuple[int, int] = (16, 16), fmt: str = "e4m3"):
     """A copy of a tiny model folder with every linear weight (the released configs' exceptions
-    aside) stored block-scaled FP8, and config.json saying so."""
+    aside) stored block-scaled FP8, and config.json saying so (`fmt` as Qwen's and DeepSeek's
+    configs name it; MiniMax's say "float8_e4m3fn")."""
     shutil.copytree(dense, out)
     tensors = load_file(out / "model.safetensors")
     for name in [n for n, t in tensors.items() if t.dim() == 2 and "embed_tokens" not in n]:
@@ -47,7 +48,7 @@ def fp8_folder(dense, out, block: tuple[int, int] = (16, 16)):
             tensors[name], tensors[name + fp8_blocks.SCALE_SUFFIX] = quantize(tensors[name], block)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": fmt, "activation_scheme": "dynamic",
                                      "weight_block_size": list(block), "modules_to_not_convert": list(NOT_CONVERTED)}
     (out / "config.json").write_text(json.dumps(config))
     return out
@@ -60,7 +61,7 @@ def test_an_fp8_folder_gives_transformers_logits_for_it(tiny_model_dir, tmp_path
     from transformers import FineGrainedFP8Config
 
     dense = tiny_model_dir(variant)
-    folder = fp8_folder(dense, tmp_path / variant)
+    folder = fp8_folder(dense, tmp_path / variant, fmt="float8_e4m3fn" if variant == "minimax-m2" else "e4m3")
     ids = _tokens(24, seed=1)
     with torch.no_grad():
         want = _reference(folder, quantization_config=FineGrainedFP8Config(dequantize=True))(ids[None]).logits[0]
@@ -98,7 +99,6 @@ def test_tiles_cut_short_at_the_edges_and_slices_of_them(tiny_model_dir, tmp_pat
     ({"quant_method": "gptq", "bits": 4}, UnsupportedArchitecture, ["quantized by 'gptq'", "GGUF"]),
     ({"quant_method": "fp8", "activation_scheme": "static"}, UnsupportedArchitecture,
      ["without a weight_block_size", "per-tensor"]),
-    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [16, 32]}, UnsupportedArchitecture, ["'e5m2'"]),
     ("fp8", ModelLoadError, ["quantization_config must be an object"]),
 ])
 def test_quantizations_meshllm_does_not_read_are_refused_by_name(tiny_model_dir, tmp_path, quantization, error,
@@ -110,6 +110,18 @@ def test_quantizations_meshllm_does_not_read_are_refused_by_name(tiny_model_dir,
         SafetensorsSource(folder)
     for word in words:
         assert word in str(info.value)
+
+
+def test_fp8_tensors_of_another_kind_or_shape_are_refused(tiny_model_dir, tmp_path):
+    folder = fp8_folder(tiny_model_dir("llama"), tmp_path / "m")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    save_file({**tensors, name: tensors[name].float().to(torch.float8_e5m2)}, folder / "model.safetensors")
+    with pytest.raises(UnsupportedArchitecture, match=f"'{name}' is F8_E5M2; .*float8_e4m3fn"):
+        SafetensorsSource(folder)
+    save_file({**tensors, name: tensors[name][None]}, folder / "model.safetensors")
+    with pytest.raises(UnsupportedArchitecture, match=r"has shape \[1, 112, 64\]; .*\(2-d\) only"):
+        SafetensorsSource(folder)
 
 
 def test_fp8_weights_without_their_factors_or_their_config_are_refused(tiny_model_dir, tmp_path):
