@@ -1,7 +1,9 @@
 """Open a model by path: a Hugging Face folder, a .gguf file, a Hub id, or the demo model.
 
 `open_model` is the one entry point the CLI, the leader and the stages use; it
-returns the config, a TensorSource for the weights and the tokenizer together.
+returns the config, a TensorSource for the weights and the tokenizer together (a stage, which
+never tokenizes, asks for the weights only: a tokenizer takes 20 MB of a stage's resident memory
+for SmolLM2's 49k vocabulary, more for larger ones, and would be held for nothing).
 """
 
 from __future__ import annotations
@@ -32,33 +34,34 @@ class ModelFiles:
     path: Path
     config: ModelConfig
     source: TensorSource
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None when opened for the weights only
 
 
-def open_model(path: str | Path | None) -> ModelFiles:
+def open_model(path: str | Path | None, tokenizer: bool = True) -> ModelFiles:
     """Open a model folder (config.json), a .gguf file, a Hub id ("org/name"), or None for the demo model.
+    `tokenizer=False`: the weights and config only (a stage's needs).
 
     Raises ModelLoadError (or a subclass) saying what was expected when `path` is none of these.
     """
     if path is None:
-        return _open_gguf(default_model_path())
+        return _open_gguf(default_model_path(), tokenizer)
     local = Path(path).expanduser()
     if local.is_dir():
         if (local / "config.json").is_file():
-            return _open_folder(local)
+            return _open_folder(local, tokenizer=tokenizer)
         ggufs = sorted(local.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _open_gguf(ggufs[0])
+            return _open_gguf(ggufs[0], tokenizer)
         found = f"it holds {len(ggufs)} .gguf files; pass one of them" if ggufs else "it has no config.json"
         raise ModelLoadError(f"{local} is not a model folder: {found}. Pass a Hugging Face model folder "
                              f"(config.json, *.safetensors, tokenizer.json) or a .gguf file")
     if local.is_file():
         if local.suffix == ".gguf":
-            return _open_gguf(local)
+            return _open_gguf(local, tokenizer)
         raise ModelLoadError(f"{local} is not a model: pass a Hugging Face model folder (with config.json) "
                              f"or a .gguf file")
     if isinstance(path, str) and _HUB_ID.match(path):
-        return _open_folder(_download(path), model_id=path.split("/")[1])
+        return _open_folder(_download(path), model_id=path.split("/")[1], tokenizer=tokenizer)
     raise ModelLoadError(f"{path} does not exist; pass a Hugging Face model folder, a .gguf file, "
                          f"or a Hub id like HuggingFaceTB/SmolLM2-135M-Instruct")
 
@@ -77,17 +80,18 @@ def default_model_path() -> Path:
     return path
 
 
-def _open_folder(folder: Path, model_id: str | None = None) -> ModelFiles:
+def _open_folder(folder: Path, model_id: str | None = None, tokenizer: bool = True) -> ModelFiles:
     source = SafetensorsSource(folder)
-    return ModelFiles(model_id or folder.name, folder, source.config(), source, Tokenizer.from_folder(folder))
+    return ModelFiles(model_id or folder.name, folder, source.config(), source,
+                      Tokenizer.from_folder(folder) if tokenizer else None)
 
 
-def _open_gguf(file: Path) -> ModelFiles:
+def _open_gguf(file: Path, tokenizer: bool = True) -> ModelFiles:
     from meshllm.model.gguf import GGUFFile, GGUFSource  # GGUF support loads only when needed
 
     parsed = GGUFFile.open(file)  # parsed once, shared by the weights and the tokenizer
     source = GGUFSource(parsed)
-    return ModelFiles(file.stem, file, source.config(), source, Tokenizer.from_gguf(parsed))
+    return ModelFiles(file.stem, file, source.config(), source, Tokenizer.from_gguf(parsed) if tokenizer else None)
 
 
 def _download(repo_id: str) -> Path:

@@ -114,7 +114,7 @@ class StageControl:
         if path is None:
             raise ModelLoadError(f"this node has no model {request.model_id!r} with fingerprint "
                                  f"{request.fingerprint[:12]}; pass its folder with --models")
-        files = open_model(path)
+        files = open_model(path, tokenizer=False)  # a stage never tokenizes
         fingerprint = files.source.fingerprint()
         if fingerprint != request.fingerprint:
             raise WeightsMismatch(f"{path} has fingerprint {fingerprint[:12]}, the plan wants "
