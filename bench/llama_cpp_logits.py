@@ -40,7 +40,7 @@ import llama_cpp  # noqa: E402  (bench/llama_cpp.py)
 # tiny variant (tests/conftest.py) : GGUF architecture
 FAMILIES = ["llama:llama", "qwen3:qwen3", "phi3-partial:phi3", "phi3-longrope:phi3", "gemma2:gemma2",
             "gemma3:gemma3", "glm4:glm4", "qwen3-moe:qwen3moe", "gpt-oss:gpt-oss", "glm4-moe:glm4moe",
-            "minimax-m2:minimax-m2"]
+            "minimax-m2:minimax-m2", "qwen2-moe:qwen2moe"]
 IDS = [5, 9, 2, 7, 11, 3, 8, 40, 41, 42, 43, 44, 60, 61, 17, 18]
 VOCAB = 96  # the tiny models' (tests/conftest.py _COMMON)
 
@@ -152,7 +152,12 @@ def compare(variant: str, arch: str, tool: Path) -> dict:
     result = {"spread": round((theirs.max() - theirs.min()).item(), 3)}
     for name, ours in paths.items():
         result[f"{name}_max_diff"] = float(f"{(ours - theirs).abs().max().item():.2e}")
-        result[f"{name}_argmax_agrees"] = bool((ours.argmax(-1) == theirs.argmax(-1)).all())
+        differ = ours.argmax(-1) != theirs.argmax(-1)
+        result[f"{name}_argmax_agrees"] = not bool(differ.any())
+        if differ.any():  # near-ties: how far apart llama.cpp's own logits put the two choices there
+            rows = differ.nonzero().flatten()
+            gaps = theirs[rows].max(-1).values - theirs[rows, ours[rows].argmax(-1)]
+            result[f"{name}_argmax_differs_at"] = {"rows": rows.tolist(), "llama_cpp_gap": float(f"{gaps.max():.2e}")}
     return result
 
 

@@ -71,6 +71,11 @@ TINY_VARIANTS: dict[str, tuple[str, dict]] = {
     "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          norm_topk_prob=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B's layout): Qwen3-MoE's routing (weights as the router gave them)
+    # beside a shared expert of its own width, scaled per token by a sigmoid gate; q/k/v biases.
+    # Widths of 64 and 96 so a GGUF of it can hold them in 32-column blocks.
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=96, norm_topk_prob=False)),
     # GPT-OSS: biases on q/k/v/o, the router and every expert; a sink logit per head; every other
     # layer windowed; the softmax over the chosen experts' logits; a clamped SwiGLU; YaRN (GPT-OSS's
     # own, its ramp's ends not rounded: over dims 2.02 .. 4.35 of these 8 frequencies). Experts

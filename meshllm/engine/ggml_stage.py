@@ -202,7 +202,9 @@ class GGMLStage:
                                    selection_bias=None if mlp.selection_bias is None else wrap_f32(mlp.selection_bias),
                                    shared=None if mlp.shared is None else dict(
                                        gate_up=_Weights(self._ctx, mlp.shared.gate_up_proj),
-                                       down=_Weights(self._ctx, mlp.shared.down_proj)))
+                                       down=_Weights(self._ctx, mlp.shared.down_proj)),
+                                   # Qwen2-MoE's gate on it: [hidden, 1] to ggml
+                                   shared_gate=None if mlp.shared_gate is None else wrap_f32(mlp.shared_gate))
             else:
                 mlp_weights = dict(gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj))
             self.layers.append(dict(
@@ -502,7 +504,8 @@ class GGMLStage:
             weights = g.ggml_reshape_3d(ctx, g.ggml_div(ctx, flat, g.ggml_sum_rows(ctx, flat)), 1, k, n)
         if c.expert_weights_scale != 1.0:
             weights = g.ggml_scale(ctx, weights, c.expert_weights_scale)
-        rows = g.ggml_reshape_3d(ctx, x if g.ggml_is_contiguous(x) else g.ggml_cont(ctx, x), h, 1, n)
+        x = x if g.ggml_is_contiguous(x) else g.ggml_cont(ctx, x)
+        rows = g.ggml_reshape_3d(ctx, x, h, 1, n)
         with_bias = lambda t, name: t if w[name] is None else g.ggml_add_id(ctx, t, w[name], chosen)  # noqa: E731
         gate = with_bias(g.ggml_mul_mat_id(ctx, w["experts_gate"], rows, chosen), "experts_gate_bias")  # [width, k, n]
         up = with_bias(g.ggml_mul_mat_id(ctx, w["experts_up"], rows, chosen), "experts_up_bias")
@@ -515,7 +518,10 @@ class GGMLStage:
             piece = g.ggml_view_2d(ctx, out, h, n, out.contents.nb[2], slot * out.contents.nb[1])
             total = piece if total is None else g.ggml_add(ctx, total, piece)
         if w["shared"] is not None:  # beside the routed experts, for every row
-            total = g.ggml_add(ctx, total, self._mlp(s, w["shared"], x, n, c.shared_expert_size))
+            shared = self._mlp(s, w["shared"], x, n, c.shared_expert_size)
+            if w["shared_gate"] is not None:  # Qwen2-MoE: times sigmoid(gate . x), one factor a row
+                shared = g.ggml_mul(ctx, shared, g.ggml_sigmoid(ctx, g.ggml_mul_mat(ctx, w["shared_gate"], x)))
+            total = g.ggml_add(ctx, total, shared)
         return total
 
     # --- one step ------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ SUPPORTED_MODEL_TYPES = {
     "gemma3_text": {},
     # Mixtures of experts (model/moe.py): Qwen3 attention with expert MLPs, and Mixtral (Mistral's)
     "qwen3_moe": {"qk_norm": True},
+    "qwen2_moe": {"attention_bias": True},
     "mixtral": {},
     # SmolLM3: Llama with no rotary on every fourth layer (NoPE, rope_layers)
     "smollm3": {},
@@ -56,6 +57,7 @@ SUPPORTED_ARCHITECTURES = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
@@ -153,6 +155,8 @@ class ModelConfig:
     expert_weights_scale: float = 1.0
     shared_expert_size: int = 0
     dense_layers: int = 0
+    # Qwen2-MoE: the shared expert's output times sigmoid(a learned gate [1, hidden] . x) per token
+    shared_expert_gated: bool = False
     # Granite: each layer's attention and MLP outputs times residual_scale before they join the
     # stream; the logits divided by logit_scale. 1.0 for every other family.
     residual_scale: float = 1.0
@@ -236,7 +240,8 @@ class ModelConfig:
         e, w = self.num_experts, self.expert_intermediate_size
         mlp = 3 * h * i if not self.layer_is_moe(layer) else (
             e * (3 * h * w + h) + (e * (2 * w + h + 1) if self.expert_biases else 0)
-            + (e if self.sigmoid_router else 0) + 3 * h * self.shared_expert_size)
+            + (e if self.sigmoid_router else 0) + 3 * h * self.shared_expert_size
+            + (h if self.shared_expert_gated else 0))
         return h * (q + 2 * kv) + q * h + mlp + bias + norms + sinks
 
     def kv_bytes_per_token(self, dtype_bytes: int, num_layers: int | None = None) -> int:
@@ -303,7 +308,8 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                attention_bias=bool(d.get("attention_bias", switches.get("attention_bias", False))),
+                # Qwen2-MoE's config names it qkv_bias (transformers 5)
+                attention_bias=bool(d.get("attention_bias", d.get("qkv_bias", switches.get("attention_bias", False)))),
                 qk_norm=switches.get("qk_norm", False),
                 sliding_window=int(sliding) if sliding else None,
                 rotary_dim=None if rotary_dim == int(head_dim) else rotary_dim,
@@ -359,7 +365,7 @@ def _reject_unsupported_switches(d: dict, model_type: str, origin: str) -> None:
         # In these families attention_bias also adds a bias to o_proj, which the decoder does not have.
         raise UnsupportedArchitecture(f"{origin}: attention_bias=true on {model_type} (a bias on o_proj too) "
                                       f"is not supported")
-    if model_type in ("qwen2", "qwen3", "qwen3_moe", "smollm3") and d.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "smollm3") and d.get("use_sliding_window"):
         raise UnsupportedArchitecture(f"{origin}: use_sliding_window=true on {model_type} (sliding attention on "
                                       f"some layers only) is not supported; set it to false")
     partial = _partial_rotary_factor(d, model_type)

@@ -343,7 +343,7 @@ class MoE(nn.Module):
         h, i, e = config.hidden_size, config.expert_intermediate_size, config.num_experts
         self.width, self.top_k, self.normalize = i, config.num_experts_per_tok, config.normalize_expert_weights
         # transformers' Qwen3-MoE rounds the chosen weights to the model's dtype; its Mixtral keeps float32
-        self.round_weights = config.model_type == "qwen3_moe"
+        self.round_weights = config.model_type in ("qwen3_moe", "qwen2_moe")
         self.softmax_after_topk, self.swiglu_limit = config.softmax_after_topk, config.swiglu_limit
         bias = config.expert_biases  # GPT-OSS's: each expert's rows of the bias too
         # GLM-4.5's router and bias in float32, as transformers keeps them: its bias is a large
@@ -356,6 +356,8 @@ class MoE(nn.Module):
         self.sigmoid_router, self.weights_scale = config.sigmoid_router, config.expert_weights_scale
         self.selection_bias = nn.Parameter(torch.zeros(e), requires_grad=False) if config.sigmoid_router else None
         self.shared = MLP(config, dtype, config.shared_expert_size) if config.shared_expert_size else None
+        # Qwen2-MoE's gate on the shared expert, [1, hidden], in float32 (one value a token)
+        self.shared_gate = nn.Parameter(torch.zeros(1, h), requires_grad=False) if config.shared_expert_gated else None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, experts) [tokens, top_k] of each token, as transformers computes them."""
@@ -382,7 +384,12 @@ class MoE(nn.Module):
             rows, slot = (experts == e).nonzero(as_tuple=True)
             y = self._expert(e, x[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(x.dtype))
-        return out if self.shared is None else out + self.shared(x)
+        if self.shared is None:
+            return out
+        shared = self.shared(x)
+        if self.shared_gate is not None:  # a sum per row, not a matmul: a row's bits never depend on its batch
+            shared = shared * torch.sigmoid((x.float() * self.shared_gate).sum(dim=-1, keepdim=True)).to(x.dtype)
+        return out + shared
 
     def _expert(self, e: int, x: Tensor) -> Tensor:
         i, h = self.width, x.shape[-1]

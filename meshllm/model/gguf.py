@@ -11,6 +11,7 @@ q/k row permutation llama.cpp applies to llama-architecture models.
 from __future__ import annotations
 
 import hashlib
+import dataclasses
 import math
 import mmap
 import os
@@ -43,10 +44,10 @@ _BLOCK_TYPES = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K
 _ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
                   "gemma3": "gemma3_text",
                   "qwen3moe": "qwen3_moe", "smollm3": "smollm3", "granite": "granite", "glm4": "glm4",
-                  "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2"}
+                  "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2", "qwen2moe": "qwen2_moe"}
 # Mixtures of experts, by general.architecture (Mixtral is written as "llama")
 _MOE_ARCHITECTURES = {"llama": "mixtral", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "glm4moe": "glm4_moe",
-                      "minimax-m2": "minimax_m2"}
+                      "minimax-m2": "minimax_m2", "qwen2moe": "qwen2_moe"}
 # rotate part of each head (Phi-4-mini 96 of 128, GLM and MiniMax-M2 half)
 _PARTIAL_ROTARY_ARCHITECTURES = ("phi3", "glm4", "glm4moe", "minimax-m2")
 # its converter interleaves q/k rows for ggml's rope (Mixtral is written as "llama" too; SmolLM3's
@@ -283,6 +284,10 @@ _GPT_OSS_LAYER_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_l
 # GLM-4.5's the same, and its shared expert (its router and experts: _expert_tensors)
 _GLM4_MOE_LAYER_NAMES = {**_GPT_OSS_LAYER_NAMES, "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
                          "ffn_up_shexp": "mlp.shared_experts.up_proj", "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+# Qwen2-MoE's shared expert and the gate on it
+_QWEN2_MOE_LAYER_NAMES = {**_LAYER_NAMES, "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+                          "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+                          "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -291,7 +296,8 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     parts = stem.split(".")
     layer_names = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "glm4": _GLM4_LAYER_NAMES,
-                   "gpt-oss": _GPT_OSS_LAYER_NAMES, "glm4moe": _GLM4_MOE_LAYER_NAMES}.get(arch, _LAYER_NAMES)
+                   "gpt-oss": _GPT_OSS_LAYER_NAMES, "glm4moe": _GLM4_MOE_LAYER_NAMES,
+                   "qwen2moe": _QWEN2_MOE_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] == "attn_sinks" and arch == "gpt-oss":
         return f"model.layers.{parts[1]}.self_attn.sinks"  # a parameter of its own in transformers
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer_names:
@@ -313,6 +319,9 @@ class GGUFSource:
             raise CorruptWeights(f"{self.path} has malformed GGUF metadata: {e}") from None
         arch = self.file.metadata.get("general.architecture")
         by_hf_name = {hf: info for info in self.file.tensors.values() if (hf := hf_name(info.name, arch)) is not None}
+        for hf, info in by_hf_name.items():  # Qwen2-MoE's shared gate, stored as a vector: HF's [1, hidden]
+            if hf.endswith(".mlp.shared_expert_gate.weight") and len(info.shape) == 1:
+                by_hf_name[hf] = dataclasses.replace(info, shape=(1, *info.shape))
         if self._config.num_experts:
             by_hf_name.update(_expert_tensors(self.file, self._config))
         self._by_hf_name = _split_fused(self.path, self._config, by_hf_name)
@@ -532,8 +541,8 @@ def config_dict(file: GGUFFile) -> dict:
     experts = int(meta.get(f"{arch}.expert_count", 0) or 0)
     if experts and arch not in _MOE_ARCHITECTURES:
         raise UnsupportedArchitecture(f"{file.path} is a mixture-of-experts {arch} model; meshllm runs the "
-                                      f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe), GPT-OSS (gpt-oss), "
-                                      f"GLM-4.5 (glm4moe) and MiniMax-M2 (minimax-m2) files")
+                                      f"experts of Mixtral (llama), Qwen3-MoE (qwen3moe), Qwen2-MoE (qwen2moe), "
+                                      f"GPT-OSS (gpt-oss), GLM-4.5 (glm4moe) and MiniMax-M2 (minimax-m2) files")
     if int(meta.get(f"{arch}.expert_shared_count", 0) or 0) and arch != "glm4moe":
         raise UnsupportedArchitecture(f"{file.path} has shared experts ({arch}.expert_shared_count), which "
                                       f"meshllm runs for GLM-4.5 (glm4moe) only")
@@ -603,6 +612,9 @@ def config_dict(file: GGUFFile) -> dict:
         config.update(_glm4_moe(file, config))
     if arch == "minimax-m2":
         config.update(_minimax_m2(file, config))
+    if arch == "qwen2moe":  # as llama.cpp reads it (src/models/qwen2moe.cpp): the chosen weights never renormalized
+        config.update(norm_topk_prob=False, shared_expert_intermediate_size=int(
+            meta.get("qwen2moe.expert_shared_feed_forward_length", config["intermediate_size"])))
     if arch == "smollm3":  # not in the file: llama.cpp runs every fourth layer without rope (as transformers)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":  # its converter writes the multipliers as scales

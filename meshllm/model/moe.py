@@ -1,4 +1,5 @@
-"""Mixture-of-experts layers (Qwen3-MoE, Mixtral, GPT-OSS, GLM-4.5, MiniMax-M2) read from config.json.
+"""Mixture-of-experts layers (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS, GLM-4.5, MiniMax-M2) read from
+config.json.
 
 Each layer's MLP is `num_experts` SwiGLU experts of `expert_intermediate_size` and a router: a
 token's router logits go through a softmax, its `num_experts_per_tok` most probable experts run,
@@ -10,14 +11,16 @@ GLM-4.5 (4.6, Air) scores experts by a sigmoid, picks them by score plus a learn
 expert, weights them by their scores (renormalized, scaled), runs a shared expert for every
 token beside them, and keeps its first layers dense. MiniMax-M2 (M2.1, M2.5) routes as GLM-4.5
 does, with neither shared expert nor dense layers, in Mixtral's layout (block_sparse_moe, w1/w3/w2),
-and normalizes q and k across all heads at once.
+and normalizes q and k across all heads at once. Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) is
+Qwen3-MoE's routing beside a shared expert whose output a learned sigmoid gate scales per token,
+under Qwen2's attention (q/k/v biases).
 """
 
 from __future__ import annotations
 
 from meshllm.errors import ModelLoadError, UnsupportedArchitecture
 
-MODEL_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "glm4_moe", "minimax_m2")
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "glm4_moe", "minimax_m2")
 
 
 def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
@@ -27,13 +30,18 @@ def moe_fields(d: dict, model_type: str, num_layers: int, origin: str) -> dict:
     if not 0 < per_token <= experts:
         raise UnsupportedArchitecture(f"{origin}: {per_token} experts per token of {experts}: not a "
                                       f"mixture-of-experts config meshllm can run")
-    if model_type == "qwen3_moe":
-        # Qwen3-MoE can keep some layers dense; its released models make every layer sparse.
+    if model_type in ("qwen3_moe", "qwen2_moe"):
+        # Qwen's MoE configs can keep some layers dense; their released models make every layer sparse.
         step, dense = int(d.get("decoder_sparse_step") or 1), list(d.get("mlp_only_layers") or [])
         if step != 1 or dense:
             raise UnsupportedArchitecture(f"{origin}: decoder_sparse_step {step} / mlp_only_layers {dense}: "
-                                          f"meshllm runs Qwen3-MoE models whose every layer is sparse")
+                                          f"meshllm runs {model_type} models whose every layer is sparse")
         width, normalize = int(d["moe_intermediate_size"]), bool(d.get("norm_topk_prob", False))
+        if model_type == "qwen2_moe":  # transformers' Qwen2MoeConfig default for the shared expert
+            shared = int(d.get("shared_expert_intermediate_size", 5632))
+            return dict(num_experts=experts, num_experts_per_tok=per_token, expert_intermediate_size=width,
+                        normalize_expert_weights=normalize, shared_expert_size=shared,
+                        shared_expert_gated=shared > 0)
     elif model_type == "gpt_oss":
         alpha = float(d.get("swiglu_alpha", SWIGLU_ALPHA))
         if alpha != SWIGLU_ALPHA:
@@ -125,9 +133,15 @@ def selection_bias_name(model_type: str, layer: int) -> str:
     return f"model.layers.{layer}.{_BLOCK[model_type]}.{gate}e_score_correction_bias"
 
 
-def shared_expert_names(layer: int) -> tuple[str, str, str]:
-    """HF names of GLM-4.5's shared expert's (gate, up, down) weights in `layer`."""
-    return tuple(f"model.layers.{layer}.mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down"))
+def shared_expert_names(model_type: str, layer: int) -> tuple[str, str, str]:
+    """HF names of the shared expert's (gate, up, down) weights in `layer` (GLM-4.5's, Qwen2-MoE's)."""
+    module = "shared_expert" if model_type == "qwen2_moe" else "shared_experts"
+    return tuple(f"model.layers.{layer}.mlp.{module}.{p}_proj.weight" for p in ("gate", "up", "down"))
+
+
+def shared_gate_name(layer: int) -> str:
+    """Qwen2-MoE's gate [1, hidden] whose sigmoid scales the shared expert's output per token."""
+    return f"model.layers.{layer}.mlp.shared_expert_gate.weight"
 
 
 def router_bias_name(layer: int) -> str:
@@ -142,8 +156,9 @@ def expert_bias_names(layer: int, expert: int) -> tuple[str, str, str]:
 
 # gpt_oss: the names each expert's slice takes, of a GGUF's experts tensors (model/gguf.py) and of
 # a folder's fused, transposed ones (model/gpt_oss_experts.py)
-_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp", "glm4_moe": "mlp",
+_BLOCK = {"qwen3_moe": "mlp", "qwen2_moe": "mlp", "mixtral": "block_sparse_moe", "gpt_oss": "mlp", "glm4_moe": "mlp",
           "minimax_m2": "block_sparse_moe"}
-_PROJECTIONS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2"),
+_PROJECTIONS = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                "mixtral": ("w1", "w3", "w2"),
                 "gpt_oss": ("gate_proj", "up_proj", "down_proj"), "glm4_moe": ("gate_proj", "up_proj", "down_proj"),
                 "minimax_m2": ("w1", "w3", "w2")}

@@ -57,7 +57,7 @@ def _graphs(decoder):
 
 @pytest.mark.parametrize("variant", ["mistral", "phi3", "phi3-longrope", "phi3-partial", "smollm3", "granite",
                                      "qwen3-yarn", "glm4", "gemma2", "gemma3", "qwen3-moe", "mixtral", "gpt-oss",
-                                     "glm4-moe", "minimax-m2"])
+                                     "glm4-moe", "minimax-m2", "qwen2-moe"])
 def test_a_family_on_the_gpu_decodes_the_cpus_greedy_tokens(tiny_model_dir, aidreams_path, variant):
     source = SafetensorsSource(tiny_model_dir(variant))
     config = source.config()

@@ -36,7 +36,7 @@ from tests.quantized_gguf import write_quantized_llama
 SEQS = [[(7 * i + 13 * j) % 90 + 3 for j in range(20)] for i in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss", "glm4-moe", "minimax-m2"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss", "glm4-moe", "minimax-m2", "qwen2-moe"])
 @pytest.mark.parametrize("prompt_len, chunk", [(8, 3), (20, 20), (2, 2)],
                          ids=["chunked-prefill", "prefill", "mostly-decode"])
 def test_dense_experts_on_ggml_match_the_torch_path(rt, tiny_model_dir, variant, prompt_len, chunk):
@@ -47,13 +47,15 @@ def test_dense_experts_on_ggml_match_the_torch_path(rt, tiny_model_dir, variant,
 
 
 @pytest.fixture(scope="module", params=[("qwen3moe", GGML.Q4_K), ("llama", GGML.Q8_0), ("qwen3moe", GGML.Q4_1),
-                                        ("gpt-oss", GGML.MXFP4), ("glm4moe", GGML.Q8_0), ("minimax-m2", GGML.Q4_0)],
+                                        ("gpt-oss", GGML.MXFP4), ("glm4moe", GGML.Q8_0), ("minimax-m2", GGML.Q4_0),
+                                        ("qwen2moe", GGML.Q8_0)],
                 ids=["qwen3moe-Q4_K", "mixtral-Q8_0", "qwen3moe-Q4_1", "gpt-oss-MXFP4", "glm4moe-Q8_0",
-                     "minimax-m2-Q4_0"])
+                     "minimax-m2-Q4_0", "qwen2moe-Q8_0"])
 def quantized(rt, smollm2_gguf_path, tiny_model_dir, tmp_path_factory, request):
     arch, ggml_type = request.param
-    if arch in ("gpt-oss", "glm4moe", "minimax-m2"):  # the tiny transformers model converted as llama.cpp would
-        variant = {"gpt-oss": "gpt-oss", "glm4moe": "glm4-moe", "minimax-m2": "minimax-m2"}[arch]  # experts quantized
+    variants = {"gpt-oss": "gpt-oss", "glm4moe": "glm4-moe", "minimax-m2": "minimax-m2", "qwen2moe": "qwen2-moe"}
+    if arch in variants:  # the tiny transformers model converted as llama.cpp would, experts quantized
+        variant = variants[arch]
         path = write_model_gguf(tiny_model_dir(variant), tmp_path_factory.mktemp("moe") / f"{arch}.gguf", arch,
                                 experts_type=ggml_type)
         source = GGUFSource(path)
@@ -178,7 +180,7 @@ def test_experts_keep_their_rows_under_the_cpu_weight_forms(tiny_model_dir):
     assert (got - want).abs().max() < 0.1 * want.abs().max()  # attention in int8 now; the experts exact
 
 
-@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss", "glm4-moe", "minimax-m2"])
+@pytest.mark.parametrize("variant", ["qwen3-moe", "mixtral", "gpt-oss", "glm4-moe", "minimax-m2", "qwen2-moe"])
 def test_batch_invariant_experts_give_a_row_the_same_bits_in_any_batch(tiny_model_dir, variant):
     """Each expert multiplies however many rows chose it: in batch-invariant mode that product is
     tiled like every other, and its activation runs row by row (found by review: 3e-8 apart alone

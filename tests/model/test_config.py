@@ -50,6 +50,9 @@ def _folder_with(tmp_path, text: str):
                      rope_scaling=YarnScaling(32.0, 4096, truncate=False), tie_word_embeddings=False)),
     ("mixtral", dict(model_type="mixtral", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=48,
                      normalize_expert_weights=True, qk_norm=False)),
+    ("qwen2-moe", dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, expert_intermediate_size=64,
+                       normalize_expert_weights=False, shared_expert_size=96, shared_expert_gated=True,
+                       attention_bias=True, qk_norm=False, sigmoid_router=False)),
     ("phi3-partial", dict(model_type="phi3", rotary_dim=8, rope_factors=(1.0, 1.5, 2.0, 2.5))),
     ("qwen3-yarn", dict(rope_scaling=YarnScaling(8.0, 4096), max_position_embeddings=32768,
                         rope_attention_factor=array("f", [1 + 0.1 * math.log(8)])[0])),
@@ -70,7 +73,8 @@ def test_every_variant_written_by_transformers_parses(tiny_model_dir, variant, e
 
 
 @pytest.mark.parametrize("variant", ["llama", "llama-mha-tied", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "qwen3-moe",
-                                     "mixtral", "smollm3", "granite", "glm4", "gpt-oss", "glm4-moe", "minimax-m2"])
+                                     "mixtral", "smollm3", "granite", "glm4", "gpt-oss", "glm4-moe", "minimax-m2",
+                                     "qwen2-moe"])
 def test_parameter_count_matches_transformers(tiny_model_dir, variant):
     # The planner budgets memory from these counts. The bias that picks GLM-4.5's and MiniMax-M2's
     # experts is a buffer to transformers, and weights all the same.
@@ -318,7 +322,7 @@ def test_smollm3_skips_the_rotary_on_every_fourth_layer():
 
 @pytest.mark.parametrize("change, words", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, ["'gpt2'", "LlamaForCausalLM", "qwen3"]),
-    ({"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"]}, ["'qwen2_moe'", "MixtralForCausalLM"]),
+    ({"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"]}, ["'deepseek_v3'", "MixtralForCausalLM"]),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, ["'dynamic'", "llama3", "yarn"]),
     ({"hidden_act": "gelu"}, ["hidden_act", "'gelu'"]),
     ({"mlp_bias": True}, ["mlp_bias"]),

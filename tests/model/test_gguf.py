@@ -44,6 +44,10 @@ _GPT_OSS_TO_GGUF = {**_TO_GGUF, "post_attention_layernorm": "post_attention_norm
 # GLM-4.5's the same, and its shared expert
 _GLM4_MOE_TO_GGUF = {**_GPT_OSS_TO_GGUF, "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
                      "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+# Qwen2-MoE's shared expert and its gate
+_QWEN2_MOE_TO_GGUF = {**_TO_GGUF, "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                      "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+                      "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 
 
 def _gguf_name(hf: str, arch: str = "llama") -> str:
@@ -53,7 +57,8 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
         _, _, index, rest = hf.split(".", 3)
         stem, suffix = rest.rsplit(".", 1)
         names = {"gemma2": _GEMMA_TO_GGUF, "gemma3": _GEMMA_TO_GGUF, "glm4": _GLM4_TO_GGUF,
-                 "gpt-oss": _GPT_OSS_TO_GGUF, "glm4moe": _GLM4_MOE_TO_GGUF}.get(arch, _TO_GGUF)
+                 "gpt-oss": _GPT_OSS_TO_GGUF, "glm4moe": _GLM4_MOE_TO_GGUF,
+                 "qwen2moe": _QWEN2_MOE_TO_GGUF}.get(arch, _TO_GGUF)
         return f"blk.{index}.{names[stem]}.{suffix}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
             "lm_head.weight": "output.weight"}[hf]
@@ -116,6 +121,12 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
             w.add_expert_weights_norm(cfg.normalize_expert_weights)
         if arch == "minimax-m2":  # conversion/minimax.py MiniMaxM2Model
             w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+        if arch == "qwen2moe":  # conversion/qwen.py Qwen2MoeModel: the shared gate a vector [hidden]
+            w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_size)
+            for i in range(cfg.num_hidden_layers):
+                name = moe.shared_gate_name(i)
+                w.add_tensor(_gguf_name(name, arch), tensors.pop(name).reshape(-1).numpy())
         if cfg.sigmoid_router:  # conversion/base.py: scoring_func "sigmoid"; the bias as exp_probs_b
             w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
             for i in range(cfg.dense_layers, cfg.num_hidden_layers):
@@ -364,7 +375,8 @@ def _llama3_rope_freqs(head_dim: int) -> np.ndarray:
                                           ("gemma2", "gemma2"), ("gpt-oss", "gpt-oss"),
                                           ("qwen3-moe", "qwen3moe"), ("smollm3", "smollm3"), ("granite", "granite"),
                                           ("qwen3-yarn", "qwen3"), ("glm4", "glm4"), ("glm4-moe", "glm4moe"),
-                                          ("mixtral", "llama"), ("minimax-m2", "minimax-m2")])
+                                          ("mixtral", "llama"), ("minimax-m2", "minimax-m2"),
+                                          ("qwen2-moe", "qwen2moe")])
 def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, variant, arch):
     overrides = {"rope_parameters": LLAMA3_STANDARD} if variant == "llama3" else {}
     if variant in ("gemma2", "gemma3"):  # a GGUF has no query_pre_attn_scalar: llama.cpp takes head_dim (27B aside)
@@ -387,7 +399,7 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
                   "normalize_expert_weights", "rope_layers", "residual_scale", "logit_scale",
                   "attn_softcap", "final_softcap", "expert_biases", "softmax_after_topk", "swiglu_limit",
                   "o_proj_bias", "attention_sinks", "sigmoid_router", "expert_weights_scale",
-                  "shared_expert_size", "dense_layers", "qk_norm_across_heads"):
+                  "shared_expert_size", "dense_layers", "qk_norm_across_heads", "shared_expert_gated"):
         assert getattr(ours, field) == getattr(theirs, field), field
     assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
     assert set(gguf.tensor_names()) == set(hf.tensor_names())
