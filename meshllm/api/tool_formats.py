@@ -3,6 +3,8 @@
 The family is read from the template's own protocol markers, as llama.cpp does:
 
 - mistral: `[TOOL_CALLS]` then a JSON array of {"name", "arguments"} objects;
+- mistral_args (Mistral Small 3.2, Devstral, Magistral, Ministral 3): `[TOOL_CALLS]NAME[ARGS]{...}`
+  per call (api/mistral_calls.py);
 - llama3: a bare JSON object {"name", "parameters"} (maybe after `<|python_tag|>`);
 - harmony (GPT-OSS): a message to `functions.NAME` whose body is the arguments (api/harmony.py);
 - glm (GLM-4.5, 4.6, 4.7): `<tool_call>NAME` then `<arg_key>`/`<arg_value>` tags per argument;
@@ -30,14 +32,14 @@ import string
 from dataclasses import dataclass
 from typing import Literal
 
-from meshllm.api import harmony, tag_calls
+from meshllm.api import harmony, mistral_calls, tag_calls
 from meshllm.api.harmony import HarmonyTokens
 from meshllm.api.tag_calls import TagCallReader, TagForm
-from meshllm.api.tool_parser import ToolCallParser
+from meshllm.api.tool_parser import CallReader, ToolCallParser
 from meshllm.engine.grammar import schema_text
 from meshllm.model.tokenizer import Tokenizer
 
-Family = Literal["hermes", "llama3", "mistral", "harmony", "glm", "qwen3_coder", "minimax"]
+Family = Literal["hermes", "llama3", "mistral", "mistral_args", "harmony", "glm", "qwen3_coder", "minimax"]
 
 HERMES_SYSTEM = """# Tools
 
@@ -68,7 +70,8 @@ class ToolFormat:
     grammar_end: str = '""'
     harmony: HarmonyTokens | None = None  # GPT-OSS's markers (api/harmony.py reads and constrains its replies)
     tag_form: TagForm | None = None  # calls written with tags (api/tag_calls.py)
-    tag_markers: dict[str, str] | None = None  # that form's tags -> their lark
+    tag_markers: dict[str, str] | None = None  # that form's tags (or mistral_args') -> their lark
+    tag_ids: dict[str, int] | None = None  # mistral_args' tags that are special tokens -> their ids
 
     @classmethod
     def of(cls, tokenizer: Tokenizer) -> "ToolFormat":
@@ -81,6 +84,12 @@ class ToolFormat:
                 markers = {tag: lark_marker(tokenizer, tag) for tag in form.markers}
                 return cls(form.family, True, form.open, None, "arguments", markers[form.open],
                            tag_form=form, tag_markers=markers)
+        if "[ARGS]" in template and "[TOOL_CALLS]" in template:
+            tags = mistral_calls.TOOL_CALLS, mistral_calls.ARGS, mistral_calls.CALL_ID
+            ids = {tag: i for tag in tags if (i := _special_id(tokenizer, tag)) is not None}
+            markers = {tag: lark_marker(tokenizer, tag) for tag in tags if tag in template}
+            return cls("mistral_args", True, mistral_calls.TOOL_CALLS, ids.get(mistral_calls.TOOL_CALLS), "arguments",
+                       markers[mistral_calls.TOOL_CALLS], tag_markers=markers, tag_ids=ids)
         if "[TOOL_CALLS]" in template:
             return cls("mistral", True, "[TOOL_CALLS]", _special_id(tokenizer, "[TOOL_CALLS]"), "arguments",
                        lark_marker(tokenizer, "[TOOL_CALLS]"))
@@ -89,14 +98,16 @@ class ToolFormat:
         return cls("hermes", "<tool_call>" in template and "tools" in template, "<tool_call>", None, "arguments",
                    lark_marker(tokenizer, "<tool_call>"), lark_marker(tokenizer, "</tool_call>"))
 
-    def call_reader(self, tools: list[dict], parallel: bool, forced: bool) -> ToolCallParser | TagCallReader:
+    def call_reader(self, tools: list[dict], parallel: bool, forced: bool) -> CallReader:
         """What reads a reply's tool calls as it streams (`forced`: a grammar makes it calls only)."""
         if self.tag_form is not None:
             return TagCallReader(self.tag_form, self.new_call_id, tools, parallel, forced)
+        if self.family == "mistral_args":
+            return mistral_calls.ArgsCallReader(self.tag_ids, self.new_call_id, parallel, forced)
         return ToolCallParser(self, parallel, forced)
 
     def new_call_id(self) -> str:
-        if self.family == "mistral":  # Mistral's templates refuse ids that are not 9 letters or digits
+        if self.family in ("mistral", "mistral_args"):  # Mistral's templates refuse ids not 9 letters or digits
             return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
         return f"call_{secrets.token_hex(12)}"
 
@@ -147,6 +158,8 @@ class ToolFormat:
         """`calls` (a call block, opening included) and `first` (the first call after its opening)."""
         if self.tag_form is not None:
             return tag_calls.calls_grammar(self.tag_form, self.tag_markers, tools, parallel)
+        if self.family == "mistral_args":
+            return mistral_calls.calls_grammar(self.tag_markers, tools, parallel, schema_text)
         options = [{"type": "object", "properties": {
             "name": {"const": t["function"]["name"]},
             self.arguments_key: t["function"].get("parameters") or {"type": "object"}},

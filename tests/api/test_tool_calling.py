@@ -1,6 +1,6 @@
 """Tool calling through real HTTP with the official `openai` client: SmolLM2 (its ChatML template
 knows no tools, so the Hermes protocol is written in) and tiny random models whose templates
-speak each family (hermes, llama3, mistral, glm, qwen3_coder, minimax). Forced calls (tool_choice required or named) are
+speak each family (hermes, llama3, mistral, mistral_args, glm, qwen3_coder, minimax). Forced calls (tool_choice required or named) are
 grammar-constrained, so even a random model's arguments validate against the schema. Also one
 agent loop of the `openai-agents` framework with this server as its model, over chat completions
 and over the Responses API (test_responses_api.py tests that API itself)."""
@@ -151,7 +151,7 @@ def test_tool_choice_none_and_auto_without_a_call_return_content(smollm2_fast_se
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral", "glm", "qwen3_coder", "minimax"])
+@pytest.mark.parametrize("family", ["hermes", "llama3", "mistral", "mistral_args", "glm", "qwen3_coder", "minimax"])
 def test_family_tool_round_trip_on_a_tiny_random_model(tiny_model_dir, family):
     folder = tiny_family_model(tiny_model_dir, family, seed=31)
     backend = build_local_backend(folder, ServingOptions(context_length=2048, max_batch=4))

@@ -93,6 +93,16 @@ MISTRAL_TEMPLATE = r"""
 {%- endfor %}
 """
 
+# Mistral's newer call form (Devstral, Magistral, Ministral 3; Mistral Small 3.2 adds ids): each
+# call `[TOOL_CALLS]NAME[ARGS]{arguments}`, the rest Mistral v0.3's turns
+_MISTRAL_CALLS = MISTRAL_TEMPLATE[MISTRAL_TEMPLATE.index("{{- '[TOOL_CALLS] ['"):MISTRAL_TEMPLATE.index("{{- ']' + eos_token }}")]
+MISTRAL_ARGS_TEMPLATE = MISTRAL_TEMPLATE.replace(_MISTRAL_CALLS, r"""{%- for tc in message.tool_calls %}
+{%- if tc.id is not string or tc.id | length != 9 %}{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{%- endif %}
+{{- '[TOOL_CALLS]' + tc.function.name + '[ARGS]' + (tc.function.arguments | tojson) }}
+{%- endfor %}
+""").replace("{{- ']' + eos_token }}", "{{- eos_token }}", 1)
+assert "[ARGS]" in MISTRAL_ARGS_TEMPLATE and '"arguments": ' not in MISTRAL_ARGS_TEMPLATE  # the call form replaced
+
 # OpenAI's harmony (GPT-OSS), in the shape of its published template: tools as a TypeScript-like
 # namespace in a developer message, a call as a message to functions.NAME on the commentary
 # channel, a result as a message from it; the reply opens at <|start|>assistant.
@@ -201,6 +211,9 @@ FAMILIES = {
                                            "<|eot_id|>", "<|python_tag|>"], "<|eot_id|>", []),
     "mistral": ("mistral", MISTRAL_TEMPLATE, ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
                                               "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], "</s>", []),
+    "mistral_args": ("mistral", MISTRAL_ARGS_TEMPLATE, ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]",
+                                                         "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                                                         "[/TOOL_RESULTS]"], "</s>", []),
     "harmony": ("gpt-oss", HARMONY_TEMPLATE, [None, "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
                                               "<|constrain|>", "<|return|>", "<|call|>"], "<|return|>", []),
     "glm": ("glm4-moe", GLM_TEMPLATE, [None, "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
