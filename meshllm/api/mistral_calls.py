@@ -17,10 +17,16 @@ keeps the arguments streamed so far.
 from __future__ import annotations
 
 import json
+import re
 
 from meshllm.api.tool_parser import CallDelta, CallReader, ParsedCall
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+# What a call's name may be (OpenAI's function names, and dots and colons): held text that cannot
+# become one shows the tag was no call
+_NAME_MAX = 64
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,%d}" % _NAME_MAX)
+_NAME_START = re.compile(r"[A-Za-z0-9_.:-]*")
 _TAGS = (TOOL_CALLS, ARGS, CALL_ID)
 # A tag stands in the held text as one of these (a special token has no text of its own)
 _MARK = {tag: f"\x00{i}\x00" for i, tag in enumerate(_TAGS)}
@@ -35,6 +41,9 @@ class ArgsCallReader(CallReader):
         super().__init__(parallel, forced)
         self.new_call_id = new_call_id
         self._tag_of = {i: tag for tag, i in tag_ids.items()}
+        # a tag the vocabulary has as a token counts only as that token: its text in a reply (code
+        # that splits on "[TOOL_CALLS]") is text, as vLLM reads it
+        self._as_text = tuple(tag for tag in _TAGS if tag not in tag_ids)
         self._call: ParsedCall | None = None  # the call whose arguments are being read (None: dropped)
         self._name: str | None = None  # the open call's name, once [ARGS] or [CALL_ID] ended it
         self._depth = 0
@@ -52,7 +61,7 @@ class ArgsCallReader(CallReader):
         if self._state == "content":
             return "" if cut and self.forced else self._emit(_unmarked(held))
         if self._state == "name" and not cut and not self.forced:
-            return self._emit(_unmarked(held))
+            return self._emit(_unmarked(TOOL_CALLS + held))
         return ""
 
     def _step(self, deltas: list[CallDelta]) -> bool:
@@ -65,15 +74,15 @@ class ArgsCallReader(CallReader):
     def _find(self, tag: str) -> tuple[int, int]:
         """(where, length) of the first `tag` in the held text, as a token's mark or as its text
         (a vocabulary without it as a token); (-1, 0) for none."""
-        found = [(at, len(t)) for t in (_MARK[tag], tag) if (at := self._held.find(t)) >= 0]
+        forms = (_MARK[tag], tag) if tag in self._as_text else (_MARK[tag],)
+        found = [(at, len(t)) for t in forms if (at := self._held.find(t)) >= 0]
         return min(found) if found else (-1, 0)
 
     def _find_call(self) -> bool:
         at, length = self._find(TOOL_CALLS)
         if at < 0:
             # keep what may be the start of a tag written as text
-            keep = next((n for n in range(min(len(TOOL_CALLS) - 1, len(self._held)), 0, -1)
-                         if self._held.endswith(TOOL_CALLS[:n])), 0)
+            keep = self._partial(self._held, TOOL_CALLS)
             decided = self._held[:len(self._held) - keep]
             if self._state == "between":  # after a call: whitespace is layout, words are content
                 decided = decided.lstrip()
@@ -89,6 +98,15 @@ class ArgsCallReader(CallReader):
 
     def _read_name(self, deltas: list[CallDelta]) -> bool:
         at, length = self._find(ARGS)
+        if self._state == "name" and not self._may_be_name(at):
+            # no function name follows: the tag was text the model wrote, and so is what follows
+            # it, up to a next call's tag
+            rest = self._find(TOOL_CALLS)[0]
+            if rest < 0:  # keep what may be the start of the next tag written as text
+                rest = len(self._held) - self._partial(self._held, TOOL_CALLS)
+            self._emit(_unmarked(TOOL_CALLS + self._held[:rest]))
+            self._held, self._state = self._held[rest:], "content"
+            return True
         if self._state == "name":
             id_at, id_length = self._find(CALL_ID)
             if 0 <= id_at and (at < 0 or id_at < at):  # the name ends at [CALL_ID]; the id is dropped
@@ -109,10 +127,31 @@ class ArgsCallReader(CallReader):
         self._state = "args"
         return True
 
+    def _partial(self, text: str, tag: str) -> int:
+        """How many of `text`'s last characters may begin `tag`, written as text (0 where the
+        vocabulary has it as a token)."""
+        if tag not in self._as_text:
+            return 0
+        return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
+
+    def _may_be_name(self, args_at: int) -> bool:
+        """Whether the held text is (or may still become) a call's name, ended by [ARGS] at
+        `args_at` (-1: not yet) or [CALL_ID]."""
+        ends = [i for i in (args_at, self._find(CALL_ID)[0]) if i >= 0]
+        name = (self._held[:min(ends)] if ends else self._held).strip()
+        if ends:
+            return _NAME.fullmatch(name) is not None
+        for tag in (ARGS, CALL_ID):  # a tag's text may be arriving
+            name = name[:len(name) - self._partial(name, tag)]
+        return len(name) <= _NAME_MAX and _NAME_START.fullmatch(name) is not None
+
     def _read_args(self, deltas: list[CallDelta]) -> bool:
         """Arguments text up to where its object closes (JSON's strings, escapes and nesting)."""
         end = None
         for i, ch in enumerate(self._held):
+            if ch == "\x00":  # a tag's token (never part of a string's text): the arguments end, unclosed
+                end = i
+                break
             if self._in_string:
                 if self._escaped:
                     self._escaped = False
@@ -129,9 +168,6 @@ class ArgsCallReader(CallReader):
                 if self._depth == 0:
                     end = i + 1
                     break
-            elif ch == "\x00":  # a tag before the object closed: the arguments end unclosed
-                end = i
-                break
         piece = self._held if end is None else self._held[:end]
         piece = piece if self._call is None or self._call.arguments else piece.lstrip()
         if piece and self._call is not None:

@@ -612,9 +612,14 @@ def config_dict(file: GGUFFile) -> dict:
         config.update(_glm4_moe(file, config))
     if arch == "minimax-m2":
         config.update(_minimax_m2(file, config))
-    if arch == "qwen2moe":  # as llama.cpp reads it (src/models/qwen2moe.cpp): the chosen weights never renormalized
+    if arch == "qwen2moe":  # as llama.cpp reads it (src/models/qwen2moe.cpp): the chosen weights never
+        # renormalized; files converted before June 2024 name no expert width (llama.cpp then takes
+        # feed_forward_length / experts per token: Qwen1.5-MoE-A2.7B's 5632 / 4 = 1408)
+        width = meta.get("qwen2moe.expert_feed_forward_length")
         config.update(norm_topk_prob=False, shared_expert_intermediate_size=int(
-            meta.get("qwen2moe.expert_shared_feed_forward_length", config["intermediate_size"])))
+            meta.get("qwen2moe.expert_shared_feed_forward_length", config["intermediate_size"])),
+            moe_intermediate_size=int(width) if width is not None else
+            config["intermediate_size"] // config["num_experts_per_tok"])
     if arch == "smollm3":  # not in the file: llama.cpp runs every fourth layer without rope (as transformers)
         config["no_rope_layer_interval"] = 4
     if arch == "granite":  # its converter writes the multipliers as scales

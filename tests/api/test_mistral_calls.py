@@ -140,3 +140,31 @@ def test_a_forced_calls_grammar_takes_what_the_template_writes(tiny_model_dir, t
         reader.feed(tokenizer.decode([i], skip_special_tokens=True), i)
     assert [(c.name, json.loads(c.arguments)) for c in reader.calls] == [("get_weather", {"city": "Oslo"}),
                                                                          ("get_weather", {"city": "Rome", "days": 2})]
+
+
+def test_a_tag_the_vocabulary_holds_as_a_token_is_text_when_written_as_text():
+    # Devstral writing code that splits on the tags (found by review): no call, all content
+    code = 'Split it: `name, args = s.split("[TOOL_CALLS]")[1].split("[ARGS]")` then json.loads(args).'
+    for feed in pieces(code, False, seed=3):
+        reader, content, _ = _read(feed, IDS)
+        assert content == code and not reader.calls, feed
+
+
+@pytest.mark.parametrize("as_tokens", [True, False], ids=["tags-as-tokens", "tags-as-text"])
+def test_a_tag_no_function_name_follows_is_text(as_tokens):
+    # the tag then prose, not a name: content as written, streamed as it comes (found by review)
+    text = "Use the [TOOL_CALLS] token to call, then answer. [TOOL_CALLS]get_time[ARGS]{}"
+    for feed in pieces(text, as_tokens, seed=5):
+        reader, content, _ = _read(feed, IDS if as_tokens else {})
+        assert content == "Use the [TOOL_CALLS] token to call, then answer. ", feed
+        assert [(c.name, c.arguments) for c in reader.calls] == [("get_time", "{}")]
+
+
+def test_a_tag_token_inside_an_arguments_string_ends_them():
+    # a special token is never part of a string's text: the arguments end there, unclosed, and no
+    # internal mark reaches the client (found by review)
+    feed = [("", IDS["[TOOL_CALLS]"]), ("f", None), ("", IDS["[ARGS]"]), ('{"a": "x ', None), ("", IDS["[TOOL_CALLS]"]),
+            ("g", None), ("", IDS["[ARGS]"]), ("{}", None)]
+    reader, content, _ = _read(feed, IDS)
+    assert [(c.name, c.arguments, c.complete) for c in reader.calls] == [("f", '{"a": "x ', False), ("g", "{}", True)]
+    assert content == ""

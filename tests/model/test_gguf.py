@@ -65,14 +65,16 @@ def _gguf_name(hf: str, arch: str = "llama") -> str:
 
 
 def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray | None = None,
-                     nextn: int = 0, experts_type: GGML | None = None, types: dict[str, GGML] | None = None) -> Path:
+                     nextn: int = 0, experts_type: GGML | None = None, types: dict[str, GGML] | None = None,
+                     expert_width: bool = True) -> Path:
     """Convert a HF safetensors folder to an F32 GGUF as llama.cpp would (metadata, names, q/k
     permutation; for phi3 fused attn_qkv and gate-up ffn_up, the sliding window and LongRoPE).
     `nextn`: that many multi-token-prediction blocks after the model's (GLM-4.5's, GLM-OCR's),
     here copies of its last block's tensors, which a reader must skip. `experts_type`: the
     experts tensors quantized to it (GPT-OSS's files hold them MXFP4). `types`: GGUF name pieces
     ("attn_v") whose tensors are quantized to that type (as llama.cpp's K-quant mixes keep some
-    matrices in another type than the rest)."""
+    matrices in another type than the rest). `expert_width=False`: a qwen2moe file as converters
+    before June 2024 wrote them, without expert_feed_forward_length."""
     source = SafetensorsSource(folder)
     cfg = source.config()
     hf = json.loads((folder / "config.json").read_text())
@@ -122,7 +124,8 @@ def write_model_gguf(folder: Path, out: Path, arch: str, rope_freqs: np.ndarray 
         if arch == "minimax-m2":  # conversion/minimax.py MiniMaxM2Model
             w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
         if arch == "qwen2moe":  # conversion/qwen.py Qwen2MoeModel: the shared gate a vector [hidden]
-            w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
+            if expert_width:
+                w.add_expert_feed_forward_length(cfg.expert_intermediate_size)
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_size)
             for i in range(cfg.num_hidden_layers):
                 name = moe.shared_gate_name(i)
@@ -413,6 +416,17 @@ def test_gguf_model_matches_its_safetensors_original(tiny_model_dir, tmp_path, v
         assert torch.equal(tensor, want + 1 if gemma and name.endswith("norm.weight") else want), name
     tokens = torch.randint(0, theirs.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(_logits(gguf, tokens), _logits(hf, tokens))
+
+
+def test_a_qwen2moe_file_without_its_expert_width_takes_llama_cpps_default(tiny_model_dir, tmp_path):
+    # converters before June 2024 wrote none: llama.cpp takes feed_forward_length / experts per
+    # token (Qwen1.5-MoE-A2.7B: 5632 / 4 = 1408), here 128 / 2 (found by review: such files failed)
+    folder = tiny_model_dir("qwen2-moe", intermediate_size=128)
+    gguf = GGUFSource(write_model_gguf(folder, tmp_path / "m.gguf", "qwen2moe", expert_width=False))
+    assert "qwen2moe.expert_feed_forward_length" not in gguf.file.metadata
+    assert gguf.config().expert_intermediate_size == 64 == SafetensorsSource(folder).config().expert_intermediate_size
+    tokens = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_logits(gguf, tokens), _logits(SafetensorsSource(folder), tokens))
 
 
 def test_multi_token_prediction_blocks_are_skipped(tiny_model_dir, tmp_path):
