@@ -203,8 +203,8 @@ class GGMLStage:
                                    shared=None if mlp.shared is None else dict(
                                        gate_up=_Weights(self._ctx, mlp.shared.gate_up_proj),
                                        down=_Weights(self._ctx, mlp.shared.down_proj)),
-                                   # Qwen2-MoE's gate on it: [hidden, 1] to ggml
-                                   shared_gate=None if mlp.shared_gate is None else wrap_f32(mlp.shared_gate))
+                                   # Qwen2-MoE's gate on it
+                                   shared_gate=None if mlp.shared_gate is None else _Weights(self._ctx, mlp.shared_gate))
             else:
                 mlp_weights = dict(gate_up=_Weights(self._ctx, mlp.gate_up_proj), down=_Weights(self._ctx, mlp.down_proj))
             self.layers.append(dict(
@@ -520,7 +520,8 @@ class GGMLStage:
         if w["shared"] is not None:  # beside the routed experts, for every row
             shared = self._mlp(s, w["shared"], x, n, c.shared_expert_size)
             if w["shared_gate"] is not None:  # Qwen2-MoE: times sigmoid(gate . x), one factor a row
-                shared = g.ggml_mul(ctx, shared, g.ggml_sigmoid(ctx, g.ggml_mul_mat(ctx, w["shared_gate"], x)))
+                (gate, _, _), = self._linear(s, w["shared_gate"], x)  # [1, n]
+                shared = g.ggml_mul(ctx, shared, g.ggml_sigmoid(ctx, gate))
             total = g.ggml_add(ctx, total, shared)
         return total
 

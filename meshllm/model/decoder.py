@@ -356,8 +356,9 @@ class MoE(nn.Module):
         self.sigmoid_router, self.weights_scale = config.sigmoid_router, config.expert_weights_scale
         self.selection_bias = nn.Parameter(torch.zeros(e), requires_grad=False) if config.sigmoid_router else None
         self.shared = MLP(config, dtype, config.shared_expert_size) if config.shared_expert_size else None
-        # Qwen2-MoE's gate on the shared expert, [1, hidden], in float32 (one value a token)
-        self.shared_gate = nn.Parameter(torch.zeros(1, h), requires_grad=False) if config.shared_expert_gated else None
+        # Qwen2-MoE's gate on the shared expert (one value a token), in float32 as the router: a
+        # linear, so batch-invariant mode tiles it as every other
+        self.shared_gate = nn.Linear(h, 1, bias=False, dtype=torch.float32) if config.shared_expert_gated else None
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """(weights, experts) [tokens, top_k] of each token, as transformers computes them."""
@@ -387,8 +388,8 @@ class MoE(nn.Module):
         if self.shared is None:
             return out
         shared = self.shared(x)
-        if self.shared_gate is not None:  # a sum per row, not a matmul: a row's bits never depend on its batch
-            shared = shared * torch.sigmoid((x.float() * self.shared_gate).sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.shared_gate is not None:
+            shared = shared * _sigmoid_each(self.shared_gate(x.float())).to(x.dtype)
         return out + shared
 
     def _expert(self, e: int, x: Tensor) -> Tensor:
@@ -406,6 +407,17 @@ class MoE(nn.Module):
         limit = self.swiglu_limit
         gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
         return _rows_product(self.down_proj, gate * torch.sigmoid(gate * SWIGLU_ALPHA) * (up + 1), e * h, (e + 1) * h)
+
+
+_VECTOR_PADDING = 64  # a multiple of every CPU vector loop's step (AVX-512: 16 floats, unrolled twice)
+
+
+def _sigmoid_each(x: Tensor) -> Tensor:
+    """torch.sigmoid of a few values (Qwen2-MoE's gate, one a row), each through the same vector
+    code: torch runs a vector's tail apart (last bits apart), so a row's value would depend on
+    how many rows share the step. Padded to whole vector steps, none is a tail."""
+    flat = x.flatten()
+    return torch.sigmoid(F.pad(flat, (0, (-flat.numel()) % _VECTOR_PADDING)))[:flat.numel()].view_as(x)
 
 
 def _rows_product(linear: nn.Module, x: Tensor, start: int, stop: int) -> Tensor:

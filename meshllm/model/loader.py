@@ -80,7 +80,7 @@ def name_map(config: ModelConfig, first_layer: int, last_layer: int) -> NameMap:
             if config.sigmoid_router:
                 names[f"{ours}.mlp.selection_bias"] = [moe.selection_bias_name(config.model_type, i)]
             if config.shared_expert_gated:
-                names[f"{ours}.mlp.shared_gate"] = [moe.shared_gate_name(i)]
+                names[f"{ours}.mlp.shared_gate.weight"] = [moe.shared_gate_name(i)]
             if config.shared_expert_size:
                 gate, up, down = moe.shared_expert_names(config.model_type, i)
                 names[f"{ours}.mlp.shared.gate_up_proj.weight"] = [gate, up]
@@ -205,7 +205,7 @@ def _load_one(source: TensorSource, available: set[str], config: ModelConfig, ou
     gemma_norm = config.model_type in gemma.MODEL_TYPES and ours.endswith(_NORM_WEIGHTS)
     # GLM-4.5's router and the bias that picks its experts: float32 too (decoder.MoE says why)
     router = (config.sigmoid_router and ours.endswith((".mlp.router.weight", ".mlp.selection_bias"))
-              or ours.endswith(".mlp.shared_gate"))  # Qwen2-MoE's shared expert gate, float32 too
+              or ours.endswith(".mlp.shared_gate.weight"))  # Qwen2-MoE's shared expert gate, float32 too
     parts = source.read(hf_names, torch.float32 if gemma_norm or router else dtype)
     if gemma_norm and config.norm_weight_offset:
         parts = {name: t + config.norm_weight_offset for name, t in parts.items()}
