@@ -186,6 +186,34 @@ def transformers_row(path: Path, dtype, device) -> tuple[dict, list[int]]:
     return figures, out[0, ids.shape[1]:].tolist()
 
 
+def graph_replay_us(fn, device) -> float:
+    """Microseconds a call, of 20 calls replayed as one CUDA graph: the kernels' time, as
+    decode runs them (timed as launched from Python, a Triton kernel of ~10 us measured
+    70-200 us on an H200: the launches', bench/results/device-decode-h200-families.json).
+    bench/fused_gemv_sweep.py times its kernels so too."""
+    import torch
+
+    side = torch.cuda.Stream(device)  # warmed on a side stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiles and tunes, outside the recording
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(20):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 20 * 1000
+
+
 def matrix_products(device) -> dict:
     """One product of 1 and 8 rows with Llama-8B-sized matrices (4096x4096, 14336x4096) held as
     GGUF blocks: the fused kernel, the torch path (dequantize, then F.linear) and a dense bf16
@@ -200,30 +228,6 @@ def matrix_products(device) -> dict:
     if not triton_blocks.available(device):
         return {"skipped": "no Triton on this device"}
     import torch.nn.functional as F
-
-    def timed(fn) -> float:
-        """Microseconds a call, of 20 calls replayed as one CUDA graph: the kernels' time, as
-        decode runs them (timed as launched from Python, a Triton kernel of ~10 us measured
-        70-200 us on an H200: the launches', bench/results/device-decode-h200-families.json)."""
-        side = torch.cuda.Stream(device)  # warmed on a side stream, as torch.cuda.graph asks
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(3):  # compiles and tunes, outside the recording
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(20):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 20 * 1000
 
     out = {}
     for n, k in ((4096, 4096), (14336, 4096)):
@@ -240,10 +244,11 @@ def matrix_products(device) -> dict:
                 x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
                 y = torch.empty(rows, n, device=device, dtype=torch.bfloat16)
                 want = F.linear(x.float(), dequantize(blocks, ggml_type, k, torch.bfloat16).float())
-                fused = timed(lambda: triton_blocks.rows_times_planes(x, planes, ggml_type, y))
+                fused = graph_replay_us(lambda: triton_blocks.rows_times_planes(x, planes, ggml_type, y), device)
                 error = ((y.float() - want).abs().max() / want.abs().max()).item()
-                torch_path = timed(lambda: F.linear(x, dequantize(blocks, ggml_type, k, torch.bfloat16)))
-                dense_us = timed(lambda: F.linear(x, dense))
+                torch_path = graph_replay_us(
+                    lambda: F.linear(x, dequantize(blocks, ggml_type, k, torch.bfloat16)), device)
+                dense_us = graph_replay_us(lambda: F.linear(x, dense), device)
                 out[f"{n}x{k} {ggml_type.name} rows={rows}"] = {
                     "fused_us": round(fused, 1), "torch_path_us": round(torch_path, 1),
                     "dense_bf16_us": round(dense_us, 1), "fused_gb_s": round(blocks.numel() / fused / 1e3, 1),

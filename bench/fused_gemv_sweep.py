@@ -33,6 +33,9 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as GGML
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from device_decode import graph_replay_us as timed  # noqa: E402
 from meshllm.engine import block_planes, triton_blocks  # noqa: E402
 from meshllm.engine.block_dequant import dequantize  # noqa: E402
 
@@ -86,29 +89,6 @@ def gemv(x, planes, ggml_type, out, block_n, blocks_k, warps, stages):
         x, q, d, d if mins is None else mins, out, m, n, x.stride(0), out.stride(0),
         NB=nb, KIND=triton_blocks.TYPES[ggml_type], BLOCK_N=block_n, BLOCKS_K=blocks_k,
         num_warps=warps, num_stages=stages)
-
-
-def timed(fn, device) -> float:
-    """Microseconds a call, of 20 calls replayed as one CUDA graph (bench/device_decode.py's)."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(20):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / 20 * 1000
 
 
 def random_planes(n: int, k: int, ggml_type: GGML, device) -> tuple[torch.Tensor, torch.Tensor]:

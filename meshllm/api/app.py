@@ -33,7 +33,7 @@ from meshllm.api.responses_api.store import ResponseStore, input_items_page
 from meshllm.api.responses_api.stream import open_response_stream
 from meshllm.api.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from meshllm.api.streaming import open_stream
-from meshllm.api.think import ThinkReader, prompt_opens_reasoning
+from meshllm.api.think import ThinkReader
 from meshllm.errors import MeshError, ShardUnavailable, UnknownModel
 from meshllm.pipeline.leader import Leader
 
@@ -86,8 +86,7 @@ def create_app(backend: Backend, config: APIConfig) -> FastAPI:
             if not chat or not model_text.thinks or body.continue_final_message:
                 return calls
             # a <think> block first (Qwen3, DeepSeek-R1): reasoning_content; the prompt may have opened it
-            tail = model_text.tokenizer.decode(c.prompt_ids[-8:], skip_special_tokens=False)
-            return ThinkReader(calls, in_reasoning=prompt_opens_reasoning(tail))
+            return ThinkReader(calls, in_reasoning=c.in_reasoning)
 
         return [ChoiceState(c, reader(c)) for c in choices]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 
-from meshllm.api.tool_parser import CallDelta, CallReader, ParsedCall
+from meshllm.api.tool_parser import CallDelta, CallReader, JsonNesting, ParsedCall
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 # What a call's name may be (OpenAI's function names, and dots and colons): held text that cannot
@@ -46,8 +46,7 @@ class ArgsCallReader(CallReader):
         self._as_text = tuple(tag for tag in _TAGS if tag not in tag_ids)
         self._call: ParsedCall | None = None  # the call whose arguments are being read (None: dropped)
         self._name: str | None = None  # the open call's name, once [ARGS] or [CALL_ID] ended it
-        self._depth = 0
-        self._in_string = self._escaped = False
+        self._json = JsonNesting()  # where the open call's arguments text stands
 
     def feed(self, text: str, token_id: int | None = None) -> tuple[str, list[CallDelta]]:
         tag = self._tag_of.get(token_id) if token_id is not None else None
@@ -98,7 +97,8 @@ class ArgsCallReader(CallReader):
 
     def _read_name(self, deltas: list[CallDelta]) -> bool:
         at, length = self._find(ARGS)
-        if self._state == "name" and not self._may_be_name(at):
+        id_at, id_length = self._find(CALL_ID) if self._state == "name" else (-1, 0)
+        if self._state == "name" and not self._may_be_name(at, id_at):
             # no function name follows: the tag was text the model wrote, and so is what follows
             # it, up to a next call's tag
             rest = self._find(TOOL_CALLS)[0]
@@ -108,7 +108,6 @@ class ArgsCallReader(CallReader):
             self._held, self._state = self._held[rest:], "content"
             return True
         if self._state == "name":
-            id_at, id_length = self._find(CALL_ID)
             if 0 <= id_at and (at < 0 or id_at < at):  # the name ends at [CALL_ID]; the id is dropped
                 self._name = self._held[:id_at].strip()
                 self._held, self._state = self._held[id_at + id_length:], "call_id"
@@ -117,7 +116,7 @@ class ArgsCallReader(CallReader):
         if at < 0:
             return False
         self._held = self._held[at + length:]
-        self._depth, self._in_string, self._escaped = 0, False, False
+        self._json = JsonNesting()
         if self.parallel or not self.calls:
             self._call = ParsedCall(self.new_call_id(), self._name)
             self.calls.append(self._call)
@@ -134,10 +133,10 @@ class ArgsCallReader(CallReader):
             return 0
         return next((n for n in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:n])), 0)
 
-    def _may_be_name(self, args_at: int) -> bool:
+    def _may_be_name(self, args_at: int, id_at: int) -> bool:
         """Whether the held text is (or may still become) a call's name, ended by [ARGS] at
-        `args_at` (-1: not yet) or [CALL_ID]."""
-        ends = [i for i in (args_at, self._find(CALL_ID)[0]) if i >= 0]
+        `args_at` or [CALL_ID] at `id_at` (-1: not yet)."""
+        ends = [i for i in (args_at, id_at) if i >= 0]
         name = (self._held[:min(ends)] if ends else self._held).strip()
         if ends:
             return _NAME.fullmatch(name) is not None
@@ -152,22 +151,9 @@ class ArgsCallReader(CallReader):
             if ch == "\x00":  # a tag's token (never part of a string's text): the arguments end, unclosed
                 end = i
                 break
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif ch == "\\":
-                    self._escaped = True
-                elif ch == '"':
-                    self._in_string = False
-            elif ch == '"':
-                self._in_string = True
-            elif ch in "{[":
-                self._depth += 1
-            elif ch in "}]":
-                self._depth -= 1
-                if self._depth == 0:
-                    end = i + 1
-                    break
+            if self._json.step(ch) == "}" and self._json.depth == 0:
+                end = i + 1
+                break
         piece = self._held if end is None else self._held[:end]
         piece = piece if self._call is None or self._call.arguments else piece.lstrip()
         if piece and self._call is not None:

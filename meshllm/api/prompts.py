@@ -33,6 +33,7 @@ class ChoiceRequest:
     grammar: Grammar | None = None  # what the output must match (response_format, forced tool call)
     speculative: bool | None = None  # the request's override of the server's speculative decoding
     continues_prompt: bool = False  # legacy completions: the text goes on from the prompt's (its spacing kept)
+    in_reasoning: bool = False  # chat: the prompt left a <think> block open, so the reply starts inside it
 
 
 # Normalizers may fold a few characters into one (composed accents): allow for it, so
@@ -97,7 +98,8 @@ def chat_choices(model: ModelText, body: ChatCompletionRequest) -> list[ChoiceRe
     if model.thinks and not body.continue_final_message:
         reasoning = "opened" if think.prompt_opens_reasoning(text[-64:]) else "may_open"
     return _expand([ids], body, body.completion_limit, body.num_logprobs, model,
-                   _chat_grammar(model, body, reasoning), continues_prompt=body.continue_final_message)
+                   _chat_grammar(model, body, reasoning), continues_prompt=body.continue_final_message,
+                   in_reasoning=reasoning == "opened")
 
 
 def _cut_after(text: str, final: str) -> str:
@@ -199,7 +201,8 @@ def _logit_bias(body: SamplingFields, vocab_size: int) -> tuple[tuple[int, float
 
 
 def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | None, logprobs: int | None,
-            model: ModelText, grammar: Grammar | None = None, continues_prompt: bool = False) -> list[ChoiceRequest]:
+            model: ModelText, grammar: Grammar | None = None, continues_prompt: bool = False,
+            in_reasoning: bool = False) -> list[ChoiceRequest]:
     """n choices per prompt, OpenAI's order (prompt-major). Choice j gets seed base + j, so a
     request with a seed is reproducible and its choices still differ from one another. Without a
     seed each choice draws its own at the leader, which may then verify sampled drafts with
@@ -225,5 +228,5 @@ def _expand(prompts: list[list[int]], body: SamplingFields, max_tokens: int | No
                 repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias=logit_bias)
             choices.append(ChoiceRequest(len(choices), prompt_index, ids, params, grammar, body.speculative,
-                                         continues_prompt))
+                                         continues_prompt, in_reasoning))
     return choices

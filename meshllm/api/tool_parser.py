@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # tool_formats imports harmony, which takes this module's call shapes
@@ -38,13 +38,41 @@ class ParsedCall:
 
 
 @dataclass
+class JsonNesting:
+    """Where a JSON text stands, one character at a time: its bracket depth, and whether it is
+    inside a string (just after a backslash there)."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+
+    def step(self, c: str) -> str | None:
+        """Take character `c`: '"' when it ends a string, "}" when it closes a bracket (the depth
+        then one less), else None."""
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                self.in_string = False
+                return '"'
+        elif c == '"':
+            self.in_string = True
+        elif c in "{[":
+            self.depth += 1
+        elif c in "}]":
+            self.depth -= 1
+            return "}"
+        return None
+
+
+@dataclass
 class _CallScan:
     """One call object being read: its text so far and where its arguments value is."""
 
     text: str = ""
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
+    nesting: JsonNesting = field(default_factory=JsonNesting)
     scanned: int = 0
     args_start: int | None = None
     args_end: int | None = None  # one past the value's last character, once known
@@ -221,7 +249,7 @@ class ToolCallParser(CallReader):
             deltas.append(CallDelta(len(self.calls) - 1, scan.call.id, scan.call.name))
         # rescan from the arguments value, now that its start is known
         scan.args_start = scan.scanned = args_start
-        scan.depth, scan.in_string, scan.escaped = 1, False, False
+        scan.nesting = JsonNesting(depth=1)
         scan.args_end = scan.closed_at = None
         _advance(scan)
 
@@ -240,26 +268,15 @@ def _advance(scan: _CallScan) -> None:
     text = scan.text
     i = scan.scanned
     while i < len(text) and scan.closed_at is None:
-        c = text[i]
-        if scan.in_string:
-            if scan.escaped:
-                scan.escaped = False
-            elif c == "\\":
-                scan.escaped = True
-            elif c == '"':
-                scan.in_string = False
-                if scan.args_start is not None and scan.args_end is None and scan.depth == 1:
-                    scan.args_end = i + 1  # a string-valued arguments field ends here
-        elif c == '"':
-            scan.in_string = True
-        elif c in "{[":
-            scan.depth += 1
-        elif c in "}]":
-            scan.depth -= 1
-            if scan.args_start is not None and scan.args_end is None and scan.depth <= 1:
+        ended, depth = scan.nesting.step(text[i]), scan.nesting.depth
+        open_args = scan.args_start is not None and scan.args_end is None
+        if ended == '"' and open_args and depth == 1:
+            scan.args_end = i + 1  # a string-valued arguments field ends here
+        elif ended == "}":
+            if open_args and depth <= 1:
                 # the value closed (depth 1), or the object closed around a bare value (depth 0)
-                scan.args_end = i + 1 if scan.depth == 1 else len(text[:i].rstrip())
-            if scan.depth == 0:
+                scan.args_end = i + 1 if depth == 1 else len(text[:i].rstrip())
+            if depth == 0:
                 scan.closed_at = i + 1
         i += 1
     scan.scanned = i

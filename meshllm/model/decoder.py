@@ -237,14 +237,15 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rotation: Tensor, slices: list[SeqSlice], layer: int) -> Tensor:
         n, heads = x.shape[0], self.num_heads
         qkv = self.qkv_proj(x)
-        if self.qk_norm_across_heads:
-            q_k = self.q_size + self.kv_size
-            qkv = torch.cat((self.q_norm(qkv[:, :self.q_size]), self.k_norm(qkv[:, self.q_size:q_k]), qkv[:, q_k:]),
-                            dim=1)
-        qk = qkv[:, :self.q_size + self.kv_size].view(n, heads + self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and not self.qk_norm_across_heads:
-            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        q_k = self.q_size + self.kv_size
+        v = qkv[:, q_k:].view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm_across_heads:  # before the heads are split out
+            qk = torch.cat((self.q_norm(qkv[:, :self.q_size]), self.k_norm(qkv[:, self.q_size:q_k])), dim=1)
+            qk = qk.view(n, heads + self.num_kv_heads, self.head_dim)
+        else:
+            qk = qkv[:, :q_k].view(n, heads + self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
         # q and k of every head rotate together in one batched matmul (see Rotary.rotation); a
         # NoPE layer's (rotation None) stay as they are.
         if rotation is not None:
