@@ -184,6 +184,7 @@ def ours(path: Path, threads: int, dense: str | None = None, own_ops: bool = Tru
         from meshllm.engine import ggml_stage
 
         ggml_stage.FEW_ROWS_MAX = ggml_stage.QUANT_FEW_ROWS_MAX = 0
+        ggml_stage.ALL_ROWS_OPS = frozenset()
         ggml_stage.q8_0x8_ops = lambda: None  # the Q8_0 head re-laid out for meshllm's op
     files = open_model(path, tokenizer=False)  # as a stage opens it (stage_control._open_files)
     dtype = DTYPES[DEFAULT_DTYPE]  # what `meshllm serve` runs with: --dtype auto

@@ -52,15 +52,28 @@ FEW_ROWS_MAX = 16
 # Products of a repacked Q4_0 matrix (a Q4_1 one's with its remainder), a plain Q8_0 one or a K-quant
 # one (Q4_K repacked or plain, Q5_K, Q6_K; from 2 rows) with at most this many rows run meshllm's
 # kernels (kernels/quant_few_rows.c, k_quant_few_rows.c say why): bitwise ggml's one-row products,
-# an extra row at a fraction of ggml's cost; more rows (prefill) run ggml's GEMM.
+# an extra row at a fraction of ggml's cost; more rows (prefill) run ggml's GEMM, but for ALL_ROWS_OPS.
 QUANT_FEW_ROWS_MAX = 16
+# (type, repacked) of the matrices whose op (above) runs at any number of rows, prefill chunks too:
+# a repacked Q4_0 one (a Q4_1 one's with its remainder), where meshllm's op out-runs ggml's own
+# repacked GEMM at every chunk size measured (2 threads, AMD Zen 4, whole-model prefill tok/s of
+# 32 / 128 / 512 rows, ggml's -> the op's): SmolLM2 Q4_1 791 / 891 / 817 -> 1140 / 1256 / 1072,
+# Q4_0 940 / 1009 / 784 -> 1495 / 1606 / 1052, a 1.1B Q4_0 (TinyLlama's shape) 132 / 138 / 128 ->
+# 243 / 235 / 203. Not the others: plain Q8_0 0.80-0.91x ggml's GEMM from 64 rows, the K-quants
+# (SmolLM2 Q4_K_M) 0.97-1.02x.
+ALL_ROWS_OPS = frozenset({(int(GGML.Q4_0), True)})
 # Steps whose sequences have at most this many rows each reuse their graph (see forward); a few
 # shapes are kept (batch 1 with adaptive draft lengths cycles through several).
 _MAX_REUSED_ROWS, _MAX_CACHED_GRAPHS = 16, 6
 # ggml runs flash attention for this many queries of a sequence or more as tiles (GGML_FA_TILE_Q).
 _TILED_ATTENTION_ROWS = 64
-# Attention of a sequence's rows over a bf16 KV cache runs meshllm's op up to this many rows
-# (kernels/few_rows_attention.c says why); more (prefill chunks) run ggml's flash attention. A
+# Attention of a sequence's rows over a bf16 KV cache runs meshllm's op (kernels/few_rows_attention.c
+# says why) up to this many rows, and any number without a sliding window: it out-runs ggml's flash
+# attention on prefill chunks too (ggml's runs up to 63 queries one row at a time, more as tiles
+# over an f32 copy of the KV). Measured, 2 threads, AMD Zen 4, whole-model prefill tok/s (Q4 weights),
+# ggml's -> the op: SmolLM2 chunks of 32 rows 730 -> 1028, 63 rows 792 -> 1157, 128 of 1024 821 ->
+# 988, 512 of 2048 657 -> 731; a 1.1B of TinyLlama's shape (32 heads over 4) 32 rows 217 -> 249,
+# 256 of 1024 195 -> 205. With a window, more rows run ggml's (the op's rows would go one by one). A
 # step whose sequences all have at most this many rows runs the batched form: one KV write and one
 # attention op per layer for all its sequences, reading where each sequence's rows and KV are from
 # a table patched per step, so its graph serves any later step with as many rows however they
@@ -317,9 +330,10 @@ class GGMLStage:
         op's and as fast or faster: 11264x2048, 2 threads, Q5_K 0.58 ms against 0.8, Q6_K 0.49
         against 0.48, repacked Q4_K 0.46 against 0.48)."""
         t = tensor.contents
-        if n > QUANT_FEW_ROWS_MAX or not t.buffer or (n == 1 and t.type in self._k_quant_types):
+        if not t.buffer or (n == 1 and t.type in self._k_quant_types):
             return None
-        return self._quant_few_rows_ops.get((t.type, self._repacked(t)))
+        key = (t.type, self._repacked(t))
+        return self._quant_few_rows_ops.get(key) if n <= QUANT_FEW_ROWS_MAX or key in ALL_ROWS_OPS else None
 
     def _takes_tiled_gemm(self, tensor) -> bool:
         """Whether ggml would multiply 8 rows and more of `tensor` with its tiled GEMM: a type it
@@ -431,7 +445,8 @@ class GGMLStage:
                 s.reads.append((keys, values, k_cache.contents.data, v_cache.contents.data, row_nb, window, index, row))
                 return keys, values
 
-            if self._attention_op is not None and t <= ATTENTION_FEW_ROWS_MAX and seq.kv.k.dtype == torch.bfloat16:
+            if self._attention_op is not None and seq.kv.k.dtype == torch.bfloat16 and (
+                    t <= ATTENTION_FEW_ROWS_MAX or window is None):
                 # The op sees every key up to a row's own. With a window each row starts elsewhere:
                 # the rows of a few-row step (a verify pass) then go one by one, each exactly as a
                 # one-row decode step attends (same op, same key view), so a verify pass keeps

@@ -68,7 +68,7 @@ def _inputs(t: int, heads: int, kv_heads: int, end: int, hd: int, seed: int):
 # time leave padding in the last block), end 32 none.
 @pytest.mark.parametrize("t,heads,kv_heads,end,hd", [(1, 9, 3, 1, 64), (1, 9, 3, 200, 64), (5, 9, 3, 17, 64),
                                                      (16, 4, 1, 300, 128), (3, 8, 8, 40, 32), (9, 6, 2, 9, 64),
-                                                     (2, 9, 3, 32, 64)])
+                                                     (2, 9, 3, 32, 64), (100, 9, 3, 130, 64), (70, 32, 4, 70, 64)])
 def test_matches_float64_attention(rt, t, heads, kv_heads, end, hd):
     q, k, v = _inputs(t, heads, kv_heads, end, hd, seed=t * 100 + end)
     torch.testing.assert_close(_attend(rt, q, k, v).double(), _reference(q, k, v), rtol=0, atol=2e-5)
@@ -82,6 +82,18 @@ def test_a_verify_pass_of_t_rows_equals_t_one_row_steps(rt):
         visible = end - t + r + 1  # a one-row step at that position sees exactly these keys
         alone = _attend(rt, q[r:r + 1], k[:, :visible], v[:, :visible])
         assert torch.equal(together[r:r + 1], alone), r
+
+
+def test_a_prefill_chunk_scores_each_row_as_a_one_row_step(rt):
+    """ggml_stage runs prefill chunks of any size through the op (without a sliding window): each
+    row of a chunk comes out as a one-row step at its position would (so chunk sizes do not change
+    a sequence's KV), with the scores of 4 query rows at a time in the thread's scratch."""
+    t, end = 150, 400
+    q, k, v = _inputs(t, 9, 3, end, 64, seed=11)
+    together = _attend(rt, q, k, v)
+    for r in (0, 1, 3, 4, 77, 148, 149):  # around the 4-row blocks, and the chunk's last
+        visible = end - t + r + 1
+        assert torch.equal(together[r:r + 1], _attend(rt, q[r:r + 1], k[:, :visible], v[:, :visible])), r
 
 
 def test_large_scores_do_not_overflow(rt):

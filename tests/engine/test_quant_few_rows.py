@@ -106,6 +106,19 @@ def test_each_row_is_independent_of_the_rows_beside_it(rt, ggml_type, rows, cols
         assert torch.equal(_op(rt, matrix, x[:n]), alone[:n]), n
 
 
+@pytest.mark.parametrize("ggml_type,rows,cols", [s for s in SHAPES if s[0] != GGML.Q8_0],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_q4_prefill_chunks_are_their_rows_one_by_one(rt, ggml_type, rows, cols):
+    """The Q4_0 op takes prefill chunks too (ggml_stage.ALL_ROWS_OPS): each row of a chunk of any
+    size is its one-row product, bit for bit, past the 16 rows of a verify pass (and a Q4_1
+    remainder, added in register tiles from 17 rows, as it is added row by row below)."""
+    matrix, _ = _matrix(rt, ggml_type, rows, cols, seed=rows + 3 * cols)
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(10))
+    alone = torch.cat([_op(rt, matrix, x[i:i + 1]) for i in range(70)])
+    for n in (17, 23, 70):  # a remainder tile of 8 rows, a partial one
+        assert torch.equal(_op(rt, matrix, x[:n]), alone[:n]), n
+
+
 @pytest.mark.parametrize("ggml_type,rows,cols", SHAPES, ids=lambda v: getattr(v, "name", str(v)))
 def test_products_are_as_close_to_the_reference_as_ggmls(rt, ggml_type, rows, cols):
     matrix, weight = _matrix(rt, ggml_type, rows, cols, seed=rows + 2 * cols)

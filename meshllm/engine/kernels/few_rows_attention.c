@@ -198,7 +198,9 @@ static inline __attribute__((always_inline)) void attend(struct view q, struct v
         const int64_t nq = (hg1 - h) * t; /* query vectors: (head, row) for heads h .. hg1 */
         sc.k = grow(sc.k, &sc.k_len, (size_t)(stride * hd));
         sc.v = grow(sc.v, &sc.v_len, (size_t)(end * hd));
-        sc.s = grow(sc.s, &sc.s_len, (size_t)(nq * stride));
+        /* the scores of one block of query vectors at a time: all of a prefill chunk's (512 rows,
+         * 8 heads, 4096 keys) would be 64 MiB */
+        sc.s = grow(sc.s, &sc.s_len, (size_t)(V_QUERIES * stride));
         to_f32(k, kvh, end, hd, sc.k);
         memset(sc.k + end * hd, 0, (size_t)((stride - end) * hd) * sizeof(float)); /* the last block's padding */
         to_f32(v, kvh, end, hd, sc.v);
@@ -210,10 +212,10 @@ static inline __attribute__((always_inline)) void attend(struct view q, struct v
                 const int64_t qi = q0 + c, head = h + qi / t, row = qi % t;
                 visible[c] = start + row + 1;
                 const float *qrow = (const float *)(q.data + head * q.nb1 + row * q.nb2);
-                inv[c] = scores(qrow, sc.k, visible[c], hd, scale, sc.s + qi * stride);
+                inv[c] = scores(qrow, sc.k, visible[c], hd, scale, sc.s + c * stride);
             }
             __m512 acc[V_QUERIES][MAX_HD / 16];
-            const float *s = sc.s + q0 * stride;
+            const float *s = sc.s;
             switch (nc) {
             case 1: weighted_values(sc.v, s, stride, visible, hd, 1, acc); break;
             case 2: weighted_values(sc.v, s, stride, visible, hd, 2, acc); break;

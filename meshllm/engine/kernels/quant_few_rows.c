@@ -1,5 +1,6 @@
 /* Quantized matrices x a few activation rows, as ggml custom ops: Q4_0 in ggml's repacked 8-row
- * layout (with a Q4_1 matrix's remainder) and Q8_0 in its plain layout.
+ * layout (with a Q4_1 matrix's remainder) and Q8_0 in its plain layout. The Q4_0 op takes prefill
+ * chunks too, faster than ggml's repacked GEMM (ggml_stage.ALL_ROWS_OPS has the figures).
  *
  * Why: on AMD Zen 4 at one thread ggml's products cost nearly a whole step per extra activation
  * row (SmolLM2 as shipped, Q4_1 held as Q4_0: a 4-row step 3.3x a 1-row step, 8 rows 5.3x; its
@@ -20,7 +21,7 @@
  *           of nibbles XORed with 0x88, 8-byte chunks: chunk i holds bytes (i / 8) * 8 .. +8 of
  *           row i % 8's block), blocks of a group of 8 rows contiguous; N % 8 == 0
  *           or Q8_0 [K, N] plain: per row K / 32 blocks of an f16 scale and 32 int8
- *     src1  f32 [K, n] activations, n <= OP_MAX_ROWS
+ *     src1  f32 [K, n] activations, n <= OP_MAX_ROWS for Q8_0, any n for Q4_0
  *     src2  Q4_0 only, optional: f32 [K / 32, N], a Q4_1 matrix's per-block remainder R
  *           (ggml_weights.split_q4_1), adding sum_b R[b][r] * (x summed over block b)
  *     dst   f32 [N, n]
@@ -99,6 +100,14 @@ static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, str
             }
         }
     }
+}
+
+/* A worker's quantized activations outlive the call up to OP_MAX_ROWS rows (a decode step's
+ * few KiB, reused every step); a prefill chunk's (512 rows of 5632: 6 MiB) are given back. */
+static void release_large(struct quantized *xq) {
+    if (xq->capacity <= (size_t)OP_MAX_ROWS * 8192) return;
+    free(xq->q); free(xq->u); free(xq->d); free(xq->sum); free(xq->offset);
+    memset(xq, 0, sizeof *xq);
 }
 
 /* Activation row i's integer dot with one block of 8 weight rows: lanes 2r and 2r+1 hold row r's
@@ -188,15 +197,43 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t *grou
 ROW_COUNT_DISPATCH(group_dispatch, group_rows, struct quantized, float out[][8])
 
 /* dst[m][i0..i1) += sum_b R[b][i] * (x row m summed over block b), b in order: the arithmetic of
- * q4_remainder.c, with each R row read once for all activation rows */
+ * q4_remainder.c, one fused multiply-add per block and output, in either of two orders (the same
+ * per output, so the same bits). Up to STREAMED_REMAINDER_ROWS rows: each R row read once, in
+ * order, for all activation rows (decode reads R from memory, and the prefetcher follows a row;
+ * tiled, it read 18-48 rows a line at a time: a SmolLM2 Q4_1 step 3.4 -> 4.0 ms). More rows
+ * (prefill chunks): tiles of 16 outputs of up to REMAINDER_ROWS rows held in registers across all
+ * blocks, where whole output rows (a chunk's 177 x 1536 floats) outgrew the cache and were read
+ * and written again for every block: 16% of a SmolLM2 Q4_1 prefill. */
+#define STREAMED_REMAINDER_ROWS 16
+#define REMAINDER_ROWS 8
+
 static void add_remainder(const struct ggml_tensor *r, const struct quantized *xq, struct ggml_tensor *dst,
                           int64_t n, int64_t blocks, int64_t i0, int64_t i1) {
-    for (int64_t b = 0; b < blocks; b++) {
-        const float *rb = (const float *)((const char *)r->data + b * r->nb[1]);
-        for (int64_t m = 0; m < n; m++) {
-            const float s = xq->sum[b * n + m];
-            float *out = (float *)((char *)dst->data + m * dst->nb[1]);
-            for (int64_t i = i0; i < i1; i++) out[i] += rb[i] * s;
+    if (n <= STREAMED_REMAINDER_ROWS) {
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *rb = (const float *)((const char *)r->data + b * r->nb[1]);
+            for (int64_t m = 0; m < n; m++) {
+                const float s = xq->sum[b * n + m];
+                float *out = (float *)((char *)dst->data + m * dst->nb[1]);
+                for (int64_t i = i0; i < i1; i++) out[i] += rb[i] * s;
+            }
+        }
+        return;
+    }
+    for (int64_t i = i0; i < i1; i += 16) {
+        const __mmask16 lanes = i1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (i1 - i)) - 1);
+        for (int64_t m0 = 0; m0 < n; m0 += REMAINDER_ROWS) {
+            const int mx = n - m0 < REMAINDER_ROWS ? (int)(n - m0) : REMAINDER_ROWS;
+            __m512 acc[REMAINDER_ROWS];
+            for (int m = 0; m < mx; m++)
+                acc[m] = _mm512_maskz_loadu_ps(lanes, (const float *)((const char *)dst->data + (m0 + m) * dst->nb[1]) + i);
+            for (int64_t b = 0; b < blocks; b++) {
+                const __m512 rb = _mm512_maskz_loadu_ps(lanes, (const float *)((const char *)r->data + b * r->nb[1]) + i);
+                const float *s = xq->sum + b * n + m0;
+                for (int m = 0; m < mx; m++) acc[m] = _mm512_fmadd_ps(rb, _mm512_set1_ps(s[m]), acc[m]);
+            }
+            for (int m = 0; m < mx; m++)
+                _mm512_mask_storeu_ps((float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + i, lanes, acc[m]);
         }
     }
 }
@@ -205,8 +242,9 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     (void)userdata;
     const struct ggml_tensor *w = dst->src[0], *x = dst->src[1], *r = dst->src[2];
     const int64_t K = w->ne[0], N = w->ne[1], n = x->ne[1];
-    /* ggml_stage.py builds only these; anything else is a bug, not bad input */
-    if (n > OP_MAX_ROWS || w->type != GGML_TYPE_Q4_0 || N % 8 || K % 32 || x->type != GGML_TYPE_F32
+    /* ggml_stage.py builds only these (any n: prefill chunks too, ALL_ROWS_OPS says why); anything
+     * else is a bug, not bad input */
+    if (n < 1 || w->type != GGML_TYPE_Q4_0 || N % 8 || K % 32 || x->type != GGML_TYPE_F32
         || x->ne[0] != K || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || dst->ne[0] != N
         || dst->ne[1] != n || dst->nb[0] != sizeof(float)
         || (r && (r->type != GGML_TYPE_F32 || r->ne[0] != N || r->ne[1] != K / 32 || r->nb[0] != sizeof(float))))
@@ -220,6 +258,7 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     quantized_groups_times_passes((const uint8_t *)w->data, (K / 32) * GROUP_BYTES, g0, g1, &xq, K, n, group_dispatch,
                                   dst);
     if (r) add_remainder(r, &xq, dst, n, K / 32, g0 * 8, g1 * 8);
+    release_large(&xq);
 }
 
 /* Q8_0 (plain layout: per block an f16 scale and 32 int8) x a few rows. dpbusd multiplies unsigned
