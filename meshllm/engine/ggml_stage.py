@@ -30,7 +30,7 @@ from meshllm.engine.ggml_weights import GraphScope, custom_op
 from meshllm.engine.kernels.custom_ops import (attention_op, batched_attention_ops, k_quant_few_rows_op, q4_few_rows_op,
                                                q4_kx8_few_rows_op, q4_remainder_op, q8_0x8_ops, q8_few_rows_op)
 from meshllm.engine.kernels.gemv import ggml_few_rows_op
-from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear
+from meshllm.engine.quantized import FileRowsEmbedding, QuantizedEmbedding, QuantizedLinear
 from meshllm.model.decoder import Decoder, MoE, SeqSlice, _inv_freq
 from meshllm.model.moe import SWIGLU_ALPHA
 
@@ -243,11 +243,14 @@ class GGMLStage:
                 head.matrices[0].repack_q8_0x8()
             self.norm = wrap_f32(decoder.norm.weight)
             self.head = _Weights(self._ctx, head)
-        self.embedding, self.embedding_q8_0x8 = None, False
+        self.embedding, self.embedding_q8_0x8, self.embedding_in_file = None, False, None
         if decoder.has_embedding:
             e = decoder.embed_tokens
-            self.embedding = e.table.tensor if isinstance(e, QuantizedEmbedding) else self._ctx.wrap(e.weight)
-            self.embedding_q8_0x8 = isinstance(e, QuantizedEmbedding) and e.table.layout == "q8_0x8"
+            if isinstance(e, FileRowsEmbedding):  # each step reads its rows from the file (_build_into)
+                self.embedding_in_file = e
+            else:
+                self.embedding = e.table.tensor if isinstance(e, QuantizedEmbedding) else self._ctx.wrap(e.weight)
+                self.embedding_q8_0x8 = isinstance(e, QuantizedEmbedding) and e.table.layout == "q8_0x8"
         # ggml's NEOX rotary (HF's rotate_half) computes theta_i = pos * base^(-2i/d) / factor_i:
         # the factors carry llama3's frequency scaling, or LongRoPE's as they are. d is the rotated
         # dims (a partial rotary turns the first ones, ggml and transformers alike).
@@ -651,17 +654,26 @@ class GGMLStage:
             keep = step.key is None
             s.kv = [[(s.wrap(seq.kv.k[i], keep), s.wrap(seq.kv.v[i], keep)) for seq in slices]
                     for i in range(len(self.layers))]
-        if self.embedding is not None:
+        if self.embedding_in_file is not None:
+            # The step's rows of the table, read as stored into a buffer of its own (patch), then
+            # looked up in order: what get_rows computes over the whole table, for n rows' bytes.
+            e = self.embedding_in_file
+            step.ids, step.file_table = torch.zeros(n, dtype=torch.int32), e
+            step.table_rows = torch.empty(n, e.rows.row_bytes, dtype=torch.uint8)
+            rows = g.ggml_new_tensor_2d(ctx, int(e.ggml_type), e.embedding_dim, n)
+            rows.contents.data = s.keep(step.table_rows).data_ptr()
+            h = g.ggml_get_rows(ctx, rows, s.wrap(torch.arange(n, dtype=torch.int32)))
+        elif self.embedding is not None:
             step.ids = torch.zeros(n, dtype=torch.int32)
             if self.embedding_q8_0x8:
                 h = custom_op(s, self._q8_0x8_ops[1], (c.hidden_size, n), self.embedding, s.wrap(step.ids))
             else:
                 h = g.ggml_get_rows(ctx, self.embedding, s.wrap(step.ids))
-            if c.embedding_scale != 1.0:  # Gemma, Granite
-                h = g.ggml_scale(ctx, h, c.embedding_scale)
         else:
             step.hidden = torch.zeros(n, c.hidden_size, dtype=torch.float32)
             h = s.wrap(step.hidden)
+        if step.ids is not None and c.embedding_scale != 1.0:  # Gemma, Granite
+            h = g.ggml_scale(ctx, h, c.embedding_scale)
         for i, w in enumerate(self.layers):
             attn = self._attention(s, graph, i, w, self._norm(s, h, w["attn_norm"]), pos, slices,
                                    masks.get(w["window"]), n, step.table)
@@ -749,6 +761,7 @@ class _Step:
     def __init__(self, key: tuple | None, scope: GraphScope, graph, allocator):
         self.key, self.scope, self.graph, self.allocator = key, scope, graph, allocator
         self.ids = self.hidden = self.rows = self.pos = self.out = self.kv_anchor = None
+        self.file_table = self.table_rows = None  # an embedding left in the file, and this step's rows of it
         self.table: Tensor | None = None  # the batched form's per-layer sequence table
         self.table_layout: list | None = None  # what the table was last filled for, but the starts
         self.windows: np.ndarray | None = None  # each layer's window, where the table applies one
@@ -762,6 +775,8 @@ class _Step:
         self.pos.copy_(positions)
         if self.ids is not None:
             self.ids.copy_(x)
+            if self.file_table is not None:
+                self.file_table.read(self.ids, self.table_rows)
         else:
             self.hidden.copy_(x)
         if self.rows is not None:

@@ -209,20 +209,6 @@ class GGMLMatrix:
         # The repack buffer re-lays the blocks out as they are set: one call with the whole tensor.
         g.ggml_backend_tensor_set(self.tensor, ctypes.c_void_p(data.data_ptr()), 0, data.numel())
 
-    @classmethod
-    def in_place(cls, rt: Runtime, matrix: BlockMatrix) -> GGMLMatrix:
-        """`matrix` read where it lies, in ggml's plain layout: no buffer, no copy. For a table
-        over a file map (GGUFSource.mapped_blocks), whose rows become resident only as lookups
-        read them; ggml's CPU backend reads a tensor through its data pointer."""
-        self = cls.__new__(cls)
-        self._describe(rt, matrix)
-        self.experts, self.num_bytes, self._buffer = 1, matrix.num_bytes, None
-        self._data = matrix.data  # the memory the tensor points at, alive as long as this matrix
-        self._new_tensor(matrix)
-        assert matrix.data.is_contiguous() and self.g.ggml_nbytes(self.tensor) == matrix.num_bytes
-        self.tensor.contents.data = matrix.data.data_ptr()
-        return self
-
     def _describe(self, rt: Runtime, matrix: BlockMatrix) -> None:
         self.g, self.rt = rt.lib, rt
         self.ggml_type, (self.rows, self.cols) = matrix.ggml_type, matrix.shape
@@ -257,9 +243,7 @@ class GGMLMatrix:
 
     def spans(self) -> list[tuple[int, int]]:
         """The (start, end) addresses of the memory this matrix holds: its ggml buffer, and its
-        remainder where it has one; nothing for one read in place (that memory is the file's)."""
-        if self._buffer is None:
-            return []
+        remainder where it has one."""
         out = [self._buffer_span()]
         if self.remainder is not None:
             out.append((self.remainder.data_ptr(), self.remainder.data_ptr() + self.remainder.nbytes))

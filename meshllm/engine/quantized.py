@@ -11,12 +11,20 @@ in x's dtype, computed in fp32 by ggml with x quantized to the weight's 8-bit do
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+from gguf.constants import GGMLQuantizationType as GGML
 from torch import Tensor, nn
 
 from meshllm.engine.ggml_lib import Runtime
 from meshllm.engine.ggml_weights import BlockMatrix, GGMLMatrix, GraphScope, custom_op
 from meshllm.engine.kernels.custom_ops import q8_0x8_ops
+
+if TYPE_CHECKING:
+    from meshllm.model.gguf import FileRows
+
+_STORED_AS_FLOATS = frozenset({GGML.F32, GGML.F16, GGML.BF16})  # a lookup's rows need no dequantizing
 
 
 class QuantizedLinear(nn.Module):
@@ -94,6 +102,40 @@ class QuantizedEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, ggml {self.table.ggml_type.name}"
+
+
+class FileRowsEmbedding(nn.Module):
+    """An embedding table left in the model file: each lookup reads its rows from there
+    (gguf.FileRows says why), dequantized by ggml's get_rows for a block-quantized table, as
+    QuantizedEmbedding's are (the same floats); a float table's rows come as stored (`dtype`).
+    ggml_stage reads the rows into each step's own buffer the same way."""
+
+    def __init__(self, rt: Runtime, rows: FileRows, ggml_type: GGML, shape: tuple[int, int], dtype: torch.dtype):
+        super().__init__()
+        self.rt, self.rows, self.ggml_type, self.dtype = rt, rows, ggml_type, dtype
+        self.num_embeddings, self.embedding_dim = shape
+
+    def read(self, ids: Tensor, out: Tensor) -> None:
+        """Rows `ids` as stored into `out` ([n, row bytes] uint8)."""
+        self.rows.read(ids.tolist(), out.numpy())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        # ids: [n] int64 -> [n, embedding_dim]
+        stored = torch.empty(ids.numel(), self.rows.row_bytes, dtype=torch.uint8)
+        self.read(ids.reshape(-1), stored)
+        if self.ggml_type in _STORED_AS_FLOATS:
+            return stored.view(self.dtype).reshape(ids.numel(), self.embedding_dim)
+        out = torch.empty(ids.numel(), self.embedding_dim, dtype=torch.float32)
+        with GraphScope(self.rt) as s:
+            table = s.g.ggml_new_tensor_2d(s.ctx, int(self.ggml_type), self.embedding_dim, ids.numel())
+            table.contents.data = stored.data_ptr()
+            rows = s.g.ggml_get_rows(s.ctx, table, s.wrap(torch.arange(ids.numel(), dtype=torch.int32)))
+            s.point(rows, out)
+            s.compute(rows)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.ggml_type.name} rows read from {self.rows.path}"
 
 
 def ggml_matrices(module: nn.Module) -> list[GGMLMatrix]:

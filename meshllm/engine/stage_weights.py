@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 
 import torch
@@ -27,7 +26,7 @@ from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import Runtime, runtime
 from meshllm.engine.ggml_weights import KEPT_TYPES, BlockMatrix, GGMLMatrix, held_block_bytes, linear_block_parts
 from meshllm.engine.host_memory import back_with_huge_pages, return_freed_memory
-from meshllm.engine.quantized import QuantizedEmbedding, QuantizedLinear, ggml_matrices
+from meshllm.engine.quantized import FileRowsEmbedding, QuantizedEmbedding, QuantizedLinear, ggml_matrices
 from meshllm.engine.batch_invariant import make_batch_invariant
 from meshllm.engine.cuda_graphs import graphed
 from meshllm.engine.device_weights import BlockEmbedding, BlockLinear, DeviceBlockForm, warm_fused_kernels
@@ -46,7 +45,7 @@ QUANTIZE_TYPES = {"int8": GGML.Q8_0, "int4": GGML.Q4_0}
 
 class GGMLWeightForm:
     """loader.WeightForm: GGUF blocks kept as they are, or dense weights quantized to `quantize_to`;
-    an embedding table no head shares read in place from the file (`maps_embeddings` says why)."""
+    an embedding table no head shares left in the file, its rows read per lookup (`_embedding_in_file`)."""
 
     def __init__(self, rt: Runtime, quantize_to: GGML | None, dtype: torch.dtype):
         self.rt, self.quantize_to, self.dtype = rt, quantize_to, dtype
@@ -77,10 +76,10 @@ class GGMLWeightForm:
 
     def embedding(self, source: TensorSource, hf_name: str, shape: torch.Size,
                   shared_with_head: bool) -> nn.Module | None:
-        if not shared_with_head and maps_embeddings():
-            mapped = _mapped_embedding(self.rt, source, hf_name, shape, self.dtype)
-            if mapped is not None:
-                return mapped
+        if not shared_with_head:
+            in_file = _embedding_in_file(self.rt, source, hf_name, shape, self.dtype)
+            if in_file is not None:
+                return in_file
         table = self._blocks(source, hf_name)
         if table is None:
             return None
@@ -94,44 +93,23 @@ class GGMLWeightForm:
         return None
 
 
-def maps_embeddings() -> bool:
-    """Whether an embedding table no LM head shares is read in place from the model file.
-
-    A step reads a few rows of it (one per token), yet a copy keeps all of it resident: 1.1B
-    Llama shapes with SmolLM2's 49152-token vocabulary hold 102 MiB of it in Q8_0, 192 MiB in
-    BF16; a 128k-token vocabulary several times that. Over a private map of the file only the
-    pages around the rows read become resident (GGUFFile.private_map says how many), as clean
-    pages the kernel may drop again (llama.cpp maps all its weights so). Not for a table the
-    head shares: the head reads all of it every step, and re-lays it out (ggml_stage).
-    `MESHLLM_MAP_EMBEDDINGS=0` copies it, for a model file that may be rewritten or vanish (a
-    network mount) while the stage runs: a mapped page of a truncated file faults the process
-    (SIGBUS)."""
-    return os.environ.get("MESHLLM_MAP_EMBEDDINGS") != "0"
-
-
-def _mapped_embedding(rt: Runtime, source: TensorSource, hf_name: str, shape: torch.Size,
-                      dtype: torch.dtype) -> nn.Module | None:
-    """The table over a private map of the file, or None where the source cannot map it (not a
-    GGUF, or a float type other than `dtype`, which converting would copy anyway)."""
-    if getattr(source, "mapped_blocks", None) is None:
+def _embedding_in_file(rt: Runtime, source: TensorSource, hf_name: str, shape: torch.Size,
+                       dtype: torch.dtype) -> nn.Module | None:
+    """An embedding table no LM head shares, left in the model file and read a few rows at a time
+    (gguf.FileRows says why); None where the source cannot (not a GGUF, a type meshllm does not
+    keep quantized, a float type other than `dtype`), and the table is loaded as the others are.
+    Not for a table the head shares: the head reads all of it every step, and re-lays it out
+    (ggml_stage)."""
+    if getattr(source, "file_rows", None) is None:
         return None
-    if source.is_block_quantized(hf_name):
-        if source.block_type(hf_name) not in KEPT_TYPES:
-            return None  # the copying path names the type in its error
-        blocks = source.mapped_blocks(hf_name)
-        if blocks is None:
-            return None
-        _check_shape(source, hf_name, blocks.shape, shape)
-        return QuantizedEmbedding(rt, GGMLMatrix.in_place(rt, blocks), torch.float32)
-    weight = source.mapped_tensor(hf_name, dtype)
-    if weight is None:
+    if source.is_block_quantized(hf_name) and source.block_type(hf_name) not in KEPT_TYPES:
+        return None  # the copying path names the type in its error
+    found = source.file_rows(hf_name, dtype)
+    if found is None:
         return None
-    _check_shape(source, hf_name, tuple(weight.shape), shape)
-    return FileEmbedding.from_pretrained(weight, freeze=True)
-
-
-class FileEmbedding(nn.Embedding):
-    """An nn.Embedding whose table is a private map of the model file (maps_embeddings)."""
+    rows, ggml_type, stored_shape = found
+    _check_shape(source, hf_name, stored_shape, shape)
+    return FileRowsEmbedding(rt, rows, ggml_type, stored_shape, dtype)
 
 
 def _check_shape(source: TensorSource, hf_name: str, found: tuple[int, ...], shape: torch.Size) -> None:
@@ -177,10 +155,8 @@ def _weights_in_huge_pages(decoder: Decoder) -> None:
     """Every decode step streams the weights: in 2 MiB pages (host_memory says why). Stages on
     ggml's path only: the others (no ggml here, or batch-invariant mode) are fallbacks and
     references, not what serves."""
-    # A mapped table is the file's memory: left as it is.
-    in_place = {id(p) for m in decoder.modules() if isinstance(m, FileEmbedding) for p in m.parameters()}
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # the memory held, views or not
-                for t in (*decoder.parameters(), *decoder.buffers()) if t.device.type == "cpu" and id(t) not in in_place}
+                for t in (*decoder.parameters(), *decoder.buffers()) if t.device.type == "cpu"}
     spans = [(start, start + size) for start, size in storages.items()]
     spans += [span for m in ggml_matrices(decoder) for span in m.spans()]
     started = time.perf_counter()

@@ -16,7 +16,8 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,30 +182,17 @@ class GGUFFile:
         flat = self.data[info.offset:info.offset + info.num_bytes].view(np.ndarray)
         return flat.reshape(math.prod(info.shape[:-1]), -1)
 
-    def private_map(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor's bytes [rows, bytes per row] over a map of the file of its own, private
-        and copy-on-write: nothing is copied, and a page becomes resident when something reads
-        it, as a clean page the kernel may drop again under memory pressure (the file backs it).
-        For a table read a few scattered rows at a time (an embedding), so the map is advised
-        random access: a row not in the page cache is read alone, not with a readahead window
-        around it. A row that is cached maps the cached folio around it (up to 2 MiB where the
-        file was just read or written; the kernel maps up to 64 KiB of cached neighbours in any
-        case): 2100 random rows of a 102 MiB Q8_0 table made 46-73 MiB of it resident here,
-        depending on how the file was cached. Dropping the range from the page cache first got
-        that to 7 MiB, but then each first use of a row waited for a disk read inside a decode
-        step (0.08-0.4 ms here, 8 ms cold; batch-8 decode 7% slower on random ids), so the
-        cache is left as it is. Its own map, so `release` on the neighbouring tensors leaves it
-        alone."""
-        start = info.offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
-        with open(self.path, "rb") as f:
+    def rows_reader(self, info: GGUFTensorInfo) -> "FileRows":
+        """The tensor's rows, read from the file when a lookup asks for them (FileRows)."""
+        f = open(self.path, "rb")
+        try:
             if _identity(os.fstat(f.fileno())) != self.identity:  # its offsets are the header's we parsed
                 raise ModelLoadError(f"{self.path} changed on disk while it was loading; load it again")
-            mapping = mmap.mmap(f.fileno(), info.offset + info.num_bytes - start, offset=start,
-                                access=mmap.ACCESS_COPY)
-        if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-            mapping.madvise(mmap.MADV_RANDOM)
-        flat = np.frombuffer(mapping, dtype=np.uint8, count=info.num_bytes, offset=info.offset - start)
-        return flat.reshape(math.prod(info.shape[:-1]), -1)  # keeps `mapping` alive as its base
+        except BaseException:
+            f.close()
+            raise
+        rows = math.prod(info.shape[:-1])
+        return FileRows(f, self.path, info.offset, rows, info.num_bytes // rows)
 
     def release(self, info: GGUFTensorInfo) -> None:
         """Drop a tensor's pages, once copied out, from this process's resident memory (they stay in
@@ -223,6 +211,43 @@ class GGUFFile:
 
 def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+class FileRows:
+    """A table's rows [rows, row_bytes] read from the model file at each lookup (pread), for an
+    embedding table no LM head shares: a step reads a few rows of it (one per token).
+
+    Neither copied nor mapped. A copy keeps all of the table resident (1.1B Llama shapes with
+    SmolLM2's 49152-token vocabulary: 102 MiB in Q8_0, 192 in BF16; a 128k vocabulary several
+    times that). A map of the file made the pages around each row read resident, however the map
+    was advised: a read fault maps up to 64 KiB of cached neighbours, and the whole page-cache
+    folio it hits (up to 2 MiB for a file just written), so 2100 random rows of a 102 MiB Q8_0
+    table held 46-73 MiB of it. Read rows come from the OS page cache (as mapped pages did) into a
+    step's own buffer, so nothing of the table stays in this process; a row costs a system call
+    (~2 us). A file truncated under a running stage (a network mount, a rewrite) fails the lookup
+    with a clear error, where a mapped page of it faulted the process (SIGBUS)."""
+
+    def __init__(self, file, path: Path, offset: int, rows: int, row_bytes: int):
+        self.path, self.offset, self.rows, self.row_bytes = path, offset, rows, row_bytes
+        self._file = file
+        self._fd = file.fileno()
+        self._closer = weakref.finalize(self, file.close)
+
+    def read(self, ids: Sequence[int], out: np.ndarray) -> None:
+        """Rows `ids` into `out` ([len(ids), row_bytes] uint8, C-contiguous), in order."""
+        if out.shape != (len(ids), self.row_bytes) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"rows go into a C-contiguous uint8 array of {(len(ids), self.row_bytes)}, "
+                             f"not {out.dtype} {out.shape}")
+        for i, row in enumerate(ids):
+            if not 0 <= row < self.rows:
+                raise IndexError(f"token id {row} is outside the table's {self.rows} rows ({self.path})")
+            got = os.preadv(self._fd, [out[i]], self.offset + row * self.row_bytes)
+            if got != self.row_bytes:
+                raise ModelLoadError(f"{self.path} is shorter than its header says (changed on disk?): "
+                                     f"row {row} of the embedding table cannot be read; load it again")
+
+    def close(self) -> None:
+        self._closer()
 
 
 def _tensor_info(path: Path, file_size: int, data_start: int, name: str, shape: tuple[int, ...],
@@ -377,33 +402,18 @@ class GGUFSource:
         self._bytes_read += info.num_bytes
         return BlockMatrix(rows.contiguous(), info.ggml_type, info.shape[1])
 
-    def mapped_blocks(self, name: str):
-        """One block-quantized tensor as stored, like read_blocks, but over a private map of the
-        file (GGUFFile.private_map) instead of a copy: only the rows something reads become
-        resident. For embedding tables, of which a step reads a few rows. None for llama's q/k
-        (stored in another row order, so they must be copied)."""
-        from meshllm.engine.ggml_weights import BlockMatrix
-
-        info = self._mappable(name)
-        if info is None or info.ggml_type not in _BLOCK_TYPES:
-            return None
-        self._bytes_read += info.num_bytes
-        return BlockMatrix(torch.from_numpy(self.file.private_map(info)), info.ggml_type, info.shape[1])
-
-    def mapped_tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor | None:
-        """A float tensor stored as `dtype`, over a private map of the file (see mapped_blocks);
-        None when it is stored in another type (converting makes a copy anyway)."""
-        info = self._mappable(name)
-        if info is None or _FLOAT_TYPES.get(info.ggml_type) != dtype:
-            return None
-        self._bytes_read += info.num_bytes
-        return torch.from_numpy(self.file.private_map(info)).view(dtype).reshape(info.shape)
-
-    def _mappable(self, name: str) -> GGUFTensorInfo | None:
+    def file_rows(self, name: str, dtype: torch.dtype) -> tuple[FileRows, GGML, tuple[int, int]] | None:
+        """A 2-d tensor's rows read from the file at each lookup (FileRows), its type and shape; None
+        where a lookup could not use its stored bytes as they are: llama's q/k (stored in another
+        row order), a type that is neither block-quantized nor `dtype` (converting copies anyway)."""
         info = self._by_hf_name.get(name)
         if info is None:
             raise ModelLoadError(f"tensor {name!r} is missing from {self.path}")
-        return None if _interleaved_rope_rows(self._config, name) or len(info.shape) != 2 else info
+        if _interleaved_rope_rows(self._config, name) or len(info.shape) != 2 or not (
+                info.ggml_type in _BLOCK_TYPES or _FLOAT_TYPES.get(info.ggml_type) == dtype):
+            return None
+        self._bytes_read += info.num_bytes
+        return self.file.rows_reader(info), info.ggml_type, tuple(info.shape)
 
     def read_slices(self, slices: Mapping[str, TensorSlice], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """Only the asked rows or columns of each tensor, cut from the stored blocks before dequantizing.
