@@ -186,6 +186,7 @@ def ours(path: Path, threads: int, dense: str | None = None, own_ops: bool = Tru
         ggml_stage.FEW_ROWS_MAX = ggml_stage.QUANT_FEW_ROWS_MAX = 0
         ggml_stage.ALL_ROWS_OPS = frozenset()
         ggml_stage.q8_0x8_ops = lambda: None  # the Q8_0 head re-laid out for meshllm's op
+        ggml_stage.attention_op = ggml_stage.batched_attention_ops = lambda: None
     files = open_model(path, tokenizer=False)  # as a stage opens it (stage_control._open_files)
     dtype = DTYPES[DEFAULT_DTYPE]  # what `meshllm serve` runs with: --dtype auto
     t = time.perf_counter()

@@ -73,7 +73,8 @@ _TILED_ATTENTION_ROWS = 64
 # over an f32 copy of the KV). Measured, 2 threads, AMD Zen 4, whole-model prefill tok/s (Q4 weights),
 # ggml's -> the op: SmolLM2 chunks of 32 rows 730 -> 1028, 63 rows 792 -> 1157, 128 of 1024 821 ->
 # 988, 512 of 2048 657 -> 731; a 1.1B of TinyLlama's shape (32 heads over 4) 32 rows 217 -> 249,
-# 256 of 1024 195 -> 205. With a window, more rows run ggml's (the op's rows would go one by one). A
+# 256 of 1024 195 -> 205. With a window, more rows run ggml's (the op's rows would go one by one),
+# and with more threads than heads (the op splits its work by head: _attends_by_op). A
 # step whose sequences all have at most this many rows runs the batched form: one KV write and one
 # attention op per layer for all its sequences, reading where each sequence's rows and KV are from
 # a table patched per step, so its graph serves any later step with as many rows however they
@@ -448,8 +449,7 @@ class GGMLStage:
                 s.reads.append((keys, values, k_cache.contents.data, v_cache.contents.data, row_nb, window, index, row))
                 return keys, values
 
-            if self._attention_op is not None and seq.kv.k.dtype == torch.bfloat16 and (
-                    t <= ATTENTION_FEW_ROWS_MAX or window is None):
+            if self._attends_by_op(seq, window):
                 # The op sees every key up to a row's own. With a window each row starts elsewhere:
                 # the rows of a few-row step (a verify pass) then go one by one, each exactly as a
                 # one-row decode step attends (same op, same key view), so a verify pass keeps
@@ -586,6 +586,15 @@ class GGMLStage:
         # which llama.cpp's RPC sends in float32 too).
         return out
 
+    def _attends_by_op(self, seq: SeqSlice, window: int | None) -> bool:
+        """Whether `seq`'s rows attend through meshllm's op in a layer with `window` (None: full
+        attention): a bf16 KV cache, up to ATTENTION_FEW_ROWS_MAX rows or, without a window, any
+        number while ggml's workers do not outnumber the heads (the op splits its work by head,
+        ggml's flash attention by row too)."""
+        return self._attention_op is not None and seq.kv.k.dtype == torch.bfloat16 and (
+            seq.num_tokens <= ATTENTION_FEW_ROWS_MAX or (
+                window is None and self.rt.num_threads <= self.config.num_attention_heads))
+
     def _batched(self, slices: list[SeqSlice]) -> bool:
         """Whether a step's attention takes the batched form (ATTENTION_FEW_ROWS_MAX says why)."""
         # With a sliding window, decode rows only: the table then starts each windowed layer's keys
@@ -647,7 +656,9 @@ class GGMLStage:
             masks = {w["window"]: [None] * len(slices) for w in self.layers}
         else:
             # per window the layers attend with (Gemma 3's layers have two): each slice's mask
-            masks = {window: [self._mask(s, step, seq, index, window) for index, seq in enumerate(slices)]
+            # (none for a slice meshllm's op attends: it sees each row's keys up to its own)
+            masks = {window: [None if self._attends_by_op(seq, window) else self._mask(s, step, seq, index, window)
+                              for index, seq in enumerate(slices)]
                      for window in dict.fromkeys(w["window"] for w in self.layers)}
             # A kept graph does not hold its sequences' KV alive: a finished sequence's KV is freed
             # at once, not when a later step drops the graph (_drop_stale, before any reuse).

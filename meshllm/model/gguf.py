@@ -238,13 +238,24 @@ class FileRows:
         if out.shape != (len(ids), self.row_bytes) or out.dtype != np.uint8 or not out.flags.c_contiguous:
             raise ValueError(f"rows go into a C-contiguous uint8 array of {(len(ids), self.row_bytes)}, "
                              f"not {out.dtype} {out.shape}")
+        if not self._closer.alive:
+            raise ValueError(f"the rows of {self.path} were closed")  # its descriptor may be another file's now
         for i, row in enumerate(ids):
             if not 0 <= row < self.rows:
                 raise IndexError(f"token id {row} is outside the table's {self.rows} rows ({self.path})")
-            got = os.preadv(self._fd, [out[i]], self.offset + row * self.row_bytes)
-            if got != self.row_bytes:
+            self._read_row(row, memoryview(out[i]))
+
+    def _read_row(self, row: int, into: memoryview) -> None:
+        at, done = self.offset + row * self.row_bytes, 0
+        while done < self.row_bytes:  # a read may come back short (a signal, a network file system)
+            try:
+                got = os.preadv(self._fd, [into[done:]], at + done)
+            except OSError as e:
+                raise ModelLoadError(f"reading row {row} of the embedding table in {self.path} failed: {e}") from e
+            if got == 0:
                 raise ModelLoadError(f"{self.path} is shorter than its header says (changed on disk?): "
                                      f"row {row} of the embedding table cannot be read; load it again")
+            done += got
 
     def close(self) -> None:
         self._closer()

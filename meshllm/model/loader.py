@@ -141,12 +141,10 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
     shares_embedding = config.tie_word_embeddings and "embed_tokens.weight" in names and "lm_head.weight" in names
     state: dict[str, Tensor] = {}
     for done, (ours, hf_names) in enumerate(names.items()):
-        swapped = weight_form is not None and _swap_module(decoder, weight_form, source, available, config,
-                                                           ours, hf_names, expected[ours], shares_embedding)
-        if swapped:
-            held = _own_parameter(decoder, ours)  # a swapped module may hold the tensor as it is (a mapped table)
-            if held is not None:
-                state[ours] = held
+        # A swapped-in module holds its weights its own way, none of them a parameter of this name.
+        if weight_form is not None and _swap_module(decoder, weight_form, source, available, config, ours,
+                                                    hf_names, expected[ours], shares_embedding):
+            pass
         elif shares_embedding and ours == "lm_head.weight":
             state[ours] = state["embed_tokens.weight"]
         else:
@@ -156,13 +154,6 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
     assert set(state) == {name for name, _ in decoder.named_parameters()}, "swapped modules left parameters"
     decoder.load_state_dict(state, assign=True, strict=True)
     return decoder
-
-
-def _own_parameter(decoder: Decoder, name: str) -> nn.Parameter | None:
-    try:
-        return decoder.get_parameter(name)
-    except AttributeError:
-        return None
 
 
 def _swap_module(decoder: Decoder, form: WeightForm, source: TensorSource, available: set[str],

@@ -126,6 +126,15 @@ def test_an_id_outside_the_table_is_refused_by_name(files):
         decoder.embed_tokens.rows.read([5, 49152], np.empty((2, decoder.embed_tokens.rows.row_bytes), np.uint8))
 
 
+def test_closed_rows_are_never_read_again(files):
+    """Once closed, the descriptor's number may be another file's: a read must not reach it."""
+    decoder = _load(files["q8_0"])
+    rows = decoder.embed_tokens.rows
+    rows.close()
+    with pytest.raises(ValueError, match="closed"):
+        rows.read([5], np.empty((1, rows.row_bytes), np.uint8))
+
+
 def test_a_file_changed_since_its_header_was_read_is_refused(files, tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(files["q8_0"].read_bytes())

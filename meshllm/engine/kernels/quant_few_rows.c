@@ -102,10 +102,10 @@ static void quantize_rows(const struct ggml_tensor *x, int64_t n, int64_t K, str
     }
 }
 
-/* A worker's quantized activations outlive the call up to OP_MAX_ROWS rows (a decode step's
- * few KiB, reused every step); a prefill chunk's (512 rows of 5632: 6 MiB) are given back. */
+/* A worker's quantized activations outlive the call up to OP_MAX_ROWS rows (a decode step's or a
+ * verify pass's, reused every step); a prefill chunk's (512 rows of 5632: 6 MiB) are given back. */
 static void release_large(struct quantized *xq) {
-    if (xq->capacity <= (size_t)OP_MAX_ROWS * 8192) return;
+    if (xq->rows <= OP_MAX_ROWS) return;
     free(xq->q); free(xq->u); free(xq->d); free(xq->sum); free(xq->offset);
     memset(xq, 0, sizeof *xq);
 }
