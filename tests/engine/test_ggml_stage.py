@@ -21,8 +21,9 @@ from gguf.constants import GGMLQuantizationType as GGML
 
 from meshllm.engine.ggml_lib import runtime
 from meshllm.engine.ggml_stage import GGMLStage
-from meshllm.engine.kernels.custom_ops import q8_few_rows_op
+from meshllm.engine.kernels.custom_ops import q8_0x8_ops, q8_few_rows_op
 from meshllm.engine.kv_cache import SequenceKV
+from meshllm.engine.quantized import QuantizedLinear
 from meshllm.engine.stage_weights import load_stage_decoder
 from meshllm.model.decoder import SeqSlice
 from meshllm.model.source import open_model
@@ -162,6 +163,29 @@ def test_a_prefill_chunk_without_logit_rows_still_writes_the_kv(smollm2_gguf_pat
     for i in range(21):
         one_row = decoder(ids[i:i + 1], torch.tensor([i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
     assert torch.equal(chunked, one_row)
+
+
+def test_q8_0_layers_are_relaid_and_a_prefill_chunk_scores_what_its_rows_score_as_steps(smollm2_gguf_path, tmp_path):
+    """A Q8_0 model's layer matrices take meshllm's 8-row layout (ggml_stage._relay_q8_0), whose op
+    computes each row alone at any row count: with the attention op (bf16 KV, no window) a whole
+    40-row chunk then gives the logits of 40 one-row steps, bit for bit."""
+    rt = runtime()
+    if rt is None:
+        pytest.skip("ggml is not built here (install.sh builds it)")
+    files = open_model(write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "tiny.gguf", GGML.Q8_0))
+    decoder = load_stage_decoder(files.source, files.config, dtype=torch.bfloat16)
+    if q8_0x8_ops() is None or decoder.fast_path._attention_op is None:
+        pytest.skip("the 8-row Q8_0 and attention ops (AVX-512, VNNI) do not run here")
+    layouts = {m.layout for layer in decoder.layers for m in layer.modules() if isinstance(m, QuantizedLinear)
+               for m in m.matrices}
+    assert layouts == {"q8_0x8"}, layouts
+    ids = torch.arange(300, 340)
+    kv = SequenceKV(decoder.kv_layout(), 40)
+    chunk = decoder(ids, torch.arange(40), [SeqSlice(kv, 0, 40)], torch.arange(40))
+    kv = SequenceKV(decoder.kv_layout(), 40)
+    steps = torch.cat([decoder(ids[i:i + 1], torch.tensor([i]), [SeqSlice(kv, 0, 1)], torch.tensor([0]))
+                       for i in range(40)])
+    assert torch.equal(chunk, steps)
 
 
 _TWO_THREADS = """
@@ -349,8 +373,8 @@ def test_generated_tokens_recomputed_in_decode_sized_pieces_get_the_kv_bits_they
     prompt in its own chunk, then the generated tokens in pieces of up to 16 rows, write the KV
     the prefill and one-row decode steps wrote, bit for bit. On this model (Q4_1) one chunk across
     both does too: its products (ggml_stage.ALL_ROWS_OPS) and its attention run meshllm's ops at
-    any number of rows, each row computed alone (on types whose prefill takes ggml's GEMM, as plain
-    Q8_0, one chunk's bits differ from the pieces')."""
+    any number of rows, each row computed alone (on types whose prefill takes ggml's GEMM, as the
+    K-quants and bf16, one chunk's bits differ from the pieces')."""
     files = open_model(smollm2_gguf_path)
     decoder = load_stage_decoder(files.source, files.config, dtype=torch.bfloat16)
     if decoder.fast_path is None or decoder.fast_path._batched_ops is None or q8_few_rows_op() is None:
