@@ -51,6 +51,7 @@ class TagForm:
     open: str = OPEN  # a block of calls
     close: str = CLOSE
     call_close: str = CLOSE  # a call's end: the block's, where a block holds one call
+    call_open: str = OPEN  # a call's start, where a block holds several (the text its name pattern opens with)
 
 
 GLM = TagForm("glm", "<arg_key>", re.compile(r"(.*?)(?=\n|<arg_key>|</tool_call>)", re.DOTALL),
@@ -60,11 +61,11 @@ GLM = TagForm("glm", "<arg_key>", re.compile(r"(.*?)(?=\n|<arg_key>|</tool_call>
 QWEN3_CODER = TagForm("qwen3_coder", "<parameter=", re.compile(r"\s*<function=([^>\n]*)>"),
                       re.compile(r"\s*<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL),
                       "<parameter=", "<parameter=", True, (OPEN, CLOSE))
-MINIMAX_OPEN, MINIMAX_CLOSE, MINIMAX_CALL = "<minimax:tool_call>", "</minimax:tool_call>", "<invoke name="
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 MINIMAX = TagForm("minimax", MINIMAX_OPEN, re.compile(r'\s*<invoke name="([^"\n]*)">'),
                   re.compile(r'\s*<parameter name="([^"\n]*)">(.*?)</parameter>', re.DOTALL),
                   "<parameter name=", "<parameter name=", False, (MINIMAX_OPEN, MINIMAX_CLOSE),
-                  MINIMAX_OPEN, MINIMAX_CLOSE, "</invoke>")
+                  MINIMAX_OPEN, MINIMAX_CLOSE, "</invoke>", "<invoke name=")
 FORMS = (GLM, QWEN3_CODER, MINIMAX)
 
 
@@ -134,7 +135,7 @@ class TagCallReader(CallReader):
             name = form.name.match(self._held)
             if name is None:
                 # between MiniMax's calls, stray words are skipped up to the next call or the block's end
-                tag = min((at for at in (rest.find(MINIMAX_CALL), rest.find(form.close)) if at > 0), default=None)
+                tag = min((at for at in (rest.find(form.call_open), rest.find(form.close)) if at > 0), default=None)
                 if many and tag is not None:
                     self._held = rest[tag:]
                     return True

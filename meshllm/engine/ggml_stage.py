@@ -133,18 +133,21 @@ class _Weights:
 
 
 def _relay_q8_0(decoder: Decoder) -> None:
-    """Re-lay every Q8_0 matrix of the layers (experts matrices aside) out in meshllm's 8-row
-    layout, in place (GGMLMatrix.repack_q8_0x8), as the head's is: its op reads each block's 8
+    """Re-lay every Q8_0 matrix of the stage's layers and head (experts matrices aside) out in
+    meshllm's 8-row layout, in place (GGMLMatrix.repack_q8_0x8): its op reads each block's 8
     scales and 8 rows' bytes together and takes any number of activation rows, each row computed
-    alone. Measured, 2 threads, AMD Zen 4, SmolLM2 Q8_0 (its head re-laid either way): decode 222
-    -> 301 tok/s, prefill of 512 rows 696 -> 1380 (plain, ggml's GEMM took them), the last logits
-    0.56 from a float32 reference over the same weights where ggml's products are 0.69."""
-    for layer in decoder.layers:
-        for module in layer.modules():
-            if isinstance(module, QuantizedLinear):
-                for m in module.matrices:
-                    if m.fits_q8_0x8 and m.experts == 1:
-                        m.repack_q8_0x8()
+    alone. A tied embedding shares the head's table: its lookups take the matching op (_build_into).
+    Measured, 2 threads, AMD Zen 4: the head is a large share of a one-row step and more of each
+    extra verify row (SmolLM2's 49152 x 576 Q8_0 head, one thread, 1 / 4 / 8 / 16 rows 1.5 / 2.9 /
+    5.2 / 10.2 ms in ggml's plain layout, 0.8 / 1.2 / 2.0 / 5.4 re-laid out); SmolLM2 Q8_0's layers
+    re-laid too (the head either way): decode 222 -> 301 tok/s, prefill of 512 rows 696 -> 1380
+    (plain, ggml's GEMM took them), the last logits 0.56 from a float32 reference over the same
+    weights where ggml's products are 0.69."""
+    for module in decoder.modules():
+        if isinstance(module, QuantizedLinear):
+            for m in module.matrices:
+                if m.fits_q8_0x8 and m.experts == 1:
+                    m.repack_q8_0x8()
 
 
 def _experts(scope: _WeightContext, module: nn.Module, experts: int):
@@ -252,14 +255,6 @@ class GGMLStage:
         self.query_scale = 1.0 if c.attention_scale is None else c.attention_scale * math.sqrt(c.head_dim)
         if decoder.has_head:
             head = decoder.lm_head
-            if self._q8_0x8_ops is not None and isinstance(head, QuantizedLinear) and len(head.matrices) == 1 \
-                    and head.matrices[0].fits_q8_0x8:
-                # The head is a large share of a one-row step and more of each extra verify row:
-                # SmolLM2's 49152 x 576 Q8_0 head, one thread, 1 / 4 / 8 / 16 rows 1.5 / 2.9 / 5.2 /
-                # 10.2 ms in ggml's plain layout (quant_few_rows.c says why), 0.8 / 1.2 / 2.0 / 5.4
-                # re-laid out; the whole SmolLM2 Q4_1 stage at 400 cached tokens, 8 rows 21.2 ->
-                # 18.0 ms. A tied embedding shares the table: its lookups take the matching op below.
-                head.matrices[0].repack_q8_0x8()
             self.norm = wrap_f32(decoder.norm.weight)
             self.head = _Weights(self._ctx, head)
         self.embedding, self.embedding_q8_0x8, self.embedding_in_file = None, False, None

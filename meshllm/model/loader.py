@@ -142,13 +142,11 @@ def load_decoder(source: TensorSource, config: ModelConfig, first_layer: int = 0
     state: dict[str, Tensor] = {}
     for done, (ours, hf_names) in enumerate(names.items()):
         # A swapped-in module holds its weights its own way, none of them a parameter of this name.
-        if weight_form is not None and _swap_module(decoder, weight_form, source, available, config, ours,
-                                                    hf_names, expected[ours], shares_embedding):
-            pass
-        elif shares_embedding and ours == "lm_head.weight":
-            state[ours] = state["embed_tokens.weight"]
-        else:
-            state[ours] = _load_one(source, available, config, ours, hf_names, expected[ours], dtype)
+        swapped = weight_form is not None and _swap_module(decoder, weight_form, source, available, config,
+                                                           ours, hf_names, expected[ours], shares_embedding)
+        if not swapped:
+            state[ours] = state["embed_tokens.weight"] if shares_embedding and ours == "lm_head.weight" else \
+                _load_one(source, available, config, ours, hf_names, expected[ours], dtype)
         if progress:
             progress(done + 1, len(names))
     assert set(state) == {name for name, _ in decoder.named_parameters()}, "swapped modules left parameters"
