@@ -332,7 +332,7 @@ class GGMLStage:
                     out = g.ggml_custom_4d(s.ctx, 0, rows, n, 1, 1, args, 3, self._remainder_op, -1, None)
                 elif remainder is not None:  # + sum over blocks b of R[b] * (x summed over block b)
                     sums = self._block_sums(s, x) if sums is None else sums
-                    out = g.ggml_add(s.ctx, out, g.ggml_out_prod(s.ctx, remainder, sums))
+                    out = g.ggml_add(s.ctx, out, g.ggml_out_prod(s.ctx, self._remainder_by_block(s, remainder), sums))
                 outs.append((out, first, rows))
         if w.bias is not None:  # each part its rows' share (a K-quant mix stores q, k and v in two types)
             outs = [(g.ggml_add(s.ctx, out, w.bias if len(outs) == 1 else
@@ -376,6 +376,14 @@ class GGMLStage:
             piece = g.ggml_mul_mat(s.ctx, tensor, g.ggml_view_2d(s.ctx, x, cols, rows, nb1, first * nb1))
             out = piece if out is None else g.ggml_concat(s.ctx, out, piece, 1)
         return out
+
+    @staticmethod
+    def _remainder_by_block(s: GraphScope, remainder):
+        """A group-major remainder [8, blocks, rows / 8] (ggml_weights.split_q4_1) as [rows, blocks],
+        what ggml_out_prod takes: a copy each step, on the path without meshllm's ops only."""
+        g, (eight, blocks, groups) = s.g, tuple(remainder.contents.ne[:3])
+        by_block = g.ggml_cont(s.ctx, g.ggml_permute(s.ctx, remainder, 0, 2, 1, 3))  # [8, groups, blocks]
+        return g.ggml_reshape_2d(s.ctx, by_block, eight * groups, blocks)
 
     @staticmethod
     def _block_sums(s: GraphScope, x):

@@ -92,18 +92,27 @@ def split_q4_1(matrix: BlockMatrix) -> tuple[BlockMatrix, Tensor]:
     nibbles means d*(q - 8), so W = Q4_0(d, q) + R with R = 8d + m constant over each block, and
     W x = Q4_0(W) x + sum over blocks b of R[b] * (x summed over block b). ggml repacks Q4_0 for its
     AVX2/AVX-512 kernels and has none for Q4_1, whose one-row product runs ~1.5x slower and whose
-    k-row products cost ~k times one (Q4_0: 4 rows ~2.2x). R is float32 [blocks per row, rows]
-    (rows contiguous, as ggml_out_prod reads it): 8d + m is exact there (fp16 operands), so the
-    weights are exactly the Q4_1 ones; they take 22 bytes a block where Q4_1 takes 20.
+    k-row products cost ~k times one (Q4_0: 4 rows ~2.2x). R is float32, group-major: [rows / 8,
+    blocks per row, 8], a group of 8 rows' column of R block after block, which is how the op that
+    multiplies a group of 8 repacked rows reads it (kernels/quant_few_rows.c); rows % 8 == 0, as
+    ggml's repacked Q4_0 needs. 8d + m is exact in float32 (fp16 operands), so the weights are
+    exactly the Q4_1 ones; they take 22 bytes a block where Q4_1 takes 20.
     """
-    assert matrix.ggml_type == GGML.Q4_1
+    assert matrix.ggml_type == GGML.Q4_1 and matrix.rows % 8 == 0, (matrix.ggml_type, matrix.rows)
     rows, blocks = matrix.rows, matrix.cols // 32
     data = matrix.data.reshape(rows, blocks, 20)
     d = data[..., 0:2].contiguous().view(torch.float16).float()
     m = data[..., 2:4].contiguous().view(torch.float16).float()
     q4_0 = torch.cat((data[..., 0:2], data[..., 4:20]), dim=-1).reshape(rows, blocks * 18)
-    remainder = (8 * d + m).reshape(rows, blocks).t().contiguous()
+    remainder = (8 * d + m).reshape(rows // 8, 8, blocks).transpose(1, 2).contiguous()
     return BlockMatrix(q4_0, GGML.Q4_0, matrix.cols), remainder
+
+
+def remainder_by_block(remainder: Tensor) -> Tensor:
+    """A group-major remainder (split_q4_1) as [blocks per row, rows]: sums [n, blocks] @ it is the
+    remainder's term of the product."""
+    groups, blocks, _ = remainder.shape
+    return remainder.transpose(0, 1).reshape(blocks, groups * 8)
 
 
 def splits_q4_1(rt: Runtime, ggml_type: GGML, rows: int) -> bool:
@@ -291,7 +300,7 @@ class GGMLMatrix:
             s.point(yt, y)
             s.compute(yt)
         if self.remainder is not None:
-            y += block_sums(x) @ self.remainder
+            y += block_sums(x) @ remainder_by_block(self.remainder)
         return y
 
     @property

@@ -146,12 +146,15 @@ def test_q4_1_held_as_q4_0_plus_remainder_is_exactly_its_weights(rt):
     """ggml has repacked (fast) kernels for Q4_0 and none for Q4_1: a Q4_1 matrix is held as the
     Q4_0 blocks of the same scales and nibbles plus a per-block remainder 8d + m. Those weights are
     bitwise the Q4_1 ones (gguf's dequantization of both), and the form takes 22 bytes a block."""
-    from meshllm.engine.ggml_weights import split_q4_1
+    from meshllm.engine.ggml_weights import remainder_by_block, split_q4_1
 
     blocks = quantize(rt, torch.randn(64, 512, generator=torch.Generator().manual_seed(6)) * 0.05, GGML.Q4_1)
     q4_0, remainder = split_q4_1(blocks)
-    assert q4_0.ggml_type == GGML.Q4_0 and remainder.shape == (512 // 32, 64)
-    held = q4_0.dequantize() + remainder.t().repeat_interleave(32, dim=1)
+    # group-major: group of 8 rows, block, row in the group (what the few-row op streams)
+    assert q4_0.ggml_type == GGML.Q4_0 and remainder.shape == (64 // 8, 512 // 32, 8)
+    by_block = remainder_by_block(remainder)
+    assert by_block[3, 19] == remainder[19 // 8, 3, 19 % 8]
+    held = q4_0.dequantize() + by_block.t().repeat_interleave(32, dim=1)
     assert torch.equal(held, blocks.dequantize())
     matrix = GGMLMatrix(rt, blocks)
     assert matrix.ggml_type == GGML.Q4_1 and matrix.remainder is not None  # this CPU repacks Q4_0

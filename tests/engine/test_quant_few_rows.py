@@ -21,7 +21,7 @@ from gguf.constants import GGMLQuantizationType as GGML
 
 from meshllm.engine import ggml_stage
 from meshllm.engine.ggml_lib import runtime
-from meshllm.engine.ggml_weights import GGMLMatrix, GraphScope, block_sums, quantize, split_q4_1
+from meshllm.engine.ggml_weights import GGMLMatrix, GraphScope, block_sums, quantize, remainder_by_block, split_q4_1
 from meshllm.engine.kernels.custom_ops import q4_few_rows_op, q4_remainder_op, q8_few_rows_op
 from meshllm.engine.kv_cache import SequenceKV
 from meshllm.engine.stage_weights import load_stage_decoder
@@ -140,7 +140,7 @@ def test_the_q4_1_remainder_is_the_split_matrixs_own(rt):
     assert matrix.remainder is not None, "Q4_1 is held as Q4_0 plus remainder where Q4_0 is repacked"
     q4_0, remainder = split_q4_1(blocks)
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(12))
-    expected = _op(rt, GGMLMatrix(rt, q4_0), x).double() + (block_sums(x) @ remainder).double()
+    expected = _op(rt, GGMLMatrix(rt, q4_0), x).double() + (block_sums(x) @ remainder_by_block(remainder)).double()
     torch.testing.assert_close(_op(rt, matrix, x).double(), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -6,12 +6,14 @@
  * This op adds the second term to the first: dst = src0 + R^T blocksums(x), with
  *     src0 f32 [rows, n]   the Q4_0 product (ggml ne0 = rows)
  *     src1 f32 [cols, n]   x
- *     src2 f32 [K, rows]   R, rows contiguous (ne0 = rows, ne1 = K = cols / 32)
+ *     src2 f32 [8, K, rows / 8]   R group-major, K = cols / 32 (GGMLMatrix holds it so for
+ *                          quant_few_rows.c): R[b][i] at ((i / 8) * K + b) * 8 + i % 8
  * In ggml ops that is sum_rows + out_prod + add: three nodes, and out_prod runs on one thread for
  * a one-row product; here one node, its rows split over the threads (SmolLM2 Q4_1 decode, 2
  * threads: 360 nodes a token fewer). Each output row depends only on its own x row, so a k-row
- * verify pass adds what k one-row steps add. Built by build.py (plain C, -O3 -march=native: the
- * inner loop is an axpy over rows the compiler vectorizes) against the pinned ggml's header. */
+ * verify pass adds what k one-row steps add. Built by build.py (plain C, -O3 -march=native) against
+ * the pinned ggml's header. Where quant_few_rows.c's op runs (AVX-512 VNNI) it adds the remainder
+ * itself and this op is not in the graph. */
 #include <stdlib.h>
 #include "ggml.h"
 
@@ -24,8 +26,9 @@ void meshllm_ggml_q4_remainder(struct ggml_tensor *dst, int ith, int nth, void *
     /* ggml_stage.py builds only these; anything else is a bug, not bad input */
     if (main->type != GGML_TYPE_F32 || x->type != GGML_TYPE_F32 || r->type != GGML_TYPE_F32
         || dst->type != GGML_TYPE_F32 || cols % 32 || main->ne[0] != rows || main->ne[1] != n || x->ne[1] != n
-        || r->ne[0] != rows || r->ne[1] != blocks || x->nb[0] != sizeof(float) || main->nb[0] != sizeof(float)
-        || r->nb[0] != sizeof(float) || dst->nb[0] != sizeof(float)) abort();
+        || rows % 8 || r->ne[0] != 8 || r->ne[1] != blocks || r->ne[2] != rows / 8 || x->nb[0] != sizeof(float)
+        || main->nb[0] != sizeof(float) || r->nb[0] != sizeof(float) || r->nb[1] != 8 * sizeof(float)
+        || r->nb[2] != (size_t)blocks * 8 * sizeof(float) || dst->nb[0] != sizeof(float)) abort();
     const int64_t per = (rows + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < rows ? r0 + per : rows;
     if (r0 >= r1) return;
     for (int64_t j = 0; j < n; j++) {
@@ -36,8 +39,8 @@ void meshllm_ggml_q4_remainder(struct ggml_tensor *dst, int ith, int nth, void *
         for (int64_t b = 0; b < blocks; b++) {
             float sum = 0.0f;
             for (int k = 0; k < 32; k++) sum += xj[b * 32 + k];
-            const float *rb = (const float *)((const char *)r->data + b * r->nb[1]);
-            for (int64_t i = r0; i < r1; i++) out[i] += rb[i] * sum;
+            const float *rb = (const float *)r->data + b * 8;
+            for (int64_t i = r0; i < r1; i++) out[i] += rb[(i / 8) * blocks * 8 + i % 8] * sum;
         }
     }
 }

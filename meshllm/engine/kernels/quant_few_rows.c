@@ -22,8 +22,9 @@
  *           row i % 8's block), blocks of a group of 8 rows contiguous; N % 8 == 0
  *           or Q8_0 [K, N] plain: per row K / 32 blocks of an f16 scale and 32 int8
  *     src1  f32 [K, n] activations, n <= OP_MAX_ROWS for Q8_0, any n for Q4_0
- *     src2  Q4_0 only, optional: f32 [K / 32, N], a Q4_1 matrix's per-block remainder R
- *           (ggml_weights.split_q4_1), adding sum_b R[b][r] * (x summed over block b)
+ *     src2  Q4_0 only, optional: a Q4_1 matrix's per-block remainder R (ggml_weights.split_q4_1),
+ *           adding sum_b R[b][r] * (x summed over block b); f32 group-major [8, K / 32, N / 8]
+ *           (R[b][r] at ((r / 8) * (K / 32) + b) * 8 + r % 8), contiguous
  *     dst   f32 [N, n]
  * Built by build.py with -march=native against the pinned ggml's header; without AVX-512 VNNI it
  * builds as ops that report themselves unavailable (meshllm_quant_few_rows_available() == 0). */
@@ -58,6 +59,11 @@ struct quantized {
     int32_t *offset;
     size_t capacity;
     int64_t rows;
+    /* a Q4_1 product's remainder (src2, group-major; NULL for Q4_0), and the weights' groups of 8
+     * rows (group_bytes apart) whose columns of it a pass adds */
+    const float *remainder;
+    const uint8_t *groups;
+    int64_t group_bytes;
 };
 
 enum { FOR_Q4_0 = 1, WITH_SUMS = 2, FOR_Q8_0 = 4 };
@@ -172,10 +178,36 @@ static inline __attribute__((always_inline)) void store_rows(__m512 acc[], int M
 
 PASS_DRIVERS(quantized, struct quantized)
 
+/* A Q4_1 matrix's remainder term, sum_b R[b][r] * (x row m summed over block b), added to the
+ * Q4_0 products of a group of 8 weight rows (first row r0) in acc (as accumulate_block left them):
+ * per output one fused multiply-add per block, in block order, after the whole Q4_0 sum, which is
+ * the arithmetic of q4_remainder.c's op after ggml's product (so one row stays bitwise ggml's
+ * product plus that op, and rows stay independent). In the pass, not as a sweep over the outputs
+ * after it: that sweep read and wrote every output row once per block, 12% of a SmolLM2 Q4_1
+ * decode step (perf, 1 and 9 rows). R group-major (ggml_weights.GGMLMatrix), so a group's column
+ * streams beside its weights: R[blocks][N] read a column per group, one cache line and often one
+ * page per block, and a step was slower than with the sweep (1 row 4.4 -> 5.2-6.4 ms). */
+static inline __attribute__((always_inline)) void add_remainder(__m512 acc[], const struct quantized *xq, int64_t r0,
+                                                                int64_t m0, int MX) {
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const int64_t blocks = xq->group_bytes / GROUP_BYTES;
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *r = xq->remainder + r0 * blocks + b * 8; /* R[b][r0 .. r0 + 8) */
+        const __m512 rb = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(r)));
+        const float *s = xq->sum + b * xq->rows + m0;
+#pragma GCC unroll 6
+        for (int m = 0; m + 1 < MX; m += 2) /* lanes 2r / 2r+1: rows m / m+1's block sums */
+            acc[m / 2] = _mm512_fmadd_ps(rb, _mm512_castsi512_ps(_mm512_set1_epi64(*(const int64_t *)(s + m))),
+                                         acc[m / 2]);
+        if (MX % 2) acc[MX / 2] = _mm512_fmadd_ps(rb, _mm512_set1_ps(s[MX - 1]), acc[MX / 2]);
+    }
+}
+
 /* One group of 8 weight rows against activation rows [m0, m0 + MX): out[m][0..8). */
 static inline __attribute__((always_inline)) void group_rows(const uint8_t *group, const struct quantized *xq,
                                                              int64_t K, int64_t m0, int MX, float out[][8]) {
     const int64_t blocks = K / 32;
+    const int64_t r0 = xq->remainder ? (group - xq->groups) / xq->group_bytes * 8 : 0; /* the group's first row */
     __m512 acc[(ROWS_PER_PASS + 1) / 2]; /* rows m and m+1 share acc[m / 2]: lanes 2r and 2r+1 */
     for (int m = 0; m < (MX + 1) / 2; m++) acc[m] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x88);
@@ -191,52 +223,11 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t *grou
         for (int m = 0; m < MX; m++) dots[m] = row_dot(lo0, lo1, hi0, hi1, xq, i + m);
         accumulate_block(acc, dots, group_scales(blk), xq, i, MX);
     }
+    if (xq->remainder) add_remainder(acc, xq, r0, m0, MX);
     store_rows(acc, MX, out);
 }
 
 ROW_COUNT_DISPATCH(group_dispatch, group_rows, struct quantized, float out[][8])
-
-/* dst[m][i0..i1) += sum_b R[b][i] * (x row m summed over block b), b in order: the arithmetic of
- * q4_remainder.c, one fused multiply-add per block and output, in either of two orders (the same
- * per output, so the same bits). Up to STREAMED_REMAINDER_ROWS rows: each R row read once, in
- * order, for all activation rows (decode reads R from memory, and the prefetcher follows a row;
- * tiled, it read 18-48 rows a line at a time: a SmolLM2 Q4_1 step 3.4 -> 4.0 ms). More rows
- * (prefill chunks): tiles of 16 outputs of up to REMAINDER_ROWS rows held in registers across all
- * blocks, where whole output rows (a chunk's 177 x 1536 floats) outgrew the cache and were read
- * and written again for every block: 16% of a SmolLM2 Q4_1 prefill. */
-#define STREAMED_REMAINDER_ROWS 16
-#define REMAINDER_ROWS 8
-
-static void add_remainder(const struct ggml_tensor *r, const struct quantized *xq, struct ggml_tensor *dst,
-                          int64_t n, int64_t blocks, int64_t i0, int64_t i1) {
-    if (n <= STREAMED_REMAINDER_ROWS) {
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *rb = (const float *)((const char *)r->data + b * r->nb[1]);
-            for (int64_t m = 0; m < n; m++) {
-                const float s = xq->sum[b * n + m];
-                float *out = (float *)((char *)dst->data + m * dst->nb[1]);
-                for (int64_t i = i0; i < i1; i++) out[i] += rb[i] * s;
-            }
-        }
-        return;
-    }
-    for (int64_t i = i0; i < i1; i += 16) {
-        const __mmask16 lanes = i1 - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (i1 - i)) - 1);
-        for (int64_t m0 = 0; m0 < n; m0 += REMAINDER_ROWS) {
-            const int mx = n - m0 < REMAINDER_ROWS ? (int)(n - m0) : REMAINDER_ROWS;
-            __m512 acc[REMAINDER_ROWS];
-            for (int m = 0; m < mx; m++)
-                acc[m] = _mm512_maskz_loadu_ps(lanes, (const float *)((const char *)dst->data + (m0 + m) * dst->nb[1]) + i);
-            for (int64_t b = 0; b < blocks; b++) {
-                const __m512 rb = _mm512_maskz_loadu_ps(lanes, (const float *)((const char *)r->data + b * r->nb[1]) + i);
-                const float *s = xq->sum + b * n + m0;
-                for (int m = 0; m < mx; m++) acc[m] = _mm512_fmadd_ps(rb, _mm512_set1_ps(s[m]), acc[m]);
-            }
-            for (int m = 0; m < mx; m++)
-                _mm512_mask_storeu_ps((float *)((char *)dst->data + (m0 + m) * dst->nb[1]) + i, lanes, acc[m]);
-        }
-    }
-}
 
 void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, void *userdata) {
     (void)userdata;
@@ -247,7 +238,8 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     if (n < 1 || w->type != GGML_TYPE_Q4_0 || N % 8 || K % 32 || x->type != GGML_TYPE_F32
         || x->ne[0] != K || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || dst->ne[0] != N
         || dst->ne[1] != n || dst->nb[0] != sizeof(float)
-        || (r && (r->type != GGML_TYPE_F32 || r->ne[0] != N || r->ne[1] != K / 32 || r->nb[0] != sizeof(float))))
+        || (r && (r->type != GGML_TYPE_F32 || r->ne[0] != 8 || r->ne[1] != K / 32 || r->ne[2] != N / 8
+                  || r->nb[0] != sizeof(float) || r->nb[1] != 8 * sizeof(float) || r->nb[2] != (size_t)K)))
         abort();
     int64_t g0, g1;
     share(N / 8, ith, nth, &g0, &g1);
@@ -255,9 +247,10 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     /* each ggml worker quantizes the activations itself (a few KiB) into a buffer it keeps */
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q4_0 | (r ? WITH_SUMS : 0));
-    quantized_groups_times_passes((const uint8_t *)w->data, (K / 32) * GROUP_BYTES, g0, g1, &xq, K, n, group_dispatch,
-                                  dst);
-    if (r) add_remainder(r, &xq, dst, n, K / 32, g0 * 8, g1 * 8);
+    xq.groups = (const uint8_t *)w->data;
+    xq.group_bytes = (K / 32) * GROUP_BYTES;
+    xq.remainder = r ? (const float *)r->data : NULL;
+    quantized_groups_times_passes(xq.groups, xq.group_bytes, g0, g1, &xq, K, n, group_dispatch, dst);
     release_large(&xq);
 }
 
