@@ -472,11 +472,11 @@ class Drafter:
                 batch.append(item)
             for answer in (i for i in batch if isinstance(i, _Answer)):
                 self._post_if(self._received(answer))
-            batch = [i for i in batch if not isinstance(i, _Answer)]
-            if batch and self.chained:
-                self._send(batch)
-            elif batch:
-                self._post_if(self._call(batch))
+            for part in _one_per_sequence([i for i in batch if not isinstance(i, _Answer)]):
+                if self.chained:
+                    self._send(part)
+                else:
+                    self._post_if(self._call(part))
 
     def _post_if(self, message: DraftsReady | None) -> None:
         if message is not None:
@@ -566,6 +566,22 @@ def _unpack(batch) -> tuple[list[SeqId], tuple[ProposeRequest, ...], tuple[_Call
     """Released ids, and the requests (with their calls) not gone stale while queued."""
     live = [(r, c) for r, c, _ in batch if not c.stale]
     return [s for _, _, r in batch for s in r], tuple(r for r, _ in live), tuple(c for _, c in live)
+
+
+def _one_per_sequence(batch: list) -> list[list]:
+    """The queued requests in calls that each hold a sequence once, in order: a block chained onto
+    one still queued beside it goes in the call after. A node refuses a call naming a sequence
+    twice (transport/spec_convert.py), and when the loop thread queued both blocks before this
+    thread woke, one call held both: on one core shared by the verifier and the leader, the
+    two-machine bench's remote proposer failed most calls that way and drafting stopped."""
+    parts: list[list] = []
+    for item in batch:
+        seq_id = item[0].seq_id
+        part = next((p for p in parts if all(queued[0].seq_id != seq_id for queued in p)), None)
+        if part is None:
+            parts.append(part := [])
+        part.append(item)
+    return parts
 
 
 def _raiser(error: Exception) -> Callable[[], list[Draft]]:

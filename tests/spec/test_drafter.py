@@ -7,6 +7,7 @@ them to `arrived` and commits tokens the way verifier passes would.
 from __future__ import annotations
 
 import queue
+import threading
 
 import pytest
 
@@ -221,3 +222,48 @@ def test_a_chained_answer_before_the_one_it_continues_is_dropped_without_a_cut(c
     first.finish()
     drafter.arrived(answers.get(timeout=5))
     assert drafter._states[seq.seq_id].mirror == TEXT[:5] and seq.draft == (10,)
+
+
+def test_blocks_of_one_sequence_queued_together_go_out_in_separate_calls():
+    """The drafter's thread sends everything queued meanwhile in one call. A sequence's chained
+    block, queued before the thread woke, landed in the same call as the block it continues, which
+    a node refuses (a sequence twice in one propose call): in the two-machine bench, verifier and
+    leader sharing one core, most remote calls failed that way and drafting all but stopped
+    (0.80-0.95x one machine). Here the thread is held inside another sequence's call while both
+    blocks are queued: they go out as two calls, in order, each naming the sequence once."""
+    gate = threading.Event()
+
+    class _Gated(_Chained):
+        def send(self, requests):
+            if any(r.seq_id == SeqId(0) for r in requests):
+                assert gate.wait(5)
+            return super().send(requests)
+
+    answers: queue.Queue = queue.Queue()
+    proposer = _Gated()
+    drafter = Drafter(proposer, vocab_size=100, post=answers.put,
+                      config=SpecConfig(lengths=DraftLengthConfig(k_max=1, k_start=1)))
+    try:
+        other = Sequence(SeqId(0), TEXT[:3], SamplingParams(temperature=0.0, max_tokens=8))
+        drafter.admit(other, other.params, user_seeded=False)  # the thread waits in its send
+        seq = Sequence(SeqId(1), TEXT[:3], SamplingParams(temperature=0.0, max_tokens=8))
+        drafter.admit(seq, seq.params, user_seeded=False)  # the first block, queued
+        drafter.committed(seq)  # the block chained onto it, queued beside it
+        gate.set()
+        calls = []  # the other sequence's call may hold the first block too (if it was queued in time)
+        while sum(r.seq_id == SeqId(1) for call in calls for r in call.requests) < 2:
+            calls.append(proposer.sent.get(timeout=5))
+        assert proposer.sent.empty()
+        for call in calls:
+            ids = [r.seq_id for r in call.requests]
+            assert len(ids) == len(set(ids)), ids
+        positions = [r.position for call in calls for r in call.requests if r.seq_id == SeqId(1)]
+        assert positions == [0, 5]  # the prompt and its block, then the block from where that ends
+        for call in calls:
+            call.finish()
+        for _ in calls:
+            drafter.arrived(answers.get(timeout=5))
+        assert drafter._states[seq.seq_id].mirror == TEXT[:7]
+    finally:
+        gate.set()
+        drafter.close()
