@@ -35,8 +35,8 @@ from meshllm.model.decoder import Decoder, MoE, SeqSlice, _inv_freq
 from meshllm.model.moe import SWIGLU_ALPHA
 
 _F32 = 4
-# Graph capacity: ~25 nodes per layer (~50 with Q4_1 remainders) plus 14 per sequence and layer
-# (views count), with room to spare.
+# Graph capacity: ~25 nodes per layer (~55 with Q4_1 remainders added by ggml ops) plus 14 per
+# sequence and layer (views count), with room to spare.
 _NODES_PER_LAYER, _NODES_PER_SEQ_LAYER = 80, 24
 # A few-row step over K-quant parts split for per-row products (below): up to 7 parts a layer
 # (mixed-type q/k/v, gate/up, o, down), each up to 8 nodes (3 views, 3 products, 2 concats) for 1.

@@ -462,7 +462,7 @@ class Drafter:
             if item is None:
                 return
             batch = [item]
-            while True:  # everything asked for meanwhile goes in the same call
+            while True:  # everything asked for meanwhile, in as few calls as _one_per_sequence allows
                 try:
                     item = self._work.get_nowait()
                 except queue.Empty:

@@ -343,9 +343,12 @@ def test_a_long_prefill_on_bf16_kv_is_as_accurate_as_short_chunks(smollm2_gguf_p
 
 
 def test_q4_1_remainder_op_matches_ggmls_own_ops_and_the_torch_path(smollm2_gguf_path, tmp_path):
-    """A Q4_1 model's linears are held as Q4_0 plus a per-block remainder; the remainder is added by
-    meshllm's custom op (q4_remainder.c) or, without it, by ggml's sum_rows + out_prod + add. Both
-    give the same logits to float rounding, and the torch path's (GGMLMatrix.matmul) within ATOL."""
+    """A Q4_1 model's linears are held as Q4_0 plus a per-block remainder (group-major). Where
+    meshllm's few-row op is not built, ggml's product takes the Q4_0 part and the remainder is added
+    by meshllm's custom op (q4_remainder.c) or, without it, by ggml's sum_rows + out_prod + add over
+    a permuted copy of it. All three give the same logits to float rounding, and the torch path's
+    (GGMLMatrix.matmul) within ATOL. (With the few-row op turned off here: it would take every
+    product on a CPU with AVX-512 VNNI and leave the two fallbacks untested.)"""
     from meshllm.engine.kernels.custom_ops import q4_remainder_op
 
     rt = runtime()
@@ -356,14 +359,18 @@ def test_q4_1_remainder_op_matches_ggmls_own_ops_and_the_torch_path(smollm2_gguf
     files = open_model(write_quantized_llama(rt, smollm2_gguf_path, tmp_path / "q41.gguf", GGML.Q4_1))
     d = load_stage_decoder(files.source, files.config)
     assert all(m.remainder is not None for layer in d.layers for m in layer.mlp.gate_up_proj.matrices)
+    few_rows = _run(d, PROMPTS, 4, True)
+    d.fast_path._drop_cached()
+    d.fast_path._quant_few_rows_ops = {}
     with_op = _run(d, PROMPTS, 4, True)
     d.fast_path._drop_cached()
     d.fast_path._remainder_op = None
     with_ggml_ops = _run(d, PROMPTS, 4, True)
     torch_path = _run(d, PROMPTS, 4, False)
-    for a, b, c in zip(with_op, with_ggml_ops, torch_path):
+    for f, a, b, c in zip(few_rows, with_op, with_ggml_ops, torch_path):
         scale = float(c.abs().max())
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5 * scale)
+        torch.testing.assert_close(f, a, rtol=0, atol=1e-5 * scale)  # the few-row op against ggml's products
         # The two paths round activations to 8 bits in different places (see the module docstring).
         torch.testing.assert_close(a, c, rtol=0, atol=1e-3 * scale)
 

@@ -110,12 +110,12 @@ def test_each_row_is_independent_of_the_rows_beside_it(rt, ggml_type, rows, cols
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_q4_prefill_chunks_are_their_rows_one_by_one(rt, ggml_type, rows, cols):
     """The Q4_0 op takes prefill chunks too (ggml_stage.ALL_ROWS_OPS): each row of a chunk of any
-    size is its one-row product, bit for bit, past the 16 rows of a verify pass (and a Q4_1
-    remainder, added in register tiles from 17 rows, as it is added row by row below)."""
+    size is its one-row product, bit for bit, past the 16 rows of a verify pass and its passes of
+    12 (a Q4_1 remainder added in each pass, as in a one-row product)."""
     matrix, _ = _matrix(rt, ggml_type, rows, cols, seed=rows + 3 * cols)
     x = torch.randn(70, cols, generator=torch.Generator().manual_seed(10))
     alone = torch.cat([_op(rt, matrix, x[i:i + 1]) for i in range(70)])
-    for n in (17, 23, 70):  # a remainder tile of 8 rows, a partial one
+    for n in (17, 23, 70):  # two passes of 9 / 8, two of 12 / 11, five of 12 and 10 (rows_per_pass)
         assert torch.equal(_op(rt, matrix, x[:n]), alone[:n]), n
 
 

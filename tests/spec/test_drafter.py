@@ -229,8 +229,9 @@ def test_blocks_of_one_sequence_queued_together_go_out_in_separate_calls():
     block, queued before the thread woke, landed in the same call as the block it continues, which
     a node refuses (a sequence twice in one propose call): in the two-machine bench, verifier and
     leader sharing one core, most remote calls failed that way and drafting all but stopped
-    (0.80-0.95x one machine). Here the thread is held inside another sequence's call while both
-    blocks are queued: they go out as two calls, in order, each naming the sequence once."""
+    (0.80-0.95x one machine). Here both blocks are queued before the thread sends them (it is held
+    inside another sequence's call if it took that one first; usually, under the GIL, it has not
+    woken yet): they go out as two calls, in order, each naming the sequence once."""
     gate = threading.Event()
 
     class _Gated(_Chained):

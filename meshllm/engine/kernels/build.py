@@ -31,7 +31,7 @@ GGML_OPS = {KERNEL_DIR / "q4_remainder.c": REMAINDER_LIBRARY, KERNEL_DIR / "quan
             KERNEL_DIR / "k_quant_few_rows.c": K_QUANT_FEW_ROWS_LIBRARY}
 # -ffp-contract=fast: a * b + c as one fused multiply-add wherever written so (GCC's default in its
 # GNU dialect, stated so a -std=c11 never changes it): the ops' row-by-row sums must round as the
-# kernels they match do (quant_few_rows.c's two orders of the Q4_1 remainder, q4_remainder.c).
+# kernels they match do (quant_few_rows.c's Q4_1 remainder and q4_remainder.c's, the same sums).
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC")
 # The pinned ggml's header, installed beside the ggml package: with it the kernel is also built
 # as a ggml custom op (meshllm_ggml_bf16_few_rows), which needs ggml's tensor struct.

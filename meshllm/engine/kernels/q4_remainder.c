@@ -29,18 +29,22 @@ void meshllm_ggml_q4_remainder(struct ggml_tensor *dst, int ith, int nth, void *
         || rows % 8 || r->ne[0] != 8 || r->ne[1] != blocks || r->ne[2] != rows / 8 || x->nb[0] != sizeof(float)
         || main->nb[0] != sizeof(float) || r->nb[0] != sizeof(float) || r->nb[1] != 8 * sizeof(float)
         || r->nb[2] != (size_t)blocks * 8 * sizeof(float) || dst->nb[0] != sizeof(float)) abort();
-    const int64_t per = (rows + nth - 1) / nth, r0 = ith * per, r1 = r0 + per < rows ? r0 + per : rows;
-    if (r0 >= r1) return;
+    /* the threads split the groups of 8 rows: a group's R column is 8 contiguous floats a block */
+    const int64_t groups = rows / 8, per = (groups + nth - 1) / nth, g0 = ith * per;
+    const int64_t g1 = g0 + per < groups ? g0 + per : groups;
+    if (g0 >= g1) return;
     for (int64_t j = 0; j < n; j++) {
         const float *xj = (const float *)((const char *)x->data + j * x->nb[1]);
         const float *mj = (const float *)((const char *)main->data + j * main->nb[1]);
         float *out = (float *)((char *)dst->data + j * dst->nb[1]);
-        for (int64_t i = r0; i < r1; i++) out[i] = mj[i];
+        for (int64_t i = g0 * 8; i < g1 * 8; i++) out[i] = mj[i];
         for (int64_t b = 0; b < blocks; b++) {
             float sum = 0.0f;
             for (int k = 0; k < 32; k++) sum += xj[b * 32 + k];
-            const float *rb = (const float *)r->data + b * 8;
-            for (int64_t i = r0; i < r1; i++) out[i] += rb[(i / 8) * blocks * 8 + i % 8] * sum;
+            for (int64_t g = g0; g < g1; g++) {
+                const float *rg = (const float *)r->data + (g * blocks + b) * 8;
+                for (int i = 0; i < 8; i++) out[g * 8 + i] += rg[i] * sum;
+            }
         }
     }
 }

@@ -51,7 +51,8 @@ int meshllm_quant_few_rows_available(void) { return 1; }
  * b * rows + m): a pass reads block b of all its rows together, from one or two cache lines, where
  * rows K bytes apart kept more lines live than L1 holds beside the weights streaming through it.
  * Measured, one thread, 16 Q4_0 matrices 4096x576 (SmolLM2's widths) in one-op graphs: 4 / 8 rows
- * 2.0 / 3.4 -> 1.7 / 2.8 ms (with the offset broadcast from memory, below), 1 row unchanged. */
+ * 2.0 / 3.4 -> 1.7 / 2.8 ms (with the offset broadcast from memory, below), 1 row unchanged.
+ * It also carries, per call, where a Q4_1 product's remainder lies beside the weights (below). */
 struct quantized {
     int8_t *q;
     uint8_t *u;
@@ -157,9 +158,9 @@ static inline __attribute__((always_inline)) __m512 group_scales(const uint8_t *
  * acc[MX / 2], each lane's arithmetic that of ggml's one-row gemv. */
 static inline __attribute__((always_inline)) void accumulate_block(__m512 acc[], const __m512i dots[], __m512 dw,
                                                                    const struct quantized *xq, int64_t i, int MX) {
-    /* unrolled for all ROWS_PER_PASS / 2 pairs: unrolled 4 deep, a 12-row pass indexed acc[] in
-     * memory (17 stack accesses a block, 236 instructions against 173), and prefill, which runs
-     * passes of 12, went ~10% slower (SmolLM2 Q4_1 / Q8_0, 177 and 512 rows) */
+    /* unrolled for all ROWS_PER_PASS / 2 pairs (8 must stay >= that): unrolled 4 deep, a 12-row
+     * pass indexed acc[] in memory (17 stack accesses a block, 236 instructions against 173), and
+     * prefill, which runs passes of 12, went ~10% slower (SmolLM2 Q4_1 / Q8_0, 177 and 512 rows) */
 #pragma GCC unroll 8
     for (int m = 0; m + 1 < MX; m += 2)
         acc[m / 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(pair_dots(dots[m], dots[m + 1])),
@@ -190,15 +191,15 @@ PASS_DRIVERS(quantized, struct quantized)
  * decode step (perf, 1 and 9 rows). R group-major (ggml_weights.GGMLMatrix), so a group's column
  * streams beside its weights: R[blocks][N] read a column per group, one cache line and often one
  * page per block, and a step was slower than with the sweep (1 row 4.4 -> 5.2-6.4 ms). */
-static inline __attribute__((always_inline)) void add_remainder(__m512 acc[], const struct quantized *xq, int64_t r0,
-                                                                int64_t m0, int MX) {
+static inline __attribute__((always_inline)) void add_remainder(__m512 acc[], const struct quantized *xq, int64_t K,
+                                                                int64_t r0, int64_t m0, int MX) {
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const int64_t blocks = xq->group_bytes / GROUP_BYTES;
+    const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; b++) {
         const float *r = xq->remainder + r0 * blocks + b * 8; /* R[b][r0 .. r0 + 8) */
         const __m512 rb = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(r)));
         const float *s = xq->sum + b * xq->rows + m0;
-#pragma GCC unroll 6
+#pragma GCC unroll 8 /* at least ROWS_PER_PASS / 2, as in accumulate_block */
         for (int m = 0; m + 1 < MX; m += 2) /* lanes 2r / 2r+1: rows m / m+1's block sums */
             acc[m / 2] = _mm512_fmadd_ps(rb, _mm512_castsi512_ps(_mm512_set1_epi64(*(const int64_t *)(s + m))),
                                          acc[m / 2]);
@@ -226,7 +227,7 @@ static inline __attribute__((always_inline)) void group_rows(const uint8_t *grou
         for (int m = 0; m < MX; m++) dots[m] = row_dot(lo0, lo1, hi0, hi1, xq, i + m);
         accumulate_block(acc, dots, group_scales(blk), xq, i, MX);
     }
-    if (xq->remainder) add_remainder(acc, xq, r0, m0, MX);
+    if (xq->remainder) add_remainder(acc, xq, K, r0, m0, MX);
     store_rows(acc, MX, out);
 }
 
@@ -242,7 +243,8 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
         || x->ne[0] != K || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || dst->ne[0] != N
         || dst->ne[1] != n || dst->nb[0] != sizeof(float)
         || (r && (r->type != GGML_TYPE_F32 || r->ne[0] != 8 || r->ne[1] != K / 32 || r->ne[2] != N / 8
-                  || r->nb[0] != sizeof(float) || r->nb[1] != 8 * sizeof(float) || r->nb[2] != (size_t)K)))
+                  || r->nb[0] != sizeof(float) || r->nb[1] != 8 * sizeof(float)
+                  || r->nb[2] != (size_t)(K / 32) * 8 * sizeof(float))))
         abort();
     int64_t g0, g1;
     share(N / 8, ith, nth, &g0, &g1);
