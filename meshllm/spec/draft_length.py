@@ -242,10 +242,15 @@ def pipelined_length(alpha: float, k_max: int, costs: StepCosts, rows: int, draf
     E(k) tokens (`rows`: the step's rows without this draft, as in best_length): the verifier's
     extra rows are cheap on the few-row kernels, so what bounds the rate is the proposer's speed.
     A rejection in the block (probability 1 - a^k) throws the block drafted ahead away: the
-    proposer starts again from the verifier's correction, and the next draft is a block's drafting
-    away, D(k + 1) more. Without that term longer blocks looked as good as short ones wherever the
-    proposer bounds the rate, and 8-token blocks of free text spent 110-120 ms (median) after each
-    rejection before a draft was accepted again, against 53 ms with blocks of 2-3.
+    proposer finishes or drops the stale block it is on, starts again from the verifier's
+    correction, and the next draft is that far away. Measured, free text: 110-120 ms (median)
+    from a rejection to the next accepted draft with 8-token blocks (D(9) ~64 ms), 53 ms with
+    blocks of 2-3 (D(3) ~29 ms): ~2 D(k + 1) either way, which is what a rejection costs here.
+    Without the term longer blocks looked as good as short ones wherever the proposer bounds the
+    rate. The verifier does not idle meanwhile: it decodes plain steps, rows tokens per T(rows),
+    which count. Without them two rejections in a row (a ~0.75) made every draft look slower
+    than plain decoding, and drafting stopped for ~30 plain steps (300 ms, the probes every 8
+    steps overtaken by them) before it resumed: 30% of a two-machine run (bench/spec_trace.py).
     The k <= k_max with the best rate, 0 where none beats plain steps (rows tokens per T(rows))
     by 2%: a proposer as slow as the verifier never pays. D(n) is the proposer's measured call
     time for n tokens (`draft_s`, by tokens drafted).
@@ -258,7 +263,8 @@ def pipelined_length(alpha: float, k_max: int, costs: StepCosts, rows: int, draf
     for k in range(1, k_max + 1):
         expected += a ** k
         draft = draft_s.seconds(k + 1) or 0.0
-        rate = (rows - 1 + expected) / (max(base * costs.ratio(rows, k), draft) + (1 - a ** k) * draft)
+        rejected = (1 - a ** k) * 2 * draft  # the expected time a rejection costs: plain steps only
+        rate = (rows - 1 + expected + rejected * rows / base) / (max(base * costs.ratio(rows, k), draft) + rejected)
         if rate > best_rate * 1.02:
             best, best_rate = k, rate
     return best

@@ -127,6 +127,19 @@ def test_long_blocks_pay_for_what_a_rejection_throws_away():
     assert pipelined_length(0.95, 8, verifier, 1, drafter) < 8
 
 
+def test_drafting_goes_on_after_rejections_while_blocks_beat_the_plain_steps_they_cost():
+    """The two-machine bench, traced: a bf16 verifier on one core (10.5 ms a step, 18-20 ms for 2-3
+    rows, with the leader's own work beside it) and a Q4_1 draft node (17-20 ms for a 2-3 token
+    call). After two rejections in a row (acceptance ~0.75) every block looked slower than plain
+    decoding while a rejection's recovery counted as time that commits nothing, and drafting
+    stopped for ~30 plain steps. The plain steps decoded during a recovery count now: blocks of 2
+    go on down to ~0.7, and drafts that mostly fail still stop."""
+    verifier = _costs({1: 0.0105, 2: 0.0204, 3: 0.0185, 4: 0.021, 5: 0.0163, 6: 0.018})
+    drafter = _costs({2: 0.017, 3: 0.020, 4: 0.025, 6: 0.040}, widest_slope=True)
+    assert [pipelined_length(a, 8, verifier, 1, drafter) for a in (0.95, 0.85, 0.75, 0.7)] == [2, 2, 2, 2]
+    assert pipelined_length(0.6, 8, verifier, 1, drafter) == 0
+
+
 def test_waiting_for_a_draft_pays_only_when_it_commits_more_per_second():
     verifier = _costs({1: 0.024, 4: 0.054})
     assert wait_pays(0.95, 3, verifier, 1, wait_s=0.010)  # 3.7 tokens in 64 ms beats 2.7 plain steps
