@@ -692,9 +692,7 @@ class GGMLStage:
             e = self.embedding_in_file
             step.ids, step.file_table = torch.zeros(n, dtype=torch.int32), e
             step.table_rows = torch.empty(n, e.rows.row_bytes, dtype=torch.uint8)
-            rows = g.ggml_new_tensor_2d(ctx, int(e.ggml_type), e.embedding_dim, n)
-            rows.contents.data = s.keep(step.table_rows).data_ptr()
-            h = g.ggml_get_rows(ctx, rows, s.wrap(torch.arange(n, dtype=torch.int32)))
+            h = e.looked_up(s, step.table_rows)
         elif self.embedding is not None:
             step.ids = torch.zeros(n, dtype=torch.int32)
             if self.embedding_q8_0x8:

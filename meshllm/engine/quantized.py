@@ -119,6 +119,15 @@ class FileRowsEmbedding(nn.Module):
         """Rows `ids` as stored into `out` ([n, row bytes] uint8)."""
         self.rows.read(ids.tolist(), out.numpy())
 
+    def looked_up(self, s: GraphScope, stored: Tensor):
+        """A ggml node of the f32 rows of `stored` (rows as read, [n, row bytes] uint8, kept alive by
+        `s`): get_rows over a table of just them, which converts each as a lookup in the whole
+        table would."""
+        n = stored.shape[0]
+        table = s.g.ggml_new_tensor_2d(s.ctx, int(self.ggml_type), self.embedding_dim, n)
+        table.contents.data = s.keep(stored).data_ptr()
+        return s.g.ggml_get_rows(s.ctx, table, s.wrap(torch.arange(n, dtype=torch.int32)))
+
     def forward(self, ids: Tensor) -> Tensor:
         # ids: [n] int64 -> [n, embedding_dim]
         stored = torch.empty(ids.numel(), self.rows.row_bytes, dtype=torch.uint8)
@@ -127,9 +136,7 @@ class FileRowsEmbedding(nn.Module):
             return stored.view(self.dtype).reshape(ids.numel(), self.embedding_dim)
         out = torch.empty(ids.numel(), self.embedding_dim, dtype=torch.float32)
         with GraphScope(self.rt) as s:
-            table = s.g.ggml_new_tensor_2d(s.ctx, int(self.ggml_type), self.embedding_dim, ids.numel())
-            table.contents.data = stored.data_ptr()
-            rows = s.g.ggml_get_rows(s.ctx, table, s.wrap(torch.arange(ids.numel(), dtype=torch.int32)))
+            rows = self.looked_up(s, stored)
             s.point(rows, out)
             s.compute(rows)
         return out

@@ -575,12 +575,12 @@ def _one_per_sequence(batch: list) -> list[list]:
     thread woke, one call held both: on one core shared by the verifier and the leader, the
     two-machine bench's remote proposer failed most calls that way and drafting stopped."""
     parts: list[list] = []
+    queued: dict[SeqId, int] = {}  # blocks of each sequence placed so far
     for item in batch:
-        seq_id = item[0].seq_id
-        part = next((p for p in parts if all(queued[0].seq_id != seq_id for queued in p)), None)
-        if part is None:
-            parts.append(part := [])
-        part.append(item)
+        k = queued[item[0].seq_id] = queued.get(item[0].seq_id, 0) + 1
+        if k > len(parts):
+            parts.append([])
+        parts[k - 1].append(item)
     return parts
 
 

@@ -60,11 +60,10 @@ struct quantized {
     int32_t *offset;
     size_t capacity;
     int64_t rows;
-    /* a Q4_1 product's remainder (src2, group-major; NULL for Q4_0), and the weights' groups of 8
-     * rows (group_bytes apart) whose columns of it a pass adds */
+    /* a Q4_1 product's remainder (src2, group-major; NULL for Q4_0), and the weights' first group
+     * of 8 rows (a pass adds the columns of R of the groups it multiplies) */
     const float *remainder;
     const uint8_t *groups;
-    int64_t group_bytes;
 };
 
 enum { FOR_Q4_0 = 1, WITH_SUMS = 2, FOR_Q8_0 = 4 };
@@ -211,7 +210,7 @@ static inline __attribute__((always_inline)) void add_remainder(__m512 acc[], co
 static inline __attribute__((always_inline)) void group_rows(const uint8_t *group, const struct quantized *xq,
                                                              int64_t K, int64_t m0, int MX, float out[][8]) {
     const int64_t blocks = K / 32;
-    const int64_t r0 = xq->remainder ? (group - xq->groups) / xq->group_bytes * 8 : 0; /* the group's first row */
+    const int64_t r0 = xq->remainder ? (group - xq->groups) / (blocks * GROUP_BYTES) * 8 : 0; /* its first row */
     __m512 acc[(ROWS_PER_PASS + 1) / 2]; /* rows m and m+1 share acc[m / 2]: lanes 2r and 2r+1 */
     for (int m = 0; m < (MX + 1) / 2; m++) acc[m] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f), flip = _mm512_set1_epi8((char)0x88);
@@ -253,9 +252,8 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q4_0 | (r ? WITH_SUMS : 0));
     xq.groups = (const uint8_t *)w->data;
-    xq.group_bytes = (K / 32) * GROUP_BYTES;
     xq.remainder = r ? (const float *)r->data : NULL;
-    quantized_groups_times_passes(xq.groups, xq.group_bytes, g0, g1, &xq, K, n, group_dispatch, dst);
+    quantized_groups_times_passes(xq.groups, (K / 32) * GROUP_BYTES, g0, g1, &xq, K, n, group_dispatch, dst);
     release_large(&xq);
 }
 
