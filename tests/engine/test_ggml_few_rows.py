@@ -49,7 +49,7 @@ def _product(rt, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 # K not a multiple of 64 or 32 runs the masked tail; N of 1 and odd N split unevenly over threads.
 @pytest.mark.parametrize("out_features,in_features", [(1, 32), (7, 45), (130, 96), (33, 577), (960, 576)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])  # 2 and 4 run special first passes
 def test_op_matches_fp32_products_of_the_bf16_values(rt, out_features, in_features, rows):
     g = torch.Generator().manual_seed(out_features * 1000 + rows)
     weight = torch.randn(out_features, in_features, generator=g).to(torch.bfloat16)
@@ -63,7 +63,7 @@ def test_each_row_is_independent_of_the_rows_beside_it(rt):
     weight = torch.randn(300, 1536, generator=g).to(torch.bfloat16)
     x = torch.randn(16, 1536, generator=g)
     alone = torch.cat([_product(rt, weight, x[i:i + 1].clone()) for i in range(16)])
-    for n in (2, 3, 8, 9, 16):
+    for n in (2, 3, 4, 5, 8, 9, 16):
         assert torch.equal(_product(rt, weight, x[:n].clone()), alone[:n]), n
 
 
