@@ -6,7 +6,8 @@
 Per drafter: decode steps by rows (count, median ms), verify outcomes (drafted, accepted) by
 count, proposer calls by (tokens asked, drafted) with their median drafting ms, and recovery
 after rejections: how long from a step that rejected part of a draft to the next step that
-accepted any, and how many draftless steps went between (what a rejection costs in time).
+accepted any, and how many draftless steps went between (what a rejection costs in time); requests
+by the block length chosen, and how often a step was held for a draft (with the median expected wait).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def summarise(events: list[list]) -> dict:
         else:
             i += 1
     span = checks[-1][1] - checks[0][1] if len(checks) > 1 else 0.0
+    requests = Counter(e[2] for e in events if e[0] == "request")
+    holds = [e[2] for e in events if e[0] == "hold"]
     return {
         "steps_by_rows": {rows: {"count": len(s), "median_ms": round(1000 * statistics.median(s), 2)}
                           for rows, s in sorted(by_rows.items())},
@@ -49,6 +52,9 @@ def summarise(events: list[list]) -> dict:
             (e[2], e[3]) for e in checks).items())},
         "calls_by_asked_drafted": {f"{k},{d}": {"count": len(s), "median_ms": round(1000 * statistics.median(s), 2)}
                                    for (k, d), s in sorted(by_call.items())},
+        "requests_by_block_length": {str(k): n for k, n in sorted(requests.items())},
+        "holds": len(holds),
+        "hold_wait_median_ms": round(1000 * statistics.median(holds), 2) if holds else None,
         "rejections": len(gaps),
         "recovery_median_ms": round(1000 * statistics.median(gaps), 1) if gaps else None,
         "recovery_draftless_steps_median": statistics.median(draftless) if draftless else None,

@@ -406,6 +406,9 @@ class Drafter:
                 return
             st.skipped, k = 0, 1
         request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, max(k, 1) + 1), st.sampling)
+        if self._trace is not None:
+            self._trace.request(k, request.k, st.length.alpha, self._draft_s.seconds(request.k),
+                                self._costs.seconds(st.rows))
         st.mirror.extend(tokens)
         st.confirmed = max(st.confirmed, min(len(st.mirror), n))
         released, self._released = self._released, []
@@ -454,6 +457,8 @@ class Drafter:
         hold_until = expected_at + 0.25 * wait + 0.001  # a little slack for a late answer
         if hold_until > now and wait_pays(alpha, k_then, self._costs, st.rows, wait, k_now):
             st.hold_until = hold_until
+            if self._trace is not None:
+                self._trace.hold(wait, k_then, k_now)
 
     # --- drafter thread (proposers that are not inline) ---------------------------------------------
     def _run(self) -> None:

@@ -33,7 +33,8 @@ def test_a_traced_leader_records_its_steps_checks_and_calls(aidreams_path, tmp_p
     record = json.loads(line)
     assert record["proposer"] == "ngram"
     kinds = {e[0] for e in record["events"]}
-    assert kinds == {"step", "verified", "call"}
+    # An inline proposer's steps are never held for its drafts.
+    assert kinds == {"step", "verified", "call", "request"}
     checks = [e for e in record["events"] if e[0] == "verified"]
     # Every generated token came from a checked step (the prompt's last chunk's one too): its
     # accepted draft tokens plus the verifier's own.
@@ -46,6 +47,9 @@ def test_a_traced_leader_records_its_steps_checks_and_calls(aidreams_path, tmp_p
                                                                              if e[0] == "step"])
     assert sum(summary["verified_drafted_accepted"].values()) == len(checks)
     assert summary["calls_by_asked_drafted"]
+    assert sum(summary["requests_by_block_length"].values()) == len([e for e in record["events"]
+                                                                     if e[0] == "request"])
+    assert summary["holds"] == 0
 
 
 def test_no_trace_unless_asked(aidreams_path, tmp_path, monkeypatch):
