@@ -81,6 +81,9 @@ class MetricsObserver(LeaderObserver):
             "speculation).", registry=r)
         self.tokens_per_pass.set_function(lambda: (self._passes + self._accepted) / self._passes if self._passes
                                           else 0.0)
+        self.proposer_failures = Counter(
+            "meshllm_spec_proposer_failures", "Proposer calls that failed (an error, a missed deadline, a refusal): "
+            "their drafts were dropped and the leader decoded plainly for a moment.", registry=r)
         self.api_errors = Counter("meshllm_api_errors", "HTTP API errors, by error code.", ["code"], registry=r)
         # Failover (pipeline-sharding-spec §5.10 names, with our prefix).
         self.failovers = Counter("meshllm_failovers", "Failovers started: a stage failed or stalled and the "
@@ -169,6 +172,9 @@ class MetricsObserver(LeaderObserver):
             self.accepted_tokens.inc(num_accepted)
             self._drafted += num_drafted
             self._accepted += num_accepted
+
+    def on_proposer_failed(self) -> None:
+        self.proposer_failures.inc()
 
     # --- any thread --------------------------------------------------------------------------------
     def on_health(self, report: HealthReport) -> None:

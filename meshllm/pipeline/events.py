@@ -43,6 +43,10 @@ class LeaderObserver:
     def on_verified(self, num_drafted: int, num_accepted: int) -> None:
         """One verifier pass of a sequence: `num_drafted` draft tokens (0: plain decode), `num_accepted` kept."""
 
+    def on_proposer_failed(self) -> None:
+        """A proposer call failed (an error, its deadline, a refusal): its drafts are dropped, and the
+        leader decodes plainly for SpecConfig.retry_after_s. Output never changes, so only this shows it."""
+
     def on_failure(self, failure: StageFailure) -> None:
         """A node failed (or the pipeline stalled): the leader starts a failover."""
 

@@ -111,7 +111,8 @@ class Leader(LeaderFailover, LeaderLifecycle):
         self._id_lock = threading.Lock()
         self._closed = threading.Event()
         # Speculative decoding: drafts come back as DraftsReady messages in the inbox.
-        self.drafter = None if proposer is None else Drafter(proposer, vocab_size, self._inbox.put, spec_config)
+        self.drafter = None if proposer is None else Drafter(proposer, vocab_size, self._inbox.put, spec_config,
+                                                                 self.observer)
         if transport is not None:
             self._watch_stream(transport)
         self._thread = threading.Thread(target=self._loop, daemon=True, name="leader")

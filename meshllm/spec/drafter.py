@@ -237,6 +237,8 @@ class Drafter:
             log.info("proposer %s failed: %s; plain decoding for %.1fs", self.proposer.name, message.error,
                      self.config.retry_after_s)
             self._paused_until = now + self.config.retry_after_s
+            if self.observer is not None:
+                self.observer.on_proposer_failed()
         else:
             if not catch_up_tokens(message.requests):
                 # A catch-up call (a prompt to prefill) says nothing about how fast blocks are drafted.

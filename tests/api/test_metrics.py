@@ -64,6 +64,19 @@ def test_token_finish_queue_and_prefix_hooks():
     assert sample(m, "meshllm_prefix_cache_miss_tokens_total") == 15
 
 
+def test_speculation_hooks():
+    m = MetricsObserver()
+    m.on_verified(4, 3)
+    m.on_verified(0, 0)  # a plain pass
+    m.on_proposer_failed()
+    m.on_proposer_failed()
+    assert sample(m, "meshllm_spec_drafted_tokens_total") == 4
+    assert sample(m, "meshllm_spec_accepted_tokens_total") == 3
+    assert sample(m, "meshllm_spec_acceptance_rate") == pytest.approx(0.75)
+    assert sample(m, "meshllm_spec_tokens_per_verifier_pass") == pytest.approx(2.5)  # (2 passes + 3) / 2
+    assert sample(m, "meshllm_spec_proposer_failures_total") == 2
+
+
 def test_observers_keep_separate_registries():
     a, b = MetricsObserver(), MetricsObserver()
     a.on_token(True, 0.1)

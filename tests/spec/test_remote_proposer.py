@@ -129,11 +129,13 @@ def test_late_remote_proposer_leaves_output_unchanged(proposer_server, aidreams_
     files = open_model(aidreams_path)
     prompts = [files.tokenizer.encode(p) for p in PROMPTS]
     expected = _reference(files, prompts)
-    leader = local_leader(files, EXACT, proposer=RemoteProposer(proposer_server, "sleepy", "n", deadline_s=0.05))
+    counts = Counting()
+    leader = local_leader(files, EXACT, counts, RemoteProposer(proposer_server, "sleepy", "n", deadline_s=0.05))
     try:
         assert run_all(leader, prompts, GREEDY) == expected
     finally:
         leader.close()
+    assert counts.proposer_failures > 0  # every call missed its deadline, and the leader saw each
 
 
 def _reference(files, prompts):
@@ -206,6 +208,9 @@ def test_remote_draft_model_in_another_node_process(cluster, aidreams_path, rang
         stage_channels.close()
         channels.close()
     assert counts.accepted > 0.5 * counts.drafted > 0
+    # Failed calls only cost speed, so the output above cannot show them: a chained block once shared
+    # a call with the block it continues, the node refused every such call, and only speed fell.
+    assert counts.proposer_failures == 0
 
 
 def test_a_long_prompt_catch_up_gets_a_deadline_sized_for_prefill(cluster, long_context_draft):

@@ -47,7 +47,7 @@ class Counting:
     """Counts what the leader verified (the leader's observer hook)."""
 
     def __init__(self):
-        self.drafted = self.accepted = self.passes = 0
+        self.drafted = self.accepted = self.passes = self.proposer_failures = 0
 
     def __getattr__(self, name):
         return lambda *a, **k: None
@@ -56,6 +56,9 @@ class Counting:
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.passes += 1
+
+    def on_proposer_failed(self):
+        self.proposer_failures += 1
 
 
 @pytest.fixture(scope="module")
