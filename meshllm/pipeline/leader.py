@@ -42,7 +42,7 @@ from meshllm.engine.scheduler import MicroBatch, Scheduler, SchedulerConfig, Wor
 from meshllm.engine.sequence import Sequence, SeqStatus
 from meshllm.engine.step import SampledToken, SeqWork, Step, StepResult
 from meshllm.engine.stopping import StopChecker
-from meshllm.errors import ContextOverflow, InvalidReply, LeaderDown, MeshError
+from meshllm.errors import BadRequest, ContextOverflow, InvalidReply, LeaderDown, MeshError
 from meshllm.pipeline.chores import StageChores
 from meshllm.pipeline.deadline import DEFAULT_FLOOR_S, DeadlineConfig, StallWatch
 from meshllm.pipeline.events import GenerationEvent, LeaderObserver
@@ -139,6 +139,11 @@ class Leader(LeaderFailover, LeaderLifecycle):
         the space before its first word; a reply (chat) starts a text of its own."""
         if not prompt_ids:
             raise ContextOverflow("the prompt is empty: at least one token is needed")
+        if self._vocab_size is not None and not 0 <= min(prompt_ids) <= max(prompt_ids) < self._vocab_size:
+            # Refused here, not by the first stage: a stage refusing a step reads as a faulty peer,
+            # and the request would end as a stall with a healthy node suspected.
+            bad = next(t for t in prompt_ids if not 0 <= t < self._vocab_size)
+            raise BadRequest(f"token id {bad} in the prompt is outside the model's vocabulary [0, {self._vocab_size})")
         total = len(prompt_ids) + params.max_tokens
         if total > self.max_context:
             raise ContextOverflow(

@@ -34,7 +34,8 @@ def decoder_leader(decoder: Decoder, tokenizer: Tokenizer, max_num_seqs: int, kv
     eos = set(tokenizer.eos_token_ids) | set(decoder.config.eos_token_ids)
     return Leader(LocalPipeline([StageRunner(decoder)]), eos_token_ids=eos,
                   new_detokenizer=lambda context: tokenizer.decode_stream(context=context).step,
-                  max_context=decoder.config.max_position_embeddings, config=config)
+                  max_context=decoder.config.max_position_embeddings, config=config,
+                  vocab_size=decoder.config.vocab_size)
 
 
 def stream_many(decoder: Decoder, tokenizer: Tokenizer, prompts: Sequence[Sequence[int]],

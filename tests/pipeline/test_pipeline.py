@@ -187,6 +187,26 @@ def test_a_stalled_stage_fails_its_requests_clearly_and_the_pipeline_recovers(cl
         leader.close()
 
 
+def test_a_prompt_outside_the_vocabulary_is_refused_and_no_stage_is_blamed(cluster, model_files):
+    """Token ids the model has no embedding for are the caller's error: refused at submit, before any
+    stage sees them. They used to reach the first stage, which refused the step as corrupt input
+    from its peer, and the request ended as a pipeline stall."""
+    from meshllm.errors import BadRequest
+
+    files = model_files["aidreams"]
+    leader = cluster.leader(files, [(0, 2), (2, 4)], OPTIONS)
+    ids = files.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    vocab = files.config.vocab_size
+    try:
+        for bad in (vocab, -1):
+            with pytest.raises(BadRequest, match=f"token id {bad} in the prompt is outside .* \\[0, {vocab}\\)"):
+                list(leader.generate(ids + [bad], params))
+        assert tokens(leader, ids, params) == tokens(leader, ids, params) and len(tokens(leader, ids, params)) == 4
+    finally:
+        leader.close()
+
+
 def test_plans_on_the_same_node_share_weights_and_unload_frees_them_last(cluster, model_files):
     """A re-plan gives a surviving node a new plan id for the layers it holds: it must reuse them."""
     from meshllm.cluster.placement import Plan, StageAssignment
