@@ -7,7 +7,9 @@ and every byte to and from the proposer passes a relay on B that delays it `--de
 way (tests/pipeline/delay_relay.py: this kernel has no netem), so drafts cross a slow link. The node
 listens on B's loopback and advertises B's veth address, where the relay listens. The baseline is machine
 A alone on its core decoding plainly; `--local-ngram` adds A alone with n-gram drafts.
-Greedy, batch 1; outputs are compared (token-identical unless the default kernels differ in
+Every prompt runs in each mode back to back (interleaved, alternating order); `speedup` is the
+ratio of the modes' median tok/s, `speedup_paired_median` the median of each run's ratio to the
+one-machine run beside it. Greedy, batch 1; outputs are compared (token-identical unless the default kernels differ in
 the last bits between a k+1-row and a one-row pass; the JSON says). Prints one JSON object.
 
     flock -x /work/cpu.lock python bench/spec_two_machines.py [--model PATH] [--draft PATH]
@@ -177,34 +179,45 @@ def leader_role(args) -> None:
               "results": {}}
     for kind in args.kinds:
         prompts = [chat_ids(files, text) for text in PROMPTS[kind]]
-        row, outputs = {}, {}
-        for mode, make in modes.items():
-            counts = Counts()
-            proposer = make()
-            if proposer is not None and hasattr(proposer, "placement"):
-                row["proposer"] = f"{proposer.placement.node_id}/{proposer.placement.model_id}"
-            leader = local_leader(files, options, counts, proposer)
-            try:
-                run(leader, prompts[:1], replace(params, max_tokens=8))  # warm-up
-                counts.__init__()
-                rates, decode_rates, outputs[mode] = [], [], []
-                for _ in range(args.repeats):
-                    for p in prompts:  # batch 1: one prompt at a time
-                        rate, decode_rate, out = run(leader, [p], params)
-                        rates.append(rate)
-                        decode_rates.append(decode_rate)
+        row, leaders, counts = {}, {}, {}
+        rates, decode_rates, outputs = ({mode: [] for mode in modes} for _ in range(3))
+        try:
+            for mode, make in modes.items():
+                counts[mode] = Counts()
+                proposer = make()
+                if proposer is not None and hasattr(proposer, "placement"):
+                    row["proposer"] = f"{proposer.placement.node_id}/{proposer.placement.model_id}"
+                leaders[mode] = local_leader(files, options, counts[mode], proposer)
+                run(leaders[mode], prompts[:1], replace(params, max_tokens=8))  # warm-up
+                counts[mode].__init__()
+            # Interleaved: each prompt of each repeat runs in every mode back to back, in alternating
+            # order, so this shared machine's drift (its speed moved 20% between the phases of one run
+            # when each mode ran all its prompts in a phase of its own) falls on every mode alike.
+            order = list(modes)
+            for repeat in range(args.repeats):
+                for i, p in enumerate(prompts):  # batch 1: one prompt at a time
+                    for mode in order if (repeat * len(prompts) + i) % 2 == 0 else order[::-1]:
+                        rate, decode_rate, out = run(leaders[mode], [p], params)
+                        rates[mode].append(rate)
+                        decode_rates[mode].append(decode_rate)
                         outputs[mode].append(out[0])
-            finally:
+        finally:
+            for leader in leaders.values():
                 leader.close()
-            row[mode] = {"tok_s": round(statistics.median(rates), 2), "tok_s_runs": [round(r, 2) for r in rates],
-                         "decode_tok_s": round(statistics.median(decode_rates), 2),
-                         "acceptance": round(counts.accepted / counts.drafted, 3) if counts.drafted else None,
-                         "tokens_per_pass": round((counts.passes + counts.accepted) / counts.passes, 3)
-                         if counts.passes else None}
+        for mode in modes:
+            c = counts[mode]
+            row[mode] = {"tok_s": round(statistics.median(rates[mode]), 2),
+                         "tok_s_runs": [round(r, 2) for r in rates[mode]],
+                         "decode_tok_s": round(statistics.median(decode_rates[mode]), 2),
+                         "acceptance": round(c.accepted / c.drafted, 3) if c.drafted else None,
+                         "tokens_per_pass": round((c.passes + c.accepted) / c.passes, 3) if c.passes else None}
         base = row["one_machine"]["tok_s"]
         for mode in modes:
             if mode != "one_machine":
                 row[mode]["speedup"] = round(row[mode]["tok_s"] / base, 3)
+                # Each run against the one-machine run of the same prompt beside it.
+                row[mode]["speedup_paired_median"] = round(statistics.median(
+                    a / b for a, b in zip(rates[mode], rates["one_machine"])), 3)
                 row[mode]["decode_speedup"] = round(row[mode]["decode_tok_s"] / row["one_machine"]["decode_tok_s"], 3)
                 row[mode]["identical"] = outputs[mode] == outputs["one_machine"]
         report["results"][kind] = row
