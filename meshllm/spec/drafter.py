@@ -158,6 +158,9 @@ class Drafter:
         self._costs = StepCosts()
         self._batch_rows = 1  # sequences in the last decode step
         self._latency_s: float | None = None  # decaying average of one proposer call
+        # What a call not queued behind another takes beyond its drafting: the round trip, the node's
+        # and this leader's turnaround (decaying average; 0 until measured). See _request.
+        self._beyond_drafting_s = 0.0
         self._draft_s = StepCosts(widest_slope=True)  # a proposer call's seconds by tokens drafted (catch-ups aside)
         self._paused_until = 0.0
         self._work: queue.Queue = queue.Queue()
@@ -295,6 +298,9 @@ class Drafter:
             self._draft_s.observe(drafted, message.seconds)
             return
         estimate = self._draft_s.seconds(drafted)
+        if steady and message.beyond_drafting and estimate is not None:
+            extra = max(0.0, message.seconds - estimate)
+            self._beyond_drafting_s = 0.8 * self._beyond_drafting_s + 0.2 * extra
         # A steady call that also timed its round trip seeds an empty estimate: a proposer always
         # overtaken by plain steps may never get a call queued behind another to time it.
         if (estimate is None and steady) or (estimate is not None and message.seconds < estimate):
@@ -416,6 +422,11 @@ class Drafter:
         released, self._released = self._released, []
         now = time.perf_counter()
         expected_s = self._draft_s.seconds(request.k) if self._draft_s.typical_step_s is not None else self._latency_s
+        if previous is None and expected_s is not None:
+            # Not queued behind a call on the node: the round trip and turnarounds come on top of the
+            # drafting. Without them a step held for the call gave up ~5 ms before it came (SmolLM2
+            # bf16 verifier, Q4_1 draft node, 3 ms round trip) and went plain, overtaking the draft.
+            expected_s += self._beyond_drafting_s
         # A chained call starts when the one before it is done.
         start = max(now, previous.expected_at or now) if previous is not None else now
         call = _Call(st.generation, position, request.end + request.k,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -268,3 +269,28 @@ def test_blocks_of_one_sequence_queued_together_go_out_in_separate_calls():
     finally:
         gate.set()
         drafter.close()
+
+
+def test_a_call_not_queued_behind_another_is_expected_after_its_round_trip_too(chained):
+    """A call's expected answer (how long a step is held for it) is its drafting time, measured on
+    calls queued behind others, plus, for a call not queued behind one, what such calls took beyond
+    that: the round trip and both ends' turnaround. Without it a held step gave up just before the
+    draft came (~5 ms early with a 3 ms round trip), went plain and overtook the draft."""
+    from meshllm.spec.drafter import DraftsReady
+    from meshllm.spec.proposer import ProposeRequest
+
+    drafter, proposer, answers, seq = chained
+    drafter._draft_s.observe(2, 0.010)  # drafting 2 tokens: 10 ms, timed on queued calls
+    request = ProposeRequest(SeqId(7), 9, (4,), 2)
+    for _ in range(30):  # unqueued calls of the same size took 16 ms end to end
+        drafter._observe_call(DraftsReady((request,), (0,), (Draft(SeqId(7), (5, 6)),), 0.016,
+                                          beyond_drafting=True))
+    assert drafter._beyond_drafting_s == pytest.approx(0.006, rel=0.01)
+    first = proposer.sent.get(timeout=5)  # the prompt's call, sent at admission
+    first.finish()
+    answer = answers.get(timeout=5)
+    asked_at = time.perf_counter()
+    drafter.arrived(answer)  # the next block goes out at once, with no call in flight to queue behind
+    (call,) = drafter._states[seq.seq_id].calls
+    expected_s = call.expected_at - asked_at
+    assert 0.010 + 0.006 - 0.002 < expected_s < 0.010 + 0.006 + 0.002, expected_s
