@@ -7,7 +7,8 @@ Per drafter: decode steps by rows (count, median ms), verify outcomes (drafted, 
 count, proposer calls by (tokens asked, drafted) with their median drafting ms, and recovery
 after rejections: how long from a step that rejected part of a draft to the next step that
 accepted any, and how many draftless steps went between (what a rejection costs in time); requests
-by the block length chosen, and how often a step was held for a draft (with the median expected wait).
+by the block length chosen, and how often a step was to be held for a draft (decisions, with the median
+expected wait).
 """
 
 from __future__ import annotations

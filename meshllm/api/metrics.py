@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported fo
 
 from meshllm.engine.scheduler import MicroBatch
 from meshllm.engine.step import StepResult
+from meshllm.errors import MeshError
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import RecoveryTiming, StageFailure
 from meshllm.pipeline.health import HealthReport, HealthStatus
@@ -173,7 +174,7 @@ class MetricsObserver(LeaderObserver):
             self._drafted += num_drafted
             self._accepted += num_accepted
 
-    def on_proposer_failed(self) -> None:
+    def on_proposer_failed(self, error: MeshError) -> None:
         self.proposer_failures.inc()
 
     # --- any thread --------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ class LeaderObserver:
     def on_verified(self, num_drafted: int, num_accepted: int) -> None:
         """One verifier pass of a sequence: `num_drafted` draft tokens (0: plain decode), `num_accepted` kept."""
 
-    def on_proposer_failed(self) -> None:
+    def on_proposer_failed(self, error: MeshError) -> None:
         """A proposer call failed (an error, its deadline, a refusal): its drafts are dropped, and the
         leader decodes plainly for SpecConfig.retry_after_s. Output never changes, so only this shows it."""
 

@@ -158,9 +158,10 @@ class Drafter:
         self._costs = StepCosts()
         self._batch_rows = 1  # sequences in the last decode step
         self._latency_s: float | None = None  # decaying average of one proposer call
-        # What a call not queued behind another takes beyond its drafting: the round trip, the node's
-        # and this leader's turnaround (decaying average; 0 until measured). See _request.
-        self._beyond_drafting_s = 0.0
+        # What a call not queued behind another takes beyond its drafting, from the drafter thread's
+        # send to its answer: the round trip and the node's turnaround (decaying average; None until
+        # measured). See _request.
+        self._beyond_drafting_s: float | None = None
         self._draft_s = StepCosts(widest_slope=True)  # a proposer call's seconds by tokens drafted (catch-ups aside)
         self._paused_until = 0.0
         self._work: queue.Queue = queue.Queue()
@@ -241,7 +242,7 @@ class Drafter:
                      self.config.retry_after_s)
             self._paused_until = now + self.config.retry_after_s
             if self.observer is not None:
-                self.observer.on_proposer_failed()
+                self.observer.on_proposer_failed(message.error)
         else:
             if not catch_up_tokens(message.requests):
                 # A catch-up call (a prompt to prefill) says nothing about how fast blocks are drafted.
@@ -300,7 +301,8 @@ class Drafter:
         estimate = self._draft_s.seconds(drafted)
         if steady and message.beyond_drafting and estimate is not None:
             extra = max(0.0, message.seconds - estimate)
-            self._beyond_drafting_s = 0.8 * self._beyond_drafting_s + 0.2 * extra
+            old = self._beyond_drafting_s
+            self._beyond_drafting_s = extra if old is None else 0.8 * old + 0.2 * extra
         # A steady call that also timed its round trip seeds an empty estimate: a proposer always
         # overtaken by plain steps may never get a call queued behind another to time it.
         if (estimate is None and steady) or (estimate is not None and message.seconds < estimate):
@@ -414,24 +416,25 @@ class Drafter:
                 return
             st.skipped, k = 0, 1
         request = ProposeRequest(st.seq.seq_id, position, tokens, min(want, max(k, 1) + 1), st.sampling)
-        if self._trace is not None:
-            self._trace.request(k, request.k, st.length.alpha, self._draft_s.seconds(request.k),
-                                self._costs.seconds(st.rows))
         st.mirror.extend(tokens)
         st.confirmed = max(st.confirmed, min(len(st.mirror), n))
         released, self._released = self._released, []
         now = time.perf_counter()
         expected_s = self._draft_s.seconds(request.k) if self._draft_s.typical_step_s is not None else self._latency_s
-        if previous is None and expected_s is not None:
-            # Not queued behind a call on the node: the round trip and turnarounds come on top of the
-            # drafting. Without them a step held for the call gave up ~5 ms before it came (SmolLM2
-            # bf16 verifier, Q4_1 draft node, 3 ms round trip) and went plain, overtaking the draft.
+        if previous is None and expected_s is not None and self._beyond_drafting_s is not None:
+            # Not queued behind a call on the node: the round trip and the node's turnaround come on
+            # top of the drafting. Without them a step held for the call gave up ~5 ms before it came
+            # (SmolLM2 bf16 verifier, Q4_1 draft node, 3 ms round trip) and went plain, overtaking the
+            # draft. (The hops between this thread and the drafter's are not timed: a fraction of a ms.)
             expected_s += self._beyond_drafting_s
         # A chained call starts when the one before it is done.
         start = max(now, previous.expected_at or now) if previous is not None else now
         call = _Call(st.generation, position, request.end + request.k,
                      None if expected_s is None else start + expected_s)
         st.calls.append(call)
+        if self._trace is not None:
+            self._trace.request(k, request.k, st.length.alpha, None if call.expected_at is None else
+                                call.expected_at - now, self._costs.seconds(st.rows))
         if self.inline:
             message = self._call([(request, call, tuple(released))])
             if message is not None:  # always, for a request made just now on this thread

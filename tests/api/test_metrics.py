@@ -11,6 +11,7 @@ from meshllm.engine.scheduler import MicroBatch, Work
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.sequence import Sequence
 from meshllm.engine.step import StageTiming, StepResult
+from meshllm.spec.proposer import ProposerError
 
 from .conftest import MODEL
 
@@ -68,8 +69,8 @@ def test_speculation_hooks():
     m = MetricsObserver()
     m.on_verified(4, 3)
     m.on_verified(0, 0)  # a plain pass
-    m.on_proposer_failed()
-    m.on_proposer_failed()
+    m.on_proposer_failed(ProposerError("proposer x on n: DEADLINE_EXCEEDED: late"))
+    m.on_proposer_failed(ProposerError("proposer x on n: INVALID_ARGUMENT: refused"))
     assert sample(m, "meshllm_spec_drafted_tokens_total") == 4
     assert sample(m, "meshllm_spec_accepted_tokens_total") == 3
     assert sample(m, "meshllm_spec_acceptance_rate") == pytest.approx(0.75)

@@ -47,8 +47,11 @@ def test_a_traced_leader_records_its_steps_checks_and_calls(aidreams_path, tmp_p
                                                                              if e[0] == "step"])
     assert sum(summary["verified_drafted_accepted"].values()) == len(checks)
     assert summary["calls_by_asked_drafted"]
-    assert sum(summary["requests_by_block_length"].values()) == len([e for e in record["events"]
-                                                                     if e[0] == "request"])
+    requests = [e for e in record["events"] if e[0] == "request"]
+    assert requests and all(k >= 1 and 0 <= block <= 8 for _, _, block, k, *_ in requests)  # k_max 8
+    # An inline proposer answers each request at once, in one call each.
+    assert len(requests) == len([e for e in record["events"] if e[0] == "call"])
+    assert sum(summary["requests_by_block_length"].values()) == len(requests)
     assert summary["holds"] == 0
 
 

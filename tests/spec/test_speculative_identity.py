@@ -47,7 +47,8 @@ class Counting:
     """Counts what the leader verified (the leader's observer hook)."""
 
     def __init__(self):
-        self.drafted = self.accepted = self.passes = self.proposer_failures = 0
+        self.drafted = self.accepted = self.passes = 0
+        self.proposer_failures: list[str] = []
 
     def __getattr__(self, name):
         return lambda *a, **k: None
@@ -57,8 +58,8 @@ class Counting:
         self.accepted += num_accepted
         self.passes += 1
 
-    def on_proposer_failed(self):
-        self.proposer_failures += 1
+    def on_proposer_failed(self, error):
+        self.proposer_failures.append(str(error))
 
 
 @pytest.fixture(scope="module")

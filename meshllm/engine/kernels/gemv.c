@@ -249,7 +249,7 @@ void meshllm_ggml_bf16_few_rows(struct ggml_tensor *dst, int ith, int nth, void 
         const float *row = (const float *)((const char *)x->data + m * x->nb[1]);
         for (int64_t k = 0; k < K; k++) xb[m * K + k] = float_to_bf16(row[k]);
     }
-    if (n > 0) memcpy(xb + n * K, xb + (n - 1) * K, K * sizeof *xb); /* a pad row: a 2-row first pass runs as 3 */
+    if (n == 2) memcpy(xb + n * K, xb + (n - 1) * K, K * sizeof *xb); /* a pad row: 2 rows run as 3 */
     const uint16_t *W = (const uint16_t *)w->data; /* contiguous rows: ggml_stage.py wraps torch weights */
     int64_t r = r0;
     if (n >= QUAD_MIN_ROWS) {
