@@ -7,8 +7,8 @@ Per drafter: decode steps by rows (count, median ms), verify outcomes (drafted, 
 count, proposer calls by (tokens asked, drafted) with their median drafting ms, and recovery
 after rejections: how long from a step that rejected part of a draft to the next step that
 accepted any, and how many draftless steps went between (what a rejection costs in time); requests
-by the block length chosen, and how often a step was to be held for a draft (decisions, with the median
-expected wait).
+by the block length chosen, how often a step was to be held for a draft (decisions, with the median
+expected wait), and how late calls were answered against what was expected.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def summarise(events: list[list]) -> dict:
     span = checks[-1][1] - checks[0][1] if len(checks) > 1 else 0.0
     requests = Counter(e[2] for e in events if e[0] == "request")
     holds = [e[2] for e in events if e[0] == "hold"]
+    late = _lateness(events)
     return {
         "steps_by_rows": {rows: {"count": len(s), "median_ms": round(1000 * statistics.median(s), 2)}
                           for rows, s in sorted(by_rows.items())},
@@ -56,11 +57,29 @@ def summarise(events: list[list]) -> dict:
         "requests_by_block_length": {str(k): n for k, n in sorted(requests.items())},
         "holds": len(holds),
         "hold_wait_median_ms": round(1000 * statistics.median(holds), 2) if holds else None,
+        # How much later than expected calls were answered (negative: sooner), by quantile.
+        "answer_late_ms": {f"p{q}": round(1000 * late[round(q / 100 * (len(late) - 1))], 1)
+                           for q in (10, 50, 75, 90)} if late else None,
         "rejections": len(gaps),
         "recovery_median_ms": round(1000 * statistics.median(gaps), 1) if gaps else None,
         "recovery_draftless_steps_median": statistics.median(draftless) if draftless else None,
         "recovery_share_of_span": round(sum(gaps) / span, 3) if span else None,
     }
+
+
+def _lateness(events: list[list]) -> list[float]:
+    """Sorted seconds from each answered call's expected answer to its answer: each call against
+    the last request of its position before it."""
+    last_request: dict[int, list] = {}
+    late = []
+    for e in events:
+        if e[0] == "request":
+            last_request[e[7]] = e
+        elif e[0] == "call":
+            request = last_request.pop(e[6], None)
+            if request is not None and request[5] is not None:
+                late.append(e[1] - request[1] - request[5])
+    return sorted(late)
 
 
 def main() -> None:

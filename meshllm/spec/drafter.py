@@ -434,7 +434,7 @@ class Drafter:
         st.calls.append(call)
         if self._trace is not None:
             self._trace.request(k, request.k, st.length.alpha, None if call.expected_at is None else
-                                call.expected_at - now, self._costs.seconds(st.rows))
+                                call.expected_at - now, self._costs.seconds(st.rows), position)
         if self.inline:
             message = self._call([(request, call, tuple(released))])
             if message is not None:  # always, for a request made just now on this thread

@@ -6,10 +6,12 @@ Drafter append one JSON line to PATH when it closes, with its events in order:
     ["call", t, k, context, drafted, seconds, pos]  a proposer call answered (the longest request's
                                                     k and context tokens, the most drafted, its
                                                     drafting seconds, the first request's position)
-    ["request", t, block, k, alpha, answer_s, step_s] a request went out: the block length chosen (a
+    ["request", t, block, k, alpha, answer_s, step_s, pos]
+                                                    a request went out: the block length chosen (a
                                                     probe's 1 as well), the tokens asked, the acceptance
-                                                    estimate, the seconds until its answer is expected
-                                                    and the estimated plain step seconds (None: unknown)
+                                                    estimate, the seconds until its answer is expected,
+                                                    the estimated plain step seconds (None: unknown),
+                                                    and its position (a call's `pos` names it)
     ["hold", t, wait_s, k_then, k_now]               the sequence's next step is to be held for a draft
                                                     expected in wait_s (a decision: one step may be
                                                     decided on twice, or go out while in flight)
@@ -47,8 +49,9 @@ class SpecTrace:
     def call(self, k: int, context: int, drafted: int, seconds: float, position: int) -> None:
         self.events.append(["call", time.perf_counter(), k, context, drafted, seconds, position])
 
-    def request(self, block: int, k: int, alpha: float, answer_s: float | None, step_s: float | None) -> None:
-        self.events.append(["request", time.perf_counter(), block, k, alpha, answer_s, step_s])
+    def request(self, block: int, k: int, alpha: float, answer_s: float | None, step_s: float | None,
+                position: int) -> None:
+        self.events.append(["request", time.perf_counter(), block, k, alpha, answer_s, step_s, position])
 
     def hold(self, wait_s: float, k_then: int, k_now: int) -> None:
         self.events.append(["hold", time.perf_counter(), wait_s, k_then, k_now])

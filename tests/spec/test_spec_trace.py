@@ -52,6 +52,8 @@ def test_a_traced_leader_records_its_steps_checks_and_calls(aidreams_path, tmp_p
     # An inline proposer answers each request at once, in one call each.
     assert len(requests) == len([e for e in record["events"] if e[0] == "call"])
     assert sum(summary["requests_by_block_length"].values()) == len(requests)
+    # An inline proposer's answer is there at once: never much later than expected.
+    assert summary["answer_late_ms"] is None or summary["answer_late_ms"]["p50"] < 50
     assert summary["holds"] == 0
 
 
