@@ -30,6 +30,10 @@ class WeightBytes:
     embedding: int
     final_norm: int
     lm_head: int  # with tied embeddings: the same table (a separate copy unless one stage holds both)
+    # A CPU stage reads the embedding's rows from the model file at each lookup (a block-quantized
+    # table no head of the stage shares: stage_weights._embedding_in_file), so it holds none of them;
+    # a device stage, or one that also multiplies the table as its tied head, holds it.
+    embedding_in_file: bool = False
 
     def __post_init__(self):
         if min(self.layer, self.embedding, self.final_norm, self.lm_head) < 0:
@@ -59,6 +63,7 @@ class Footprint:
     final_norm: int
     lm_head: int  # vocab × hidden; with tied embeddings a separate copy unless one stage holds both
     tied: bool
+    embedding_in_file: bool  # WeightBytes.embedding_in_file
     step_activation: int  # working memory of one step on any stage
     logits: int  # extra on the last stage: a row of logits per sequence
     dense: WeightBytes  # the weights in --dtype: what a tensor-parallel rank holds (tp/load.py)
@@ -90,6 +95,7 @@ class Footprint:
             final_norm=held.final_norm,
             lm_head=held.lm_head,
             tied=c.tie_word_embeddings,
+            embedding_in_file=held.embedding_in_file,
             step_activation=(step_tokens * per_token + scores) * ACTIVATION_DTYPE_BYTES,
             logits=request.max_batch * c.vocab_size * ACTIVATION_DTYPE_BYTES,
             dense=dense,
@@ -104,7 +110,7 @@ class Footprint:
             return self
         kv_heads = config.num_key_value_heads
         vocab_rows = -(-config.vocab_size // size)
-        return replace(self, layer_weight=-(-self.dense.layer // size),
+        return replace(self, layer_weight=-(-self.dense.layer // size), embedding_in_file=False,
                        layer_kv=self.layer_kv * max(kv_heads // size, 1) // kv_heads,
                        embedding=self.dense.embedding * vocab_rows // config.vocab_size,
                        final_norm=self.dense.final_norm,
@@ -114,11 +120,16 @@ class Footprint:
     def per_layer(self) -> int:
         return self.layer_weight + self.layer_kv
 
-    def fixed_weights(self, position: int, num_stages: int) -> int:
-        """Weights a stage holds besides its layers: embedding first, final norm and LM head last."""
-        total = self.embedding if position == 0 else 0
+    def fixed_weights(self, position: int, num_stages: int, card: Card | None = None) -> int:
+        """Weights a stage holds besides its layers: embedding first, final norm and LM head last. The
+        embedding counts nothing on a CPU `card` that reads its rows from the file (embedding_in_file)
+        unless the stage's tied head multiplies it; without a card it counts (the safe side)."""
+        shares_embedding = self.tied and num_stages == 1
+        total = 0
+        if position == 0 and not (self.embedding_in_file and not shares_embedding and card is not None
+                                  and card.device == "cpu"):
+            total += self.embedding
         if position == num_stages - 1:
-            shares_embedding = self.tied and num_stages == 1
             total += self.final_norm + (0 if shares_embedding else self.lm_head)
         return total
 
@@ -131,7 +142,7 @@ class Footprint:
 
     def capacity_layers(self, card: Card, position: int, num_stages: int, safety_margin_fraction: float) -> int:
         """Whole layers (weights + KV) that fit on `card` at this position; negative if not even the fixed part."""
-        room = usable_bytes(card, safety_margin_fraction) - self.fixed_weights(position, num_stages) \
+        room = usable_bytes(card, safety_margin_fraction) - self.fixed_weights(position, num_stages, card) \
             - self.activations(position, num_stages)
         return room // self.per_layer
 

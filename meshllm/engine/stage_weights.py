@@ -255,4 +255,15 @@ def held_weight_bytes(source: TensorSource, config: ModelConfig, dtype_bytes: in
     embedding = held("model.embed_tokens.weight", linear=False)
     lm_head = embedding if config.tie_word_embeddings else held("lm_head.weight", linear=True)
     return WeightBytes(layer=max(layer(i) for i in range(config.num_hidden_layers)), embedding=embedding,
-                       final_norm=held("model.norm.weight", linear=False), lm_head=lm_head)
+                       final_norm=held("model.norm.weight", linear=False), lm_head=lm_head,
+                       embedding_in_file=_embedding_stays_in_file(source, "model.embed_tokens.weight"))
+
+
+def _embedding_stays_in_file(source: TensorSource, hf_name: str) -> bool:
+    """Whether a CPU stage whose head does not share this table reads its rows from the file
+    (_embedding_in_file) rather than holding it: a block-quantized table of a kept type in a source
+    that reads rows. A float table qualifies only in the stage's own dtype, which the budget does
+    not know: it counts as held (the safe side)."""
+    is_blocks = getattr(source, "is_block_quantized", None)
+    return (getattr(source, "file_rows", None) is not None and is_blocks is not None and is_blocks(hf_name)
+            and source.block_type(hf_name) in KEPT_TYPES)

@@ -128,7 +128,7 @@ class StageControl:
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
-        _check_memory(files, request, dtype.itemsize, self._stages.memory().reserved)
+        _check_memory(files, request, dtype.itemsize, self._stages.memory().reserved, self._device)
         return files, dtype
 
     def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
@@ -312,7 +312,8 @@ def _free(stage: LoadedStage) -> None:
     stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
 
 
-def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int, reserved: int) -> None:
+def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int, reserved: int,
+                  device: str = "cpu") -> None:
     """Refuse a range whose weights and KV cannot fit in what the OS has free now, less the KV the
     plans loaded here may still grow into (`reserved`), before reading it: a leader that planned on
     a stale card gets a clear error instead of this node swapping now or running out of memory
@@ -324,7 +325,9 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
     vocab_table = config.vocab_size * config.hidden_size * dtype_bytes
     layer = held.layer if held is not None else config.layer_parameters() * dtype_bytes
     need = (request.last_layer - request.first_layer) * layer
-    if request.first_layer == 0:
+    holds_head = request.last_layer == config.num_hidden_layers
+    if request.first_layer == 0 and not (held is not None and held.embedding_in_file and device == "cpu"
+                                         and not (config.tie_word_embeddings and holds_head)):
         need += held.embedding if held is not None else vocab_table
     if request.last_layer == config.num_hidden_layers:
         need += held.lm_head if held is not None else vocab_table

@@ -345,3 +345,68 @@ def test_held_weight_bytes_of_the_q4_1_gguf_are_what_a_stage_holds(smollm2_gguf_
     assert held.lm_head == held.embedding  # tied: the same Q8_0 table
     stage = load_stage_decoder(files.source, files.config, dtype=torch.float32)
     assert abs(decoder_bytes(stage) - total) < 0.01 * total
+
+
+def test_a_cpu_first_stage_that_reads_embedding_rows_from_the_file_is_not_charged_for_the_table():
+    """A CPU stage whose head does not share the embedding reads its rows from the GGUF at each
+    lookup (stage_weights._embedding_in_file), so the planner does not charge it for the table; a
+    device stage holds the table, and so does a single stage that multiplies it as its tied head."""
+    from meshllm.cluster.stage_budget import WeightBytes
+
+    q4 = WeightBytes(layer=2_216_448, embedding=30_081_024, final_norm=2_304, lm_head=30_081_024,
+                     embedding_in_file=True)
+    fp = Footprint.of(request(weight_dtype_bytes=2, weight_bytes=q4))
+    cpu = card("a", GIB)
+    gpu = dataclasses.replace(cpu, device="cuda:0")
+    assert fp.fixed_weights(0, 2, cpu) == 0
+    assert fp.fixed_weights(0, 2, gpu) == q4.embedding
+    assert fp.fixed_weights(0, 2) == q4.embedding  # no card: the safe side
+    assert fp.fixed_weights(0, 1, cpu) == q4.embedding + q4.final_norm  # tied head on the same stage
+    assert fp.capacity_layers(cpu, 0, 2, 0.0) > fp.capacity_layers(gpu, 0, 2, 0.0)
+    held = dataclasses.replace(q4, embedding_in_file=False)
+    assert Footprint.of(request(weight_dtype_bytes=2, weight_bytes=held)).fixed_weights(0, 2, cpu) == q4.embedding
+
+
+def test_a_first_stage_of_the_q4_1_gguf_holds_no_embedding_table(smollm2_gguf_path):
+    """What the budget above assumes, on real weights: a first stage of SmolLM2 Q4_1 (its Q8_0 table
+    tied to a head the stage does not hold) holds its layers and none of the table."""
+    from meshllm.engine.ggml_lib import runtime
+    from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
+    from meshllm.model.source import open_model
+
+    if runtime() is None:
+        pytest.skip("ggml is not built here: GGUF weights are dequantized and the table is held")
+    files = open_model(smollm2_gguf_path)
+    held = held_weight_bytes(files.source, files.config, dtype_bytes=4)
+    assert held.embedding_in_file
+    stage = load_stage_decoder(files.source, files.config, 0, 10, dtype=torch.float32)
+    assert abs(decoder_bytes(stage) - 10 * held.layer) < 0.02 * 10 * held.layer
+
+
+def test_a_cpu_node_checks_a_first_stage_load_without_the_table_it_will_not_hold(smollm2_gguf_path, monkeypatch):
+    """The node's own memory check before reading a range agrees with the planner: on a CPU node a
+    first stage of SmolLM2 Q4_1 needs its layers only; on a device, or with the tied head beside it,
+    the table too."""
+    from types import SimpleNamespace
+
+    from meshllm.engine.ggml_lib import runtime
+    from meshllm.engine.stage_weights import held_weight_bytes
+    from meshllm.errors import ShardUnavailable
+    from meshllm.model.source import open_model
+    from meshllm.pipeline import stage_control
+    from meshllm.transport.protos import stage_pb2
+
+    if runtime() is None:
+        pytest.skip("ggml is not built here: GGUF weights are dequantized and the table is held")
+    files = open_model(smollm2_gguf_path)
+    held = held_weight_bytes(files.source, files.config, dtype_bytes=4)
+    monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=0))
+
+    def need(first: int, last: int, device: str) -> int:
+        with pytest.raises(ShardUnavailable) as refused:
+            stage_control._check_memory(files, stage_pb2.LoadRequest(first_layer=first, last_layer=last), 4, 0, device)
+        return refused.value.missing_bytes
+
+    assert need(0, 10, "cpu") == 10 * held.layer
+    assert need(0, 10, "cuda:0") == 10 * held.layer + held.embedding
+    assert need(0, 30, "cpu") == need(0, 30, "cuda:0")  # the tied head multiplies the table: held
