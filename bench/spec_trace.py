@@ -69,11 +69,13 @@ def summarise(events: list[list]) -> dict:
 
 def _lateness(events: list[list]) -> list[float]:
     """Sorted seconds from each answered call's expected answer to its answer: each call against
-    the last request of its position before it."""
+    the last request of its position before it. Meant for batch 1 (the two-machine bench): several
+    sequences share positions, and a call names only its first request's. Traces from before
+    requests recorded their position give none."""
     last_request: dict[int, list] = {}
     late = []
     for e in events:
-        if e[0] == "request":
+        if e[0] == "request" and len(e) > 7:
             last_request[e[7]] = e
         elif e[0] == "call":
             request = last_request.pop(e[6], None)

@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from meshllm.cluster.card import Card, NodeId, Role
 from meshllm.cluster.placement import GroupMember, Plan, PlacementRequest, StageAssignment
-from meshllm.cluster.stage_budget import usable_bytes
+from meshllm.cluster.stage_budget import Footprint, usable_bytes
 
 
 def replace_failed_stage(plan: Plan, failed: NodeId, request: PlacementRequest, fleet: Sequence[Card]) -> Plan | None:
@@ -33,17 +33,31 @@ def replace_failed_stage(plan: Plan, failed: NodeId, request: PlacementRequest, 
         return None
     stage = plan.stages[index]
     in_plan = {n for s in plan.stages for n in s.node_ids}
+    failed_card = next((c for c in fleet if c.node_id == failed), None)
+    extra = {c.node_id: _embedding_charge(plan, index, failed_card, request, c) for c in fleet}
     spares = [c for c in fleet if Role.STAGE in c.roles and c.node_id not in in_plan
               and c.node_id not in request.exclude and c.node_id != failed
               and any(m.fingerprint == request.fingerprint and m.num_layers == plan.num_layers for m in c.models)
-              and usable_bytes(c, request.safety_margin_fraction) >= stage.budget_bytes
+              and usable_bytes(c, request.safety_margin_fraction) >= stage.budget_bytes + extra[c.node_id]
               and (not stage.workers or c.collective_endpoint is not None)]
     if not spares:
         return None
     spare = min(spares, key=lambda c: (-usable_bytes(c, request.safety_margin_fraction), c.node_id))
     stages = list(plan.stages)
-    stages[index] = _with_member_replaced(stage, failed, spare)
+    stages[index] = replace(_with_member_replaced(stage, failed, spare),
+                            weight_bytes=stage.weight_bytes + extra[spare.node_id])
     return replace(plan, stages=tuple(stages), reused_shards=False)
+
+
+def _embedding_charge(plan: Plan, index: int, failed: Card | None, request: PlacementRequest, spare: Card) -> int:
+    """Bytes the spare needs beyond the stage's budget: the embedding table a first stage planned on
+    a CPU node reads from the file (Footprint.fixed_weights) but a device spare holds. A failed node
+    no longer in the fleet counts as a CPU one (the safe side)."""
+    if index != 0 or plan.stages[index].workers:
+        return 0
+    footprint, num_stages = Footprint.of(request), len(plan.stages)
+    planned_on = failed if failed is not None else replace(spare, device="cpu")
+    return max(0, footprint.fixed_weights(0, num_stages, spare) - footprint.fixed_weights(0, num_stages, planned_on))
 
 
 def _with_member_replaced(stage: StageAssignment, failed: NodeId, spare: Card) -> StageAssignment:

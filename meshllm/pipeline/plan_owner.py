@@ -345,7 +345,7 @@ class PlanOwner:
 
     def _fits_here(self) -> bool:
         vm = psutil.virtual_memory()
-        me = Card(node_id=NodeId("this-leader"), grpc_address="", platform="", device="cpu",
+        me = Card(node_id=NodeId("this-leader"), grpc_address="", platform="", device=self.options.device,
                   memory_total_bytes=vm.total, memory_free_bytes=vm.available, memory_bandwidth_gbps=0.0,
                   matmul_gflops=0.0, models=(ModelOnDisk(self.files.model_id, self.files.source.fingerprint(),
                                                          self.files.config.num_hidden_layers),))

@@ -326,10 +326,11 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
     layer = held.layer if held is not None else config.layer_parameters() * dtype_bytes
     need = (request.last_layer - request.first_layer) * layer
     holds_head = request.last_layer == config.num_hidden_layers
+    shares_table = config.tie_word_embeddings and request.first_layer == 0 and holds_head  # held once
     if request.first_layer == 0 and not (held is not None and held.embedding_in_file and device == "cpu"
-                                         and not (config.tie_word_embeddings and holds_head)):
+                                         and not shares_table):
         need += held.embedding if held is not None else vocab_table
-    if request.last_layer == config.num_hidden_layers:
+    if holds_head and not shares_table:
         need += held.lm_head if held is not None else vocab_table
     if request.max_context:  # the KV its limits allow (LoadedStage.kv_budget_bytes); unknown without them
         need += stage_convert.limits_from_pb(request).kv_tokens() * config.kv_bytes_per_token(

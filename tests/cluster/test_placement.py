@@ -365,6 +365,17 @@ def test_a_cpu_first_stage_that_reads_embedding_rows_from_the_file_is_not_charge
     assert fp.capacity_layers(cpu, 0, 2, 0.0) > fp.capacity_layers(gpu, 0, 2, 0.0)
     held = dataclasses.replace(q4, embedding_in_file=False)
     assert Footprint.of(request(weight_dtype_bytes=2, weight_bytes=held)).fixed_weights(0, 2, cpu) == q4.embedding
+    # Through the planner: the first stage's weights on a CPU node leave the table out, on a device not.
+    req = request(weight_dtype_bytes=2, weight_bytes=q4, num_stages=2)
+    fleets = {"cpu": [card("a", GIB), card("b", GIB)],
+              "gpu": [dataclasses.replace(card("a", GIB), device="cuda:0"), card("b", GIB)]}
+    plans = {kind: plan_placement(req, fleet) for kind, fleet in fleets.items()}
+    for kind, plan in plans.items():
+        first = plan.stages[0]
+        assert first.node_id == "a"
+        assert first.weight_bytes == first.num_layers * q4.layer + (q4.embedding if kind == "gpu" else 0)
+    # Tensor-parallel ranks hold dense slices of the table, read from no file.
+    assert fp.per_rank(SMOL, 2).fixed_weights(0, 2, cpu) == fp.per_rank(SMOL, 2).embedding > 0
 
 
 def test_a_first_stage_of_the_q4_1_gguf_holds_no_embedding_table(smollm2_gguf_path):
@@ -409,4 +420,5 @@ def test_a_cpu_node_checks_a_first_stage_load_without_the_table_it_will_not_hold
 
     assert need(0, 10, "cpu") == 10 * held.layer
     assert need(0, 10, "cuda:0") == 10 * held.layer + held.embedding
-    assert need(0, 30, "cpu") == need(0, 30, "cuda:0")  # the tied head multiplies the table: held
+    # The whole model: the tied head multiplies the table, held once (it was counted twice).
+    assert need(0, 30, "cpu") == need(0, 30, "cuda:0") == 30 * held.layer + held.embedding

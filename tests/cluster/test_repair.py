@@ -59,3 +59,24 @@ def test_a_failed_rank_of_a_group_is_replaced_by_a_spare_that_takes_part_in_tens
     assert fixed.collective_endpoint == "d.lan:29500"
     # A spare that takes no part in tensor parallelism cannot join the group.
     assert replace_failed_stage(plan, NodeId("b"), req, [node("a"), no_endpoint]) is None
+
+
+def test_a_device_spare_for_a_cpu_first_stage_must_also_hold_the_embedding_table():
+    """A CPU first stage reads its embedding rows from the file, so its budget leaves the table out
+    (stage_budget.Footprint.fixed_weights); a device spare holds the table and must have room for it."""
+    from meshllm.cluster.stage_budget import WeightBytes
+
+    table = 30_081_024
+    held = WeightBytes(layer=2_216_448, embedding=table, final_norm=2_304, lm_head=table, embedding_in_file=True)
+    req = request(weight_dtype_bytes=2, weight_bytes=held, num_stages=2)
+    fleet = [card(n, GIB, num_layers=30) for n in ("a", "b")]
+    plan = plan_placement(req, fleet)
+    first = plan.stages[0]
+    gpu = replace(card("g", first.budget_bytes, num_layers=30), device="cuda:0")
+    assert replace_failed_stage(plan, first.node_id, req, fleet + [gpu]) is None  # no room for the table
+    roomy = replace(card("g", first.budget_bytes + table, num_layers=30), device="cuda:0")
+    repaired = replace_failed_stage(plan, first.node_id, req, fleet + [roomy])
+    assert repaired.stages[0].node_id == "g" and repaired.stages[0].weight_bytes == first.weight_bytes + table
+    cpu = card("c", first.budget_bytes, num_layers=30)  # another CPU node: the same budget fits
+    repaired = replace_failed_stage(plan, first.node_id, req, fleet + [cpu])
+    assert repaired.stages[0].node_id == "c" and repaired.stages[0].weight_bytes == first.weight_bytes
