@@ -294,7 +294,7 @@ def _assignment(request: PlacementRequest, footprint: Footprint, unit: tuple[Car
                       count, request.max_batch, request.context_length, request.weight_dtype_bytes)
     return StageAssignment(
         node_id=leader.node_id, address=leader.grpc_address, first_layer=first, last_layer=last,
-        weight_bytes=count * rank.layer_weight + rank.fixed_weights(position, num_stages, leader),
+        weight_bytes=count * rank.layer_weight + rank.fixed_weights(position, num_stages, leader.device),
         kv_bytes=count * rank.layer_kv, activation_bytes=rank.activations(position, num_stages),
         workers=tuple(GroupMember(c.node_id, c.grpc_address) for c in unit[1:]),
         collective_endpoint=leader.collective_endpoint if len(unit) > 1 else None, tp=tp)
@@ -345,7 +345,7 @@ def _not_enough_memory(request: PlacementRequest, footprint: Footprint, nodes: l
                        num_candidates: int) -> ShardUnavailable:
     num_layers, num_stages = request.config.num_hidden_layers, len(nodes)
     margin = request.safety_margin_fraction
-    fixed = sum(footprint.fixed_weights(i, num_stages, c) + footprint.activations(i, num_stages)
+    fixed = sum(footprint.fixed_weights(i, num_stages, c.device) + footprint.activations(i, num_stages)
                 for i, c in enumerate(nodes))
     need = fixed + num_layers * footprint.per_layer
     hold = sum(usable_bytes(c, margin) for c in nodes)
@@ -354,14 +354,14 @@ def _not_enough_memory(request: PlacementRequest, footprint: Footprint, nodes: l
     if num_covered < num_layers:
         part = f"layers {num_covered}-{num_layers - 1}"
         # Bytes left over on each node after its whole layers; the best one could take more with less added.
-        leftovers = [usable_bytes(c, margin) - footprint.fixed_weights(i, num_stages, c) - footprint.activations(i, num_stages)
+        leftovers = [usable_bytes(c, margin) - footprint.fixed_weights(i, num_stages, c.device) - footprint.activations(i, num_stages)
                      - cap * footprint.per_layer for i, (c, cap) in enumerate(zip(nodes, caps)) if cap >= 0]
         shortfall = (num_layers - num_covered) * footprint.per_layer - max(leftovers, default=0)
     else:
         # Enough in total, but some stage cannot hold its fixed part (embedding, LM head) plus one layer.
         i = min(range(num_stages), key=lambda j: (caps[j], nodes[j].node_id))
         part = f"stage {i} on {nodes[i].node_id} ({footprint.fixed_part_name(i, num_stages)} + 1 layer)"
-        shortfall = footprint.fixed_weights(i, num_stages, nodes[i]) + footprint.activations(i, num_stages) \
+        shortfall = footprint.fixed_weights(i, num_stages, nodes[i].device) + footprint.activations(i, num_stages) \
             + footprint.per_layer - usable_bytes(nodes[i], margin)
     missing = max(need - hold, shortfall, 1)
     if num_stages < num_candidates:

@@ -16,7 +16,7 @@ measured on the old member's links: a prediction, not the plan's correctness.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from meshllm.cluster.card import Card, NodeId, Role
@@ -33,31 +33,31 @@ def replace_failed_stage(plan: Plan, failed: NodeId, request: PlacementRequest, 
         return None
     stage = plan.stages[index]
     in_plan = {n for s in plan.stages for n in s.node_ids}
-    failed_card = next((c for c in fleet if c.node_id == failed), None)
-    extra = {c.node_id: _embedding_charge(plan, index, failed_card, request, c) for c in fleet}
-    spares = [c for c in fleet if Role.STAGE in c.roles and c.node_id not in in_plan
-              and c.node_id not in request.exclude and c.node_id != failed
-              and any(m.fingerprint == request.fingerprint and m.num_layers == plan.num_layers for m in c.models)
-              and usable_bytes(c, request.safety_margin_fraction) >= stage.budget_bytes + extra[c.node_id]
-              and (not stage.workers or c.collective_endpoint is not None)]
+    candidates = [c for c in fleet if Role.STAGE in c.roles and c.node_id not in in_plan
+                  and c.node_id not in request.exclude and c.node_id != failed
+                  and any(m.fingerprint == request.fingerprint and m.num_layers == plan.num_layers for m in c.models)
+                  and (not stage.workers or c.collective_endpoint is not None)]
+    charge = _embedding_charge(plan, index, next((c for c in fleet if c.node_id == failed), None), request)
+    spares = [c for c in candidates
+              if usable_bytes(c, request.safety_margin_fraction) >= stage.budget_bytes + charge(c)]
     if not spares:
         return None
     spare = min(spares, key=lambda c: (-usable_bytes(c, request.safety_margin_fraction), c.node_id))
     stages = list(plan.stages)
-    stages[index] = replace(_with_member_replaced(stage, failed, spare),
-                            weight_bytes=stage.weight_bytes + extra[spare.node_id])
+    stages[index] = replace(_with_member_replaced(stage, failed, spare), weight_bytes=stage.weight_bytes + charge(spare))
     return replace(plan, stages=tuple(stages), reused_shards=False)
 
 
-def _embedding_charge(plan: Plan, index: int, failed: Card | None, request: PlacementRequest, spare: Card) -> int:
-    """Bytes the spare needs beyond the stage's budget: the embedding table a first stage planned on
-    a CPU node reads from the file (Footprint.fixed_weights) but a device spare holds. A failed node
-    no longer in the fleet counts as a CPU one (the safe side)."""
+def _embedding_charge(plan: Plan, index: int, failed: Card | None, request: PlacementRequest
+                      ) -> Callable[[Card], int]:
+    """Bytes a spare needs beyond the stage's budget: the embedding table a first stage planned on a
+    CPU node reads from the file (stage_budget.embedding_held) but a device spare holds. A failed
+    node no longer in the fleet counts as a CPU one (the safe side)."""
     if index != 0 or plan.stages[index].workers:
-        return 0
+        return lambda spare: 0
     footprint, num_stages = Footprint.of(request), len(plan.stages)
-    planned_on = failed if failed is not None else replace(spare, device="cpu")
-    return max(0, footprint.fixed_weights(0, num_stages, spare) - footprint.fixed_weights(0, num_stages, planned_on))
+    planned = footprint.fixed_weights(0, num_stages, failed.device if failed is not None else "cpu")
+    return lambda spare: max(0, footprint.fixed_weights(0, num_stages, spare.device) - planned)
 
 
 def _with_member_replaced(stage: StageAssignment, failed: NodeId, spare: Card) -> StageAssignment:

@@ -48,6 +48,14 @@ class StageMemory:
     reserved: int = 0  # KV the plans may still grow into within their limits: not free for anything else
 
 
+def embedding_held(in_file: bool, shares_head: bool, device: str | None) -> bool:
+    """Whether a first stage holds its embedding table: not on a CPU `device` that reads the rows from
+    the file (WeightBytes.embedding_in_file) where the stage's own tied head does not multiply it.
+    An unknown device (None) holds it: the safe side. The planner and a node's own memory check
+    before a load (pipeline/stage_control.py) both decide by this."""
+    return not in_file or shares_head or device != "cpu"
+
+
 def usable_bytes(card: Card, safety_margin_fraction: float) -> int:
     """Free memory a plan may use on this node: the margin is left for the OS and other programs."""
     return max(0, int(card.memory_free_bytes * (1.0 - safety_margin_fraction)))
@@ -120,14 +128,12 @@ class Footprint:
     def per_layer(self) -> int:
         return self.layer_weight + self.layer_kv
 
-    def fixed_weights(self, position: int, num_stages: int, card: Card | None = None) -> int:
-        """Weights a stage holds besides its layers: embedding first, final norm and LM head last. The
-        embedding counts nothing on a CPU `card` that reads its rows from the file (embedding_in_file)
-        unless the stage's tied head multiplies it; without a card it counts (the safe side)."""
+    def fixed_weights(self, position: int, num_stages: int, device: str | None = None) -> int:
+        """Weights a stage holds besides its layers: embedding first, final norm and LM head last (the
+        embedding as embedding_held says, on the node's `device`; unknown, it counts)."""
         shares_embedding = self.tied and num_stages == 1
         total = 0
-        if position == 0 and not (self.embedding_in_file and not shares_embedding and card is not None
-                                  and card.device == "cpu"):
+        if position == 0 and embedding_held(self.embedding_in_file, shares_embedding, device):
             total += self.embedding
         if position == num_stages - 1:
             total += self.final_norm + (0 if shares_embedding else self.lm_head)
@@ -142,7 +148,7 @@ class Footprint:
 
     def capacity_layers(self, card: Card, position: int, num_stages: int, safety_margin_fraction: float) -> int:
         """Whole layers (weights + KV) that fit on `card` at this position; negative if not even the fixed part."""
-        room = usable_bytes(card, safety_margin_fraction) - self.fixed_weights(position, num_stages, card) \
+        room = usable_bytes(card, safety_margin_fraction) - self.fixed_weights(position, num_stages, card.device) \
             - self.activations(position, num_stages)
         return room // self.per_layer
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from meshllm.cluster.stage_budget import embedding_held
 from meshllm.engine.dtypes import DTYPES
 from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
 from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
@@ -327,8 +328,7 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
     need = (request.last_layer - request.first_layer) * layer
     holds_head = request.last_layer == config.num_hidden_layers
     shares_table = config.tie_word_embeddings and request.first_layer == 0 and holds_head  # held once
-    if request.first_layer == 0 and not (held is not None and held.embedding_in_file and device == "cpu"
-                                         and not shares_table):
+    if request.first_layer == 0 and embedding_held(held is not None and held.embedding_in_file, shares_table, device):
         need += held.embedding if held is not None else vocab_table
     if holds_head and not shares_table:
         need += held.lm_head if held is not None else vocab_table

@@ -358,13 +358,13 @@ def test_a_cpu_first_stage_that_reads_embedding_rows_from_the_file_is_not_charge
     fp = Footprint.of(request(weight_dtype_bytes=2, weight_bytes=q4))
     cpu = card("a", GIB)
     gpu = dataclasses.replace(cpu, device="cuda:0")
-    assert fp.fixed_weights(0, 2, cpu) == 0
-    assert fp.fixed_weights(0, 2, gpu) == q4.embedding
-    assert fp.fixed_weights(0, 2) == q4.embedding  # no card: the safe side
-    assert fp.fixed_weights(0, 1, cpu) == q4.embedding + q4.final_norm  # tied head on the same stage
+    assert fp.fixed_weights(0, 2, cpu.device) == 0
+    assert fp.fixed_weights(0, 2, gpu.device) == q4.embedding
+    assert fp.fixed_weights(0, 2) == q4.embedding  # no device known: the safe side
+    assert fp.fixed_weights(0, 1, cpu.device) == q4.embedding + q4.final_norm  # tied head on the same stage
     assert fp.capacity_layers(cpu, 0, 2, 0.0) > fp.capacity_layers(gpu, 0, 2, 0.0)
     held = dataclasses.replace(q4, embedding_in_file=False)
-    assert Footprint.of(request(weight_dtype_bytes=2, weight_bytes=held)).fixed_weights(0, 2, cpu) == q4.embedding
+    assert Footprint.of(request(weight_dtype_bytes=2, weight_bytes=held)).fixed_weights(0, 2, cpu.device) == q4.embedding
     # Through the planner: the first stage's weights on a CPU node leave the table out, on a device not.
     req = request(weight_dtype_bytes=2, weight_bytes=q4, num_stages=2)
     fleets = {"cpu": [card("a", GIB), card("b", GIB)],
@@ -375,7 +375,7 @@ def test_a_cpu_first_stage_that_reads_embedding_rows_from_the_file_is_not_charge
         assert first.node_id == "a"
         assert first.weight_bytes == first.num_layers * q4.layer + (q4.embedding if kind == "gpu" else 0)
     # Tensor-parallel ranks hold dense slices of the table, read from no file.
-    assert fp.per_rank(SMOL, 2).fixed_weights(0, 2, cpu) == fp.per_rank(SMOL, 2).embedding > 0
+    assert fp.per_rank(SMOL, 2).fixed_weights(0, 2, cpu.device) == fp.per_rank(SMOL, 2).embedding > 0
 
 
 def test_a_first_stage_of_the_q4_1_gguf_holds_no_embedding_table(smollm2_gguf_path):

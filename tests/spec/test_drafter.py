@@ -274,7 +274,7 @@ def test_blocks_of_one_sequence_queued_together_go_out_in_separate_calls():
 def test_a_call_not_queued_behind_another_is_expected_after_its_round_trip_too(chained):
     """A call's expected answer (how long a step is held for it) is its drafting time, measured on
     calls queued behind others, plus, for a call not queued behind one, what such calls took beyond
-    that: the round trip and both ends' turnaround. Without it a held step gave up just before the
+    that: the round trip and the node's turnaround. Without it a held step gave up just before the
     draft came (~5 ms early with a 3 ms round trip), went plain and overtook the draft."""
     from meshllm.spec.drafter import DraftsReady
     from meshllm.spec.proposer import ProposeRequest
