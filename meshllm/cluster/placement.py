@@ -360,7 +360,7 @@ def _not_enough_memory(request: PlacementRequest, footprint: Footprint, nodes: l
     else:
         # Enough in total, but some stage cannot hold its fixed part (embedding, LM head) plus one layer.
         i = min(range(num_stages), key=lambda j: (caps[j], nodes[j].node_id))
-        part = f"stage {i} on {nodes[i].node_id} ({footprint.fixed_part_name(i, num_stages)} + 1 layer)"
+        part = f"stage {i} on {nodes[i].node_id} ({footprint.fixed_part_name(i, num_stages, nodes[i].device)} + 1 layer)"
         shortfall = footprint.fixed_weights(i, num_stages, nodes[i].device) + footprint.activations(i, num_stages) \
             + footprint.per_layer - usable_bytes(nodes[i], margin)
     missing = max(need - hold, shortfall, 1)

@@ -142,8 +142,10 @@ class Footprint:
     def activations(self, position: int, num_stages: int) -> int:
         return self.step_activation + (self.logits if position == num_stages - 1 else 0)
 
-    def fixed_part_name(self, position: int, num_stages: int) -> str:
-        parts = (["embedding"] if position == 0 else []) + (["LM head"] if position == num_stages - 1 else [])
+    def fixed_part_name(self, position: int, num_stages: int, device: str | None = None) -> str:
+        """What fixed_weights counts, and the activations, in words (a placement error names them)."""
+        embedding = position == 0 and embedding_held(self.embedding_in_file, self.tied and num_stages == 1, device)
+        parts = (["embedding"] if embedding else []) + (["LM head"] if position == num_stages - 1 else [])
         return " + ".join(parts + ["activations"])
 
     def capacity_layers(self, card: Card, position: int, num_stages: int, safety_margin_fraction: float) -> int:

@@ -363,6 +363,10 @@ def test_a_cpu_first_stage_that_reads_embedding_rows_from_the_file_is_not_charge
     assert fp.fixed_weights(0, 2) == q4.embedding  # no device known: the safe side
     assert fp.fixed_weights(0, 1, cpu.device) == q4.embedding + q4.final_norm  # tied head on the same stage
     assert fp.capacity_layers(cpu, 0, 2, 0.0) > fp.capacity_layers(gpu, 0, 2, 0.0)
+    # A placement error names what was counted: no table on the CPU stage, the table on the device's.
+    assert fp.fixed_part_name(0, 2, cpu.device) == "activations"
+    assert fp.fixed_part_name(0, 2, gpu.device) == "embedding + activations"
+    assert fp.fixed_part_name(0, 1, cpu.device) == "embedding + LM head + activations"
     held = dataclasses.replace(q4, embedding_in_file=False)
     assert Footprint.of(request(weight_dtype_bytes=2, weight_bytes=held)).fixed_weights(0, 2, cpu.device) == q4.embedding
     # Through the planner: the first stage's weights on a CPU node leave the table out, on a device not.
