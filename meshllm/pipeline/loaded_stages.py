@@ -181,23 +181,35 @@ class LoadedStages:
     def kv_reserved(self) -> dict[WeightKey, int]:
         """Per range of weights, the KV its plans may still grow into within their limits. Free memory
         as the OS reports it includes that (caches grow as sequences do), and a second plan placed
-        into it would run the node out of memory at long contexts. Plans over one range reserve the
-        largest of their budgets, not the sum: they are a plan and the re-plan that replaces it
-        (adopting its KV, kv_parking.py), or leaders sharing one plan (counted in its budget)."""
+        into it would run the node out of memory at long contexts. Plans over one range that share a
+        leader reserve the largest of their budgets: they are a plan and the re-plan that replaces it
+        (adopting its KV, kv_parking.py), and leaders sharing one plan are counted in its budget.
+        Plans of independent leaders (two serving processes with their own plans) reserve the sum."""
         return self._kv_by_range()[2]
 
-    def _kv_by_range(self) -> tuple[int, dict[WeightKey, int], dict[WeightKey, int]]:
-        """(weight bytes, KV held per range, KV reserved per range)."""
+    def reserved_with(self, key: WeightKey, leaders: set[str], budget_bytes: int) -> int:
+        """memory().reserved if a plan over `key` for `leaders`, with `budget_bytes` of KV, were
+        loaded too (a Load sharing loaded weights checks what it adds: StageControl.load)."""
+        return sum(self._kv_by_range((key, leaders, budget_bytes))[2].values())
+
+    def _kv_by_range(self, planned: tuple[WeightKey, set[str], int] | None = None
+                     ) -> tuple[int, dict[WeightKey, int], dict[WeightKey, int]]:
+        """(weight bytes, KV held per range, KV reserved per range); `planned` counts as a loaded
+        plan holding no KV yet."""
         with self._lock:
             stages = list(self._stages.values())
             weights = sum(w.num_bytes for w in self._weights.values())
-        budget: dict[WeightKey, int] = {}
+        plans = [(s.weights.key, s.leaders, s.kv_budget_bytes, s.kv_bytes) for s in stages]
+        plans += [(*planned, 0)] if planned is not None else []
         used: dict[WeightKey, int] = {}
-        for s in stages:
-            key = s.weights.key
-            budget[key] = max(budget.get(key, 0), s.kv_budget_bytes)
-            used[key] = used.get(key, 0) + s.kv_bytes
-        return weights, used, {key: max(0, budget[key] - used[key]) for key in budget}
+        lineages: dict[WeightKey, list[tuple[set[str], int]]] = {}  # per range: (leaders, largest budget)
+        for key, leaders, budget, held in plans:
+            used[key] = used.get(key, 0) + held
+            groups = lineages.setdefault(key, [])
+            joined = [g for g in groups if g[0] & leaders]
+            groups[:] = [g for g in groups if not g[0] & leaders]
+            groups.append((set(leaders).union(*(g[0] for g in joined)), max([budget, *(g[1] for g in joined)])))
+        return weights, used, {key: max(0, sum(b for _, b in groups) - used[key]) for key, groups in lineages.items()}
 
     def items(self) -> list[tuple[str, LoadedStage]]:
         """A snapshot, sorted by plan id."""

@@ -74,6 +74,8 @@ class StageControl:
                     raise ShardUnavailable("this node is stopping; plan its layers on another node")
                 existing = self._stages.use(request.plan_id)
                 if existing is not None and same_load(existing, request):
+                    if request.leader_id not in existing.leaders:  # its sequences may hold as much KV again
+                        self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id})
                     existing.leaders.add(request.leader_id)
                     return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
@@ -86,6 +88,8 @@ class StageControl:
                     if weights is None:
                         weights, num_bytes_read = self._load_weights(request, key)
                         self._faults.after_load()
+                    else:  # no read, so no _check_memory: its KV is all it adds
+                        self._check_added_kv(request, weights, {request.leader_id})
                     self._put(request, weights, None, unloaded)
             seconds = time.perf_counter() - started
             log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
@@ -109,6 +113,24 @@ class StageControl:
                 raise ShardUnavailable("this node stopped while it loaded the plan; plan its layers on another node")
             raise ModelLoadError(f"plan {request.plan_id} was unloaded while this node loaded it")
         retire(previous)
+
+    def _check_added_kv(self, request: stage_pb2.LoadRequest, weights: SharedWeights, leaders: set[str]) -> None:
+        """Refuse a plan (or another leader of a loaded one) over weights this node already holds when
+        the KV its limits let it grow into does not fit in free memory less what the loaded plans
+        reserve: the weights cost nothing more, the KV does (LoadedStages.kv_reserved says whose adds)."""
+        if not request.max_context:
+            return  # an older leader's plan, without limits: its KV is unknown (kv_budget_bytes is 0 too)
+        tokens = stage_convert.limits_from_pb(request).kv_tokens(max(1, len(leaders)))
+        budget = tokens * weights.decoder.kv_layout().bytes_per_token
+        reserved = self._stages.memory().reserved
+        added = self._stages.reserved_with(weights.key, leaders, budget) - reserved
+        available = psutil.virtual_memory().available - reserved
+        if added > available:
+            raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) are loaded here, but the "
+                                   f"plan's KV needs {added} more bytes; this node has {available} bytes free (less "
+                                   f"{reserved} its plans' KV may still take). Plan them on another node.",
+                                   missing_bytes=added - available,
+                                   part=f"layers {request.first_layer}-{request.last_layer - 1}")
 
     def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, "torch.dtype"]:
         path = self._resolve_model(request.model_id, request.fingerprint)

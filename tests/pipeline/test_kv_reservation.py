@@ -94,6 +94,48 @@ def test_plans_over_one_range_reserve_the_largest_budget_and_other_ranges_add_th
     assert sorted(stages.kv_reserved().values()) == sorted([_budget(files, 2, seqs=2 * SEQS), _budget(files, 2)])
 
 
+def test_plans_of_independent_leaders_over_one_range_reserve_both_budgets(control, files):
+    stages = control._stages
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    # Another serving process plans the same layers for itself: the weights are shared, the KV is not.
+    control.load(_request(files, "plan-b", seqs=2 * SEQS, leader="leader-b"))
+    assert stages.memory().reserved == _budget(files, 2) + _budget(files, 2, seqs=2 * SEQS)
+    # leader-a re-plans over the range (failover): its new plan replaces its old, the other stays.
+    control.load(_request(files, "plan-c", seqs=3 * SEQS, leader="leader-a"))
+    assert stages.memory().reserved == _budget(files, 2, seqs=3 * SEQS) + _budget(files, 2, seqs=2 * SEQS)
+    # And a leader that joins leader-b's plan ties the lineages: one plan and its replacement, shared.
+    control.load(_request(files, "plan-b", seqs=2 * SEQS, leader="leader-a"))
+    assert stages.memory().reserved == max(_budget(files, 2, seqs=3 * SEQS), _budget(files, 2, seqs=2 * SEQS, leaders=2))
+
+
+def test_a_load_over_loaded_weights_is_refused_when_its_kv_does_not_fit(control, files, monkeypatch):
+    def free(available: int):  # the OS's reading of free memory (this machine has ~20 GiB free)
+        monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
+
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    reserved = control._stages.memory().reserved
+    # Another leader's plan over the same layers reads no weights, but its KV must fit beside plan-a's.
+    free(reserved + _budget(files, 2) - 1)
+    with pytest.raises(ShardUnavailable, match="are loaded here") as refused:
+        control.load(_request(files, "plan-b", leader="leader-b"))
+    assert refused.value.missing_bytes == 1
+    assert control._stages.get("plan-b") is None
+    # A second leader joining plan-a may hold as many sequences again (the prefix blocks are shared).
+    joining = _budget(files, 2, leaders=2) - _budget(files, 2)
+    free(reserved + joining - 1)
+    with pytest.raises(ShardUnavailable, match="are loaded here") as refused:
+        control.load(_request(files, "plan-a", leader="leader-b"))
+    assert refused.value.missing_bytes == 1
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
+    # leader-a's own re-plan with the same limits adds nothing: its old plan's room is its room.
+    free(reserved)
+    control.load(_request(files, "plan-c", leader="leader-a"))
+    free(reserved + _budget(files, 2))
+    control.load(_request(files, "plan-b", leader="leader-b"))
+    control.load(_request(files, "plan-a", leader="leader-b"))  # joins: plan-a's lineage now spans both
+    assert control._stages.memory().reserved == _budget(files, 2, leaders=2)
+
+
 def test_a_load_counts_its_own_kv_and_the_kv_other_plans_reserved(control, files, monkeypatch):
     def free(available: int):  # the OS's reading of free memory: this machine has ~20 GiB free
         monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
