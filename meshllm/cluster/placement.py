@@ -177,9 +177,11 @@ def _reserved_kv_counted_free(card: Card, fingerprint: str) -> Card:
     """`card` with the KV its plans of this model reserve counted as free. A card's free memory leaves
     out the KV its loaded plans may still grow into, so that no other model's plan is placed into it;
     a plan of the same model is a re-plan (after a failure, or over more nodes) that takes their
-    place: the plans it replaces are unloaded once it is deployed, their KV adopted or freed. (Two
-    leaders that plan the same model differently would each count it: leaders normally share one
-    plan, see stage_control.unload.)"""
+    place: the plans it replaces are unloaded once it is deployed, their KV adopted or freed. A
+    second leader planning the same model differently counts the first leader's reservation too,
+    which is not its own (leaders normally share one plan, see stage_control.unload): the node then
+    refuses the Load for the KV that does not fit (stage_control._check_added_kv), and the leader
+    plans around that node. The card does not say whose lineage each reservation is."""
     reserved = sum(s.kv_reserved_bytes for s in card.shards if s.fingerprint == fingerprint)
     if not reserved:
         return card

@@ -143,7 +143,7 @@ def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> P
 def deploy_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions) -> RemotePipeline:
     """Load `plan`'s stages, limited to what a leader with `options` sends, and open the stream to them."""
     plan_id = deploy(plan, channels, options.dtype, options.batch_invariant, options.quantization,
-                     options.step_limits(context_of(files, options)))
+                     options.step_limits(context_of(files, options)), leader_id=channels.config.node_id)
     first = plan.stages[0]
     return RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages),
                           stage_names_of(plan))

@@ -42,6 +42,16 @@ class StageUnreachable(PeerUnreachable):
         self.node_id = node_id
 
 
+class LoadRefused(ShardUnavailable):
+    """A node refused its Load for memory (its card said more was free than its own check found: a
+    card older than a Load elsewhere, or KV other leaders' plans reserve there): the planner should
+    leave it out for a while."""
+
+    def __init__(self, message: str, node_id: str):
+        super().__init__(message)
+        self.node_id = node_id
+
+
 class RankLoadFailed(TensorParallelFailed):
     """One rank of a tensor-parallel stage failed its Load (its node answered): the group cannot
     form with it; the planner should leave that node out."""
@@ -163,7 +173,7 @@ def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return BadRequest(f"node {node_id} ({address}) refused the load: {details}")
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ShardUnavailable(f"node {node_id} ({address}): {details}")
+        return LoadRefused(f"node {node_id} ({address}): {details}", node_id)
     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StageUnreachable(f"node {node_id} at {address} is unreachable: {details}", node_id)
     return ModelLoadError(f"node {node_id} ({address}) could not load its layers: {details}")

@@ -93,14 +93,24 @@ class LoadedStage:
         """KV and prefix blocks this plan holds here now (allocated capacity, not tokens written)."""
         return self.runner.cache.num_bytes + self.runner.prefix.num_bytes
 
-    @property
-    def kv_budget_bytes(self) -> int:
-        """The most KV and prefix blocks the plan's limits let its leaders' streams hold here: what
-        the planner budgeted for this stage (stage_budget.Footprint.layer_kv), per leader. 0 for a
-        plan loaded without limits (an older leader): unknown."""
+    def kv_budget(self, streams: int) -> int:
+        """The most KV and prefix blocks the plan's limits let `streams` leaders' streams hold here:
+        what the planner budgeted for this stage (stage_budget.Footprint.layer_kv), per leader. 0
+        for a plan loaded without limits (an older leader): unknown."""
         if not self.request.max_context:
             return 0
-        return self.limits.kv_tokens(max(1, len(self.leaders))) * self.runner.cache.layout.bytes_per_token
+        return self.limits.kv_tokens(max(1, streams)) * self.runner.cache.layout.bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class _PlanKV:
+    """One plan's KV over its range, read at one moment (LoadedStages._snapshot)."""
+
+    plan_id: str
+    key: WeightKey
+    leaders: frozenset[str]
+    budget: int
+    held: int
 
 
 class LoadedStages:
@@ -138,7 +148,7 @@ class LoadedStages:
             runner: StageRunner | None = None) -> LoadedStage | None:
         """Give `plan_id` its own runner over `weights` (a tensor-parallel rank brings its own),
         replacing what the plan had; returns the replaced stage (the caller closes it)."""
-        if runner is None:  # its caches grow no further than the plan's context (kv_budget_bytes counts that)
+        if runner is None:  # its caches grow no further than the plan's context (kv_budget counts that)
             runner = StageRunner(weights.decoder, max_context=request.max_context or None)
         stage = LoadedStage(request, runner, weights)
         with self._lock:
@@ -175,43 +185,56 @@ class LoadedStages:
 
     def memory(self) -> StageMemory:
         """Weights and KV held, and KV reserved (see kv_reserved)."""
-        weights, used, reserved = self._kv_by_range()
-        return StageMemory(weights + sum(used.values()), sum(reserved.values()))
+        weights, plans = self._snapshot()
+        return StageMemory(weights + sum(p.held for p in plans), sum(_reserved(plans).values()))
 
     def kv_reserved(self) -> dict[WeightKey, int]:
         """Per range of weights, the KV its plans may still grow into within their limits. Free memory
         as the OS reports it includes that (caches grow as sequences do), and a second plan placed
         into it would run the node out of memory at long contexts. Plans over one range that share a
-        leader reserve the largest of their budgets: they are a plan and the re-plan that replaces it
-        (adopting its KV, kv_parking.py), and leaders sharing one plan are counted in its budget.
-        Plans of independent leaders (two serving processes with their own plans) reserve the sum."""
-        return self._kv_by_range()[2]
+        leader are one lineage and reserve its largest budget: a plan and the re-plan that replaces
+        it (adopting its KV, kv_parking.py; the leader keeps its id), and leaders sharing one plan
+        (counted in its budget). Independent leaders' lineages (two serving processes with plans of
+        their own) reserve the sum. Leaders without an id link no plans: each reserves its own."""
+        return _reserved(self._snapshot()[1])
 
-    def reserved_with(self, key: WeightKey, leaders: set[str], budget_bytes: int) -> int:
-        """memory().reserved if a plan over `key` for `leaders`, with `budget_bytes` of KV, were
-        loaded too (a Load sharing loaded weights checks what it adds: StageControl.load)."""
-        return sum(self._kv_by_range((key, leaders, budget_bytes))[2].values())
+    def reservation_change(self, key: WeightKey, plan_id: str, leaders: set[str], budget: int,
+                           keeps_kv: bool) -> tuple[int, int]:
+        """memory().reserved now, and once `plan_id` is loaded over `key` for `leaders` with a KV
+        budget of `budget` bytes (replacing the plan of that id, if any; `keeps_kv`: with its KV, as
+        another leader joining it does), both from one reading (StageControl._check_added_kv)."""
+        _, plans = self._snapshot()
+        previous = next((p for p in plans if p.plan_id == plan_id), None)
+        held = previous.held if keeps_kv and previous is not None else 0
+        after = [p for p in plans if p.plan_id != plan_id] + [_PlanKV(plan_id, key, frozenset(leaders), budget, held)]
+        return sum(_reserved(plans).values()), sum(_reserved(after).values())
 
-    def _kv_by_range(self, planned: tuple[WeightKey, set[str], int] | None = None
-                     ) -> tuple[int, dict[WeightKey, int], dict[WeightKey, int]]:
-        """(weight bytes, KV held per range, KV reserved per range); `planned` counts as a loaded
-        plan holding no KV yet."""
+    def _snapshot(self) -> tuple[int, list[_PlanKV]]:
+        """(weight bytes, each plan's KV), read together."""
         with self._lock:
-            stages = list(self._stages.values())
+            stages = list(self._stages.items())
             weights = sum(w.num_bytes for w in self._weights.values())
-        plans = [(s.weights.key, s.leaders, s.kv_budget_bytes, s.kv_bytes) for s in stages]
-        plans += [(*planned, 0)] if planned is not None else []
-        used: dict[WeightKey, int] = {}
-        lineages: dict[WeightKey, list[tuple[set[str], int]]] = {}  # per range: (leaders, largest budget)
-        for key, leaders, budget, held in plans:
-            used[key] = used.get(key, 0) + held
-            groups = lineages.setdefault(key, [])
-            joined = [g for g in groups if g[0] & leaders]
-            groups[:] = [g for g in groups if not g[0] & leaders]
-            groups.append((set(leaders).union(*(g[0] for g in joined)), max([budget, *(g[1] for g in joined)])))
-        return weights, used, {key: max(0, sum(b for _, b in groups) - used[key]) for key, groups in lineages.items()}
+        plans = []
+        for plan_id, s in stages:
+            leaders = frozenset(s.leaders)  # one reading: a Load may add a leader meanwhile
+            plans.append(_PlanKV(plan_id, s.weights.key, leaders, s.kv_budget(len(leaders)), s.kv_bytes))
+        return weights, plans
 
     def items(self) -> list[tuple[str, LoadedStage]]:
         """A snapshot, sorted by plan id."""
         with self._lock:
             return sorted(self._stages.items())
+
+
+def _reserved(plans: list[_PlanKV]) -> dict[WeightKey, int]:
+    """KV reserved per range: over each lineage of plans (linked by a named leader they share) its
+    largest budget less the KV its plans hold, summed over the range's lineages (kv_reserved says why)."""
+    lineages: dict[WeightKey, list[tuple[frozenset[str], int, int]]] = {}  # (named leaders, budget, held)
+    for p in plans:
+        named = p.leaders - {""}
+        groups = lineages.setdefault(p.key, [])
+        joined = [g for g in groups if g[0] & named]
+        groups[:] = [g for g in groups if not g[0] & named]
+        groups.append((named.union(*(g[0] for g in joined)), max([p.budget, *(g[1] for g in joined)]),
+                       p.held + sum(g[2] for g in joined)))
+    return {key: sum(max(0, budget - held) for _, budget, held in groups) for key, groups in lineages.items()}

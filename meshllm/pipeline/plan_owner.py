@@ -45,7 +45,7 @@ from meshllm.engine.kv_cache import SeqId
 from meshllm.pipeline.carry_over import carry_over
 from meshllm.pipeline.cluster import (ServingOptions, context_of, local_transport, new_leader, placement_request,
                                       plan_for, stage_names_of)
-from meshllm.pipeline.deploy import RankLoadFailed, StageUnreachable, deploy
+from meshllm.pipeline.deploy import LoadRefused, RankLoadFailed, StageUnreachable, deploy
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import Deployment, StageFailure, StageProbe
 from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth, StageSummary
@@ -273,8 +273,14 @@ class PlanOwner:
 
     def _deploy_new_plan(self, failed: NodeId | None, started: float, carry: Mapping[SeqId, int]) -> Deployment:
         previous = self._current
-        while True:  # a node that cannot be reached while loading is excluded, and we plan again
-            plan = self._choose_plan(previous.plan if previous else None, failed)
+        refused: LoadRefused | None = None
+        while True:  # a node that cannot be reached while loading, or refuses it, is excluded: we plan again
+            try:
+                plan = self._choose_plan(previous.plan if previous else None, failed)
+            except ShardUnavailable:
+                if refused is None:
+                    raise
+                raise refused from None  # the refusing node's own account of what did not fit says more
             plan_s = time.perf_counter() - started
             try:
                 plan_id = deploy(plan, self.channels, self.options.dtype, self.options.batch_invariant,
@@ -284,6 +290,12 @@ class PlanOwner:
             except StageUnreachable as e:
                 log.warning("%s; planning without it", e)
                 self._excluded[e.node_id] = _Exclusion(str(e), None)
+            except LoadRefused as e:
+                # Its card promised room its own check did not find (stale, or KV another leader's
+                # plans reserve there): planned on again, the same card would be refused again.
+                log.warning("%s; planning without node %s for %.0fs", e, e.node_id, QUARANTINE_S)
+                self._excluded[e.node_id] = _Exclusion(str(e), time.monotonic() + QUARANTINE_S)
+                refused = e
             except RankLoadFailed as e:
                 if isinstance(e.cause, BadRequest):
                     raise e.cause from None  # what this leader asked is wrong, not the node: say so

@@ -69,13 +69,17 @@ class StageControl:
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._loading.turn(request.plan_id, request.leader_id) as unloaded:  # a second Load waits, then reuses
-            with self._loading.lock:  # ordered against an Unload of the plan by its last other leader
+            # Ordered against an Unload of the plan by its last other leader (_loading.lock), and against
+            # other Loads' memory checks (_read_lock, taken first as _put does): a leader joining the
+            # plan adds KV.
+            with self._read_lock, self._loading.lock:
                 if self._closed:
                     raise ShardUnavailable("this node is stopping; plan its layers on another node")
                 existing = self._stages.use(request.plan_id)
                 if existing is not None and same_load(existing, request):
                     if request.leader_id not in existing.leaders:  # its sequences may hold as much KV again
-                        self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id})
+                        self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id},
+                                             keeps_kv=True)
                     existing.leaders.add(request.leader_id)
                     return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
@@ -89,7 +93,9 @@ class StageControl:
                         weights, num_bytes_read = self._load_weights(request, key)
                         self._faults.after_load()
                     else:  # no read, so no _check_memory: its KV is all it adds
-                        self._check_added_kv(request, weights, {request.leader_id})
+                        replaced = self._stages.get(request.plan_id)  # a reload: it serves their leaders too (put)
+                        leaders = (replaced.leaders if replaced is not None else set()) | {request.leader_id}
+                        self._check_added_kv(request, weights, leaders, keeps_kv=False)
                     self._put(request, weights, None, unloaded)
             seconds = time.perf_counter() - started
             log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
@@ -114,20 +120,23 @@ class StageControl:
             raise ModelLoadError(f"plan {request.plan_id} was unloaded while this node loaded it")
         retire(previous)
 
-    def _check_added_kv(self, request: stage_pb2.LoadRequest, weights: SharedWeights, leaders: set[str]) -> None:
+    def _check_added_kv(self, request: stage_pb2.LoadRequest, weights: SharedWeights, leaders: set[str],
+                        keeps_kv: bool) -> None:
         """Refuse a plan (or another leader of a loaded one) over weights this node already holds when
-        the KV its limits let it grow into does not fit in free memory less what the loaded plans
-        reserve: the weights cost nothing more, the KV does (LoadedStages.kv_reserved says whose adds)."""
+        the KV its limits let `leaders` grow into does not fit in free memory less what the loaded
+        plans reserve: the weights cost nothing more, the KV does (LoadedStages.kv_reserved says
+        whose adds up). `keeps_kv`: the plan is loaded and keeps its KV (another leader joins it)."""
         if not request.max_context:
-            return  # an older leader's plan, without limits: its KV is unknown (kv_budget_bytes is 0 too)
+            return  # an older leader's plan, without limits: its KV is unknown (LoadedStage.kv_budget is 0 too)
         tokens = stage_convert.limits_from_pb(request).kv_tokens(max(1, len(leaders)))
-        budget = tokens * weights.decoder.kv_layout().bytes_per_token
-        reserved = self._stages.memory().reserved
-        added = self._stages.reserved_with(weights.key, leaders, budget) - reserved
+        budget = tokens * weights.decoder.kv_layout().bytes_per_token  # the layout its runner gets (put)
+        reserved, after = self._stages.reservation_change(weights.key, request.plan_id, leaders, budget, keeps_kv)
+        added = after - reserved
         available = psutil.virtual_memory().available - reserved
         if added > available:
-            raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) are loaded here, but the "
-                                   f"plan's KV needs {added} more bytes; this node has {available} bytes free (less "
+            whose = "another leader's sequences need" if keeps_kv else "the plan's KV needs"
+            raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) are loaded here, but "
+                                   f"{whose} {added} more bytes; this node has {available} bytes free (less "
                                    f"{reserved} its plans' KV may still take). Plan them on another node.",
                                    missing_bytes=added - available,
                                    part=f"layers {request.first_layer}-{request.last_layer - 1}")
@@ -354,7 +363,7 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
         need += held.embedding if held is not None else vocab_table
     if holds_head and not shares_table:
         need += held.lm_head if held is not None else vocab_table
-    if request.max_context:  # the KV its limits allow (LoadedStage.kv_budget_bytes); unknown without them
+    if request.max_context:  # the KV its limits allow (LoadedStage.kv_budget); unknown without them
         need += stage_convert.limits_from_pb(request).kv_tokens() * config.kv_bytes_per_token(
             dtype_bytes, request.last_layer - request.first_layer)
     need //= max(request.tp.size, 1)

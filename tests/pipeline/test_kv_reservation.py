@@ -108,6 +108,33 @@ def test_plans_of_independent_leaders_over_one_range_reserve_both_budgets(contro
     assert stages.memory().reserved == max(_budget(files, 2, seqs=3 * SEQS), _budget(files, 2, seqs=2 * SEQS, leaders=2))
 
 
+def test_a_plan_shared_by_two_leaders_links_their_lineages_in_any_order(control, files):
+    stages = control._stages
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    control.load(_request(files, "plan-b", seqs=2 * SEQS, leader="leader-b"))
+    # A third plan (loaded after both) that leader-a loads and leader-b then joins: the three are one lineage.
+    control.load(_request(files, "plan-d", leader="leader-a"))
+    assert stages.memory().reserved == _budget(files, 2) + _budget(files, 2, seqs=2 * SEQS)
+    control.load(_request(files, "plan-d", leader="leader-b"))
+    assert stages.memory().reserved == max(_budget(files, 2, leaders=2), _budget(files, 2, seqs=2 * SEQS))
+
+
+def test_kv_one_leader_holds_does_not_offset_what_anothers_plan_may_grow_into(control, files):
+    stages = control._stages
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    control.load(_request(files, "plan-b", leader="leader-b"))
+    stage = stages.get("plan-a")
+    stage.runner.run(Step(1, (SeqWork(SeqId(1), 0, 10, 1, SamplingParams(temperature=0.0, seed=1)),), torch.arange(10)))
+    kv = stage.runner.cache.num_bytes
+    assert 0 < kv < _budget(files, 2)
+    # plan-a's sequence takes from plan-a's reservation only: plan-b may still grow into all of its own.
+    assert stages.kv_reserved() == {stage.weights.key: 2 * _budget(files, 2) - kv}
+    # Leaders without an id link nothing: each such plan reserves its own budget.
+    control.load(_request(files, "plan-c", leader=""))
+    control.load(_request(files, "plan-e", leader=""))
+    assert stages.memory().reserved == 4 * _budget(files, 2) - kv
+
+
 def test_a_load_over_loaded_weights_is_refused_when_its_kv_does_not_fit(control, files, monkeypatch):
     def free(available: int):  # the OS's reading of free memory (this machine has ~20 GiB free)
         monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
@@ -134,6 +161,16 @@ def test_a_load_over_loaded_weights_is_refused_when_its_kv_does_not_fit(control,
     control.load(_request(files, "plan-b", leader="leader-b"))
     control.load(_request(files, "plan-a", leader="leader-b"))  # joins: plan-a's lineage now spans both
     assert control._stages.memory().reserved == _budget(files, 2, leaders=2)
+    # plan-a loaded again with other limits: its new stage serves both leaders, and is checked for both.
+    reserved = control._stages.memory().reserved
+    free(reserved + _budget(files, 2, seqs=2 * SEQS, leaders=2) - _budget(files, 2, leaders=2) - 1)
+    with pytest.raises(ShardUnavailable, match="are loaded here") as refused:
+        control.load(_request(files, "plan-a", seqs=2 * SEQS, leader="leader-a"))
+    assert refused.value.missing_bytes == 1
+    free(reserved + _budget(files, 2, seqs=2 * SEQS, leaders=2) - _budget(files, 2, leaders=2))
+    control.load(_request(files, "plan-a", seqs=2 * SEQS, leader="leader-a"))
+    assert control._stages.get("plan-a").leaders == {"leader-a", "leader-b"}
+    assert control._stages.memory().reserved == _budget(files, 2, seqs=2 * SEQS, leaders=2)
 
 
 def test_a_load_counts_its_own_kv_and_the_kv_other_plans_reserved(control, files, monkeypatch):
@@ -176,4 +213,4 @@ def test_a_sequence_never_holds_more_kv_than_the_plans_context(control, files):
     kv = stage.runner.cache.sequences[SeqId(1)]
     assert kv.capacity == context  # not 128
     memory = control._stages.memory()
-    assert stage.kv_bytes == stage.kv_budget_bytes and memory.reserved == 0
+    assert stage.kv_bytes == stage.kv_budget(1) and memory.reserved == 0

@@ -52,9 +52,9 @@ class FakeHealth(cluster_pb2_grpc.HealthServicer):
 
 
 class FakeNode:
-    def __init__(self, key: bytes, node_id: str, with_stage: bool = True):
+    def __init__(self, key: bytes, node_id: str, with_stage: bool = True, stage: FakeStage | None = None):
         self.node_id = NodeId(node_id)
-        self.stage = FakeStage()
+        self.stage = stage or FakeStage()
         self.server = NodeServer(ServerConfig("127.0.0.1", 0, key, node_id=node_id))
         self.server.add(cluster_pb2_grpc.add_HealthServicer_to_server, FakeHealth(node_id))
         if with_stage:  # without: a node older than the Stage service answers UNIMPLEMENTED
