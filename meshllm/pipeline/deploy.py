@@ -47,8 +47,8 @@ class LoadRefused(ShardUnavailable):
     card older than a Load elsewhere, or KV other leaders' plans reserve there): the planner should
     leave it out for a while."""
 
-    def __init__(self, message: str, node_id: str):
-        super().__init__(message)
+    def __init__(self, message: str, node_id: str, *, missing_bytes: int | None = None, part: str | None = None):
+        super().__init__(message, missing_bytes=missing_bytes, part=part)
         self.node_id = node_id
 
 
@@ -173,7 +173,10 @@ def _load_error(node_id: str, address: str, e: grpc.RpcError) -> MeshError:
     if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return BadRequest(f"node {node_id} ({address}) refused the load: {details}")
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return LoadRefused(f"node {node_id} ({address}): {details}", node_id)
+        if details.startswith(f"[{ShardUnavailable.code}]"):  # its memory check (not, e.g., its auth's rate limit)
+            missing, part = stage_convert.shortfall_from_metadata(e.trailing_metadata())
+            return LoadRefused(f"node {node_id} ({address}): {details}", node_id, missing_bytes=missing, part=part)
+        return ShardUnavailable(f"node {node_id} ({address}): {details}")
     if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return StageUnreachable(f"node {node_id} at {address} is unreachable: {details}", node_id)
     return ModelLoadError(f"node {node_id} ({address}) could not load its layers: {details}")

@@ -45,7 +45,7 @@ from meshllm.engine.kv_cache import SeqId
 from meshllm.pipeline.carry_over import carry_over
 from meshllm.pipeline.cluster import (ServingOptions, context_of, local_transport, new_leader, placement_request,
                                       plan_for, stage_names_of)
-from meshllm.pipeline.deploy import LoadRefused, RankLoadFailed, StageUnreachable, deploy
+from meshllm.pipeline.deploy import LoadRefused, RankLoadFailed, StageUnreachable, deploy, plan_id_of
 from meshllm.pipeline.events import LeaderObserver
 from meshllm.pipeline.failover import Deployment, StageFailure, StageProbe
 from meshllm.pipeline.health import HealthReport, HealthStatus, ServingHealth, StageSummary
@@ -282,26 +282,32 @@ class PlanOwner:
                     raise
                 raise refused from None  # the refusing node's own account of what did not fit says more
             plan_s = time.perf_counter() - started
+            limits = self.options.step_limits(context_of(self.files, self.options))
             try:
                 plan_id = deploy(plan, self.channels, self.options.dtype, self.options.batch_invariant,
-                                 self.options.quantization,
-                                 self.options.step_limits(context_of(self.files, self.options)), self.leader_id)
+                                 self.options.quantization, limits, self.leader_id)
                 break
             except StageUnreachable as e:
                 log.warning("%s; planning without it", e)
                 self._excluded[e.node_id] = _Exclusion(str(e), None)
+                failed_load = e.node_id
             except LoadRefused as e:
                 # Its card promised room its own check did not find (stale, or KV another leader's
                 # plans reserve there): planned on again, the same card would be refused again.
                 log.warning("%s; planning without node %s for %.0fs", e, e.node_id, QUARANTINE_S)
                 self._excluded[e.node_id] = _Exclusion(str(e), time.monotonic() + QUARANTINE_S)
-                refused = e
+                refused, failed_load = e, e.node_id
             except RankLoadFailed as e:
                 if isinstance(e.cause, BadRequest):
                     raise e.cause from None  # what this leader asked is wrong, not the node: say so
                 # It answers health checks, so it is left out for a while, not until it answers.
                 log.warning("%s; planning without node %s for %.0fs", e, e.node_id, QUARANTINE_S)
                 self._excluded[e.node_id] = _Exclusion(str(e), time.monotonic() + QUARANTINE_S)
+                failed_load = e.node_id
+            attempt = plan_id_of(plan, self.options.dtype, self.options.batch_invariant, self.options.quantization,
+                                 limits)
+            if previous is None or attempt != previous.plan_id:  # else its nodes serve it: it stays
+                self._unload_attempt(plan, attempt, failed_load)
         load_s = time.perf_counter() - started - plan_s
         carried, carried_by = {}, ()
         if previous is not None and previous.plan is not None and carry:
@@ -382,6 +388,21 @@ class PlanOwner:
     def _no_longer_refuses(self, address: str, node_id: NodeId) -> bool:
         """A Renew of no plan (it changes nothing there) is answered, not refused."""
         return self._leases.renew(address, node_id, "", READMIT_PROBE_S).lease in (Lease.HELD, Lease.DROPPED)
+
+    def _unload_attempt(self, plan: Plan, plan_id: str, failed: NodeId) -> None:
+        """Unload a plan whose deploy failed from the nodes that loaded their part: they would hold its
+        weights and reserve its KV for its lease, room the next attempt (or another leader) may need.
+        Now, before planning again; a node that does not answer in time is left to the stale-plan
+        sweep. Caller holds _lock."""
+        for stage in plan.stages:
+            for node_id, address in _members(stage):
+                if node_id == failed:
+                    continue  # it loaded nothing (refused, or out of reach)
+                try:
+                    stage_pb2_grpc.StageStub(self.channels.get(address, node_id)).Unload(
+                        stage_pb2.UnloadRequest(plan_id=plan_id, leader_id=self.leader_id), timeout=UNLOAD_TIMEOUT_S)
+                except (grpc.RpcError, ValueError):
+                    self._stale.add((address, node_id, plan_id))
 
     def _unload_stale(self) -> None:
         with self._lock:

@@ -69,19 +69,25 @@ class StageControl:
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
         with self._loading.turn(request.plan_id, request.leader_id) as unloaded:  # a second Load waits, then reuses
-            # Ordered against an Unload of the plan by its last other leader (_loading.lock), and against
-            # other Loads' memory checks (_read_lock, taken first as _put does): a leader joining the
-            # plan adds KV.
-            with self._read_lock, self._loading.lock:
+            with self._loading.lock:  # ordered against an Unload of the plan by its last other leader
                 if self._closed:
                     raise ShardUnavailable("this node is stopping; plan its layers on another node")
                 existing = self._stages.use(request.plan_id)
-                if existing is not None and same_load(existing, request):
-                    if request.leader_id not in existing.leaders:  # its sequences may hold as much KV again
-                        self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id},
-                                             keeps_kv=True)
-                    existing.leaders.add(request.leader_id)
+                joining = existing is not None and same_load(existing, request)
+                if joining and request.leader_id in existing.leaders:  # one of its leaders again: nothing new
                     return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
+            if joining:  # another leader, whose sequences may hold as much KV again: checked against other
+                # Loads' checks too (_read_lock, taken first as _put does; it may wait for their reads)
+                with self._read_lock, self._loading.lock:
+                    if self._closed:
+                        raise ShardUnavailable("this node is stopping; plan its layers on another node")
+                    existing = self._stages.use(request.plan_id)
+                    if existing is not None and same_load(existing, request):  # not unloaded meanwhile
+                        if request.leader_id not in existing.leaders:
+                            self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id},
+                                                 keeps_kv=True)
+                        existing.leaders.add(request.leader_id)
+                        return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
             key = WeightKey.of(request)
             if request.HasField("tp"):

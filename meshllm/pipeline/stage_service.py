@@ -56,6 +56,8 @@ class StageService(stage_pb2_grpc.StageServicer):
                       grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, BadRequest) else
                       grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, ShardUnavailable) else
                       grpc.StatusCode.NOT_FOUND)
+            if isinstance(e, ShardUnavailable):  # what did not fit, for the leader's health report
+                context.set_trailing_metadata(stage_convert.shortfall_metadata(e))
             context.abort(status, f"[{e.code}] {e}")
 
     def Unload(self, request, context):

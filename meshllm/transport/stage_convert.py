@@ -14,7 +14,7 @@ from meshllm.engine.sampler import SamplingParams, TokenLogprobs
 from meshllm.engine.step import (MAX_DRAFT_SUPPORT, DraftDist, Publish, SampledToken, SeqWork, StageTiming, Step,
                                  StepResult)
 from meshllm.engine.step_limits import WIRE_LIMITS, WIRE_MAX_BLOCK_SIZE, WIRE_MAX_LIST, StepLimits
-from meshllm.errors import BadRequest, MalformedMessage, PlanLimitExceeded
+from meshllm.errors import BadRequest, MalformedMessage, PlanLimitExceeded, ShardUnavailable
 from meshllm.tp.group import DEFAULT_TIMEOUT_S, RankRole
 from meshllm.transport import codec
 from meshllm.transport.protos import stage_pb2
@@ -269,3 +269,21 @@ def rank_role_from_pb(request: stage_pb2.LoadRequest) -> RankRole | None:
 def rank_role_to_pb(role: RankRole) -> stage_pb2.TensorParallel:
     return stage_pb2.TensorParallel(rank=role.rank, size=role.size, store_address=role.store_address,
                                     group_id=role.group_id, timeout_s=role.timeout_s)
+
+
+_MISSING_BYTES_KEY, _PART_KEY = "meshllm-missing-bytes", "meshllm-missing-part"
+
+
+def shortfall_metadata(e: ShardUnavailable) -> tuple[tuple[str, str], ...]:
+    """A node's refusal's figures as gRPC trailing metadata (read back by shortfall_from_metadata)."""
+    return tuple((k, str(v)) for k, v in ((_MISSING_BYTES_KEY, e.missing_bytes), (_PART_KEY, e.part)) if v is not None)
+
+
+def shortfall_from_metadata(metadata) -> tuple[int | None, str | None]:
+    """(missing bytes, part) from a refusal's trailing metadata; None for what is absent or malformed
+    (a peer's figures are checked like any other input)."""
+    found = dict(metadata or ())
+    text = found.get(_MISSING_BYTES_KEY, "")
+    missing = int(text) if text.isdigit() and len(text) <= 20 else None
+    part = found.get(_PART_KEY)
+    return missing, part[:200] if isinstance(part, str) else None

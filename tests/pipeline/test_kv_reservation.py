@@ -173,6 +173,20 @@ def test_a_load_over_loaded_weights_is_refused_when_its_kv_does_not_fit(control,
     assert control._stages.memory().reserved == _budget(files, 2, seqs=2 * SEQS, leaders=2)
 
 
+def test_a_leader_joining_a_plan_whose_sequences_hold_kv_adds_only_its_own_streams(control, files, monkeypatch):
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    stage = control._stages.get("plan-a")
+    stage.runner.run(Step(1, (SeqWork(SeqId(1), 0, 10, 1, SamplingParams(temperature=0.0, seed=1)),), torch.arange(10)))
+    reserved = control._stages.memory().reserved
+    assert 0 < reserved < _budget(files, 2)  # the KV held now is the plan's, out of its reservation
+    joining = _budget(files, 2, leaders=2) - _budget(files, 2)  # the KV held stays counted as the plan's
+    monkeypatch.setattr(stage_control.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=reserved + joining))
+    control.load(_request(files, "plan-a", leader="leader-b"))
+    assert stage.leaders == {"leader-a", "leader-b"}
+    assert control._stages.memory().reserved == reserved + joining
+
+
 def test_a_load_counts_its_own_kv_and_the_kv_other_plans_reserved(control, files, monkeypatch):
     def free(available: int):  # the OS's reading of free memory: this machine has ~20 GiB free
         monkeypatch.setattr(stage_control.psutil, "virtual_memory", lambda: SimpleNamespace(available=available))
