@@ -304,6 +304,8 @@ class PlanOwner:
                 log.warning("%s; planning without node %s for %.0fs", e, e.node_id, QUARANTINE_S)
                 self._excluded[e.node_id] = _Exclusion(str(e), time.monotonic() + QUARANTINE_S)
                 failed_load = e.node_id
+                if isinstance(e.cause, LoadRefused):  # a rank's memory check: reported as a node's would be
+                    refused = e.cause
             attempt = plan_id_of(plan, self.options.dtype, self.options.batch_invariant, self.options.quantization,
                                  limits)
             if previous is None or attempt != previous.plan_id:  # else its nodes serve it: it stays
