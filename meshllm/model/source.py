@@ -90,7 +90,9 @@ def _open_gguf(file: Path, tokenizer: bool = True) -> ModelFiles:
     from meshllm.model.gguf import GGUFFile, GGUFSource  # GGUF support loads only when needed
 
     parsed = GGUFFile.open(file)  # parsed once, shared by the weights and the tokenizer
-    source = GGUFSource(parsed)
+    source = GGUFSource(parsed)  # reads its config now (the eos ids look at the tokens)
+    if not tokenizer:
+        parsed.drop_vocabulary()
     return ModelFiles(file.stem, file, source.config(), source, Tokenizer.from_gguf(parsed) if tokenizer else None)
 
 

@@ -30,6 +30,17 @@ def test_default_is_the_smollm2_demo(smollm2_gguf_path):
     assert 0 < files.source.num_bytes_read() < 3_000_000
 
 
+def test_a_stage_opening_keeps_no_vocabulary_and_the_same_config(smollm2_gguf_path):
+    with_tokenizer = open_model(smollm2_gguf_path)
+    stage = open_model(smollm2_gguf_path, tokenizer=False)
+    assert stage.tokenizer is None
+    assert stage.config == with_tokenizer.config  # eos ids included: they were read before the drop
+    kept = stage.source.file.metadata
+    assert "tokenizer.ggml.tokens" not in kept and "tokenizer.ggml.merges" not in kept
+    assert kept["tokenizer.ggml.eos_token_id"] == 2  # scalars stay
+    assert len(with_tokenizer.source.file.metadata["tokenizer.ggml.tokens"]) == 49152
+
+
 def test_folder(aidreams_path):
     files = open_model(str(aidreams_path))
     assert isinstance(files.source, SafetensorsSource)
