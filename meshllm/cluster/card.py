@@ -50,6 +50,15 @@ class LoadedShard:
     # KV the plans over this range may still grow into within their limits. The card's free memory
     # already leaves it out; a re-plan over the same range takes those plans' place (and their KV).
     kv_reserved_bytes: int = 0
+    # The same by lineage (a plan and its re-plans, linked by their named leaders): a re-plan takes
+    # the place of its own leader's lineage only. Empty: not known (an older node, a trimmed card).
+    kv_reservations: tuple[KVReservation, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class KVReservation:
+    leader_ids: frozenset[str]  # empty: plans whose leaders gave no id
+    bytes: int
 
 
 @dataclass(frozen=True, slots=True)

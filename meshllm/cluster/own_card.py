@@ -88,8 +88,12 @@ class OwnCard:
         return self._fit_to_wire(card)
 
     def _fit_to_wire(self, card: Card) -> Card:
-        # Peers refuse cards over CARD_MAX_BYTES. Local paths are informational
-        # and go first; then models are dropped from the end, with a warning.
+        # Peers refuse cards over CARD_MAX_BYTES. The KV reservations by leader go first (planners
+        # fall back on each range's total), then local paths (informational); then models are
+        # dropped from the end, with a warning.
+        if card_wire_size(card) <= CARD_MAX_BYTES:
+            return card
+        card = replace(card, shards=tuple(replace(s, kv_reservations=()) for s in card.shards))
         if card_wire_size(card) <= CARD_MAX_BYTES:
             return card
         card = replace(card, models=tuple(replace(m, path="") for m in card.models))

@@ -62,6 +62,10 @@ class PlacementRequest:
     # Nodes per stage: None groups nodes whose measured link makes it pay, 1 never groups, N > 1
     # makes every stage a tensor-parallel group of N (--tp N).
     tensor_parallel: int | None = None
+    # The planning leader (its node id, as it names itself to the stages): the KV its own plans
+    # reserve on a node counts as free for its re-plan, other leaders' does not. "": unknown, so
+    # every reservation of the model counts as free, as before cards said whose it is.
+    leader_id: str = ""
 
     def __post_init__(self):
         for name in ("context_length", "max_batch", "weight_dtype_bytes", "kv_dtype_bytes", "prefill_chunk_tokens"):
@@ -148,8 +152,8 @@ def plan_placement(request: PlacementRequest, fleet: Sequence[Card]) -> Plan:
     same set of cards (in any order) give the same plan on every node.
     """
     footprint = Footprint.of(request)
-    stage_nodes = [_reserved_kv_counted_free(c, request.fingerprint) for c in _unique_by_node(fleet)
-                   if Role.STAGE in c.roles and c.node_id not in request.exclude]
+    stage_nodes = [_reserved_kv_counted_free(c, request.fingerprint, request.leader_id)
+                   for c in _unique_by_node(fleet) if Role.STAGE in c.roles and c.node_id not in request.exclude]
     reused = _plan_on_loaded_shards(request, footprint, stage_nodes)
     if reused is not None:
         return reused
@@ -173,16 +177,24 @@ def _unique_by_node(fleet: Sequence[Card]) -> list[Card]:
     return [newest[node_id] for node_id in sorted(newest)]
 
 
-def _reserved_kv_counted_free(card: Card, fingerprint: str) -> Card:
-    """`card` with the KV its plans of this model reserve counted as free. A card's free memory leaves
-    out the KV its loaded plans may still grow into, so that no other model's plan is placed into it;
-    a plan of the same model is a re-plan (after a failure, or over more nodes) that takes their
-    place: the plans it replaces are unloaded once it is deployed, their KV adopted or freed. A
-    second leader planning the same model differently counts the first leader's reservation too,
-    which is not its own (leaders normally share one plan, see stage_control.unload): the node then
-    refuses the Load for the KV that does not fit (stage_control._check_added_kv), and the leader
-    plans around that node. The card does not say whose lineage each reservation is."""
-    reserved = sum(s.kv_reserved_bytes for s in card.shards if s.fingerprint == fingerprint)
+def _reserved_kv_counted_free(card: Card, fingerprint: str, leader_id: str = "") -> Card:
+    """`card` with the KV its plans of this model reserve for `leader_id`'s lineage counted as free.
+    A card's free memory leaves out the KV its loaded plans may still grow into, so that no other
+    plan is placed into it; this leader's re-plan (after a failure, or over more nodes) takes its own
+    plans' place: they are unloaded once it is deployed, their KV adopted or freed. Another leader's
+    plans stay (two serving processes with plans of their own): their KV stays reserved. A card
+    without reservations by lineage (an older node, a card trimmed to fit the wire), or a planner
+    that gives no id, counts every reservation of the model as free, as before; the node's own check
+    at Load then refuses what does not fit (stage_control._check_added_kv), and the leader plans
+    around it (plan_owner)."""
+    reserved = 0
+    for s in card.shards:
+        if s.fingerprint != fingerprint:
+            continue
+        if leader_id and s.kv_reservations:
+            reserved += sum(r.bytes for r in s.kv_reservations if leader_id in r.leader_ids)
+        else:
+            reserved += s.kv_reserved_bytes
     if not reserved:
         return card
     return replace(card, memory_free_bytes=min(card.memory_total_bytes, card.memory_free_bytes + reserved))

@@ -123,7 +123,8 @@ def groups_allowed(tensor_parallel: int | None, quantization: str | None) -> int
     return 1
 
 
-def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRequest:
+def placement_request(files: ModelFiles, options: ServingOptions, leader_id: str = "") -> PlacementRequest:
+    """`leader_id`: the planning leader's, as it names itself to the stages (PlacementRequest.leader_id)."""
     return PlacementRequest(model_id=files.model_id, fingerprint=files.source.fingerprint(),
                             config=files.config, context_length=context_of(files, options),
                             max_batch=options.max_batch, weight_dtype_bytes=DTYPE_BYTES[options.dtype],
@@ -133,11 +134,12 @@ def placement_request(files: ModelFiles, options: ServingOptions) -> PlacementRe
                             form=WeightForm(options.dtype, options.quantization or "", options.batch_invariant),
                             prefix_cache_tokens=options.scheduler.prefix_cache_blocks
                             * options.scheduler.prefix_block_size,
-                            tensor_parallel=groups_allowed(options.tensor_parallel, options.quantization))
+                            tensor_parallel=groups_allowed(options.tensor_parallel, options.quantization),
+                            leader_id=leader_id)
 
 
-def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions) -> Plan:
-    return plan_placement(placement_request(files, options), fleet)
+def plan_for(files: ModelFiles, fleet: list[Card], options: ServingOptions, leader_id: str = "") -> Plan:
+    return plan_placement(placement_request(files, options, leader_id), fleet)
 
 
 def deploy_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions) -> RemotePipeline:

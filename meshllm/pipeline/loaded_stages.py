@@ -198,6 +198,11 @@ class LoadedStages:
         their own) reserve the sum. Leaders without an id link no plans: each reserves its own."""
         return _reserved(self._snapshot()[1])
 
+    def kv_reservations(self) -> dict[WeightKey, list[tuple[frozenset[str], int]]]:
+        """kv_reserved by lineage: its named leaders and what it reserves (the card publishes them,
+        so a leader's planner counts as its own only its lineage's: placement._reserved_kv_counted_free)."""
+        return _lineages(self._snapshot()[1])
+
     def reservation_change(self, key: WeightKey, plan_id: str, leaders: set[str], budget: int,
                            keeps_kv: bool) -> tuple[int, int]:
         """memory().reserved now, and once `plan_id` is loaded over `key` for `leaders` with a KV
@@ -227,8 +232,13 @@ class LoadedStages:
 
 
 def _reserved(plans: list[_PlanKV]) -> dict[WeightKey, int]:
-    """KV reserved per range: over each lineage of plans (linked by a named leader they share) its
-    largest budget less the KV its plans hold, summed over the range's lineages (kv_reserved says why)."""
+    """KV reserved per range: summed over its lineages (kv_reserved says why)."""
+    return {key: sum(reserved for _, reserved in groups) for key, groups in _lineages(plans).items()}
+
+
+def _lineages(plans: list[_PlanKV]) -> dict[WeightKey, list[tuple[frozenset[str], int]]]:
+    """Per range, each lineage of plans (linked by a named leader they share) with the KV it reserves:
+    its largest budget less the KV its plans hold."""
     lineages: dict[WeightKey, list[tuple[frozenset[str], int, int]]] = {}  # (named leaders, budget, held)
     for p in plans:
         named = p.leaders - {""}
@@ -237,4 +247,5 @@ def _reserved(plans: list[_PlanKV]) -> dict[WeightKey, int]:
         groups[:] = [g for g in groups if not g[0] & named]
         groups.append((named.union(*(g[0] for g in joined)), max([p.budget, *(g[1] for g in joined)]),
                        p.held + sum(g[2] for g in joined)))
-    return {key: sum(max(0, budget - held) for _, budget, held in groups) for key, groups in lineages.items()}
+    return {key: [(named, max(0, budget - held)) for named, budget, held in groups]
+            for key, groups in lineages.items()}

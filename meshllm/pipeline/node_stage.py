@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshllm.cluster.card import LoadedShard, WeightForm
+from meshllm.cluster.card import KVReservation, LoadedShard, WeightForm
 from meshllm.pipeline.loaded_stages import WeightKey
 from meshllm.pipeline.stage_service import StageService
 from meshllm.transport.channels import ChannelConfig, ChannelPool
+from meshllm.transport.convert import MAX_RESERVATIONS
 from meshllm.transport.protos import stage_pb2_grpc
 
 
@@ -32,13 +33,19 @@ def attach_stage_service(node, key: bytes) -> StageService:
         # One entry per range held, however many plans share its weights. Streams are a node-wide
         # budget: every shard shows the node's open streams and its maximum.
         streams = service.forward
-        reserved = service.stages.kv_reserved()
-        return tuple(dict.fromkeys(LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
-                                               queue_depth=streams.num_open, max_streams=streams.max_streams,
-                                               tp_size=max(r.tp.size, 1),
-                                               form=WeightForm(r.dtype, r.quantization, r.batch_invariant),
-                                               kv_reserved_bytes=reserved.get(WeightKey.of(r), 0))
-                                   for r in service.loaded()))
+        lineages = service.stages.kv_reservations()
+
+        def shard(r) -> LoadedShard:
+            held = lineages.get(WeightKey.of(r), [])
+            return LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
+                               queue_depth=streams.num_open, max_streams=streams.max_streams, tp_size=max(r.tp.size, 1),
+                               form=WeightForm(r.dtype, r.quantization, r.batch_invariant),
+                               kv_reserved_bytes=sum(b for _, b in held),
+                               # within the wire's bounds: a planner not named in them counts none as its own
+                               kv_reservations=tuple(KVReservation(frozenset(sorted(leaders)[:MAX_RESERVATIONS]), b)
+                                                     for leaders, b in held if b)[:MAX_RESERVATIONS])
+
+        return tuple(dict.fromkeys(shard(r) for r in service.loaded()))
 
     node.card.set_shards_source(shards)
     node.plan_memory = service.stages.memory  # left out of the card's free memory

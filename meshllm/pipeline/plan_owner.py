@@ -338,17 +338,17 @@ class PlanOwner:
         # ranks all failed), plan again.
         if previous is not None and failed is not None and not (
                 {n for st in previous.stages for n in st.node_ids if n != failed} & exclude):
-            request = replace(placement_request(self.files, self.options), exclude=exclude)
+            request = replace(placement_request(self.files, self.options, self.leader_id), exclude=exclude)
             repaired = replace_failed_stage(previous, failed, request, fleet)
             if repaired is not None:
                 return repaired
         try:
-            return plan_for(self.files, fleet, self.options)
+            return plan_for(self.files, fleet, self.options, self.leader_id)
         except ShardUnavailable:
             if self.options.num_stages is None or previous is None:
                 raise  # a first plan keeps to --stages: its error says what is missing
             # Fewer nodes than --stages survive a failure: the fewest stages that fit on them.
-            return plan_for(self.files, fleet, replace(self.options, num_stages=None))
+            return plan_for(self.files, fleet, replace(self.options, num_stages=None), self.leader_id)
 
     def _fallback_local(self, error: ShardUnavailable, started: float) -> Deployment | None:
         if not self.options.fallback_local or not self._fits_here():

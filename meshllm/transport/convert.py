@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from meshllm.cluster.card import Card, LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer, WeightForm
+from meshllm.cluster.card import (Card, KVReservation, LinkProbe, LoadedShard, ModelOnDisk, NodeId, Role, RoleOffer,
+                                  WeightForm)
 from meshllm.errors import InvalidCard, MalformedMessage
 from meshllm.transport.auth import MAX_CLOCK_SKEW_S
 from meshllm.transport.protos import cluster_pb2
@@ -29,6 +30,7 @@ MAX_BANDWIDTH_GBPS = 1e5
 MAX_GFLOPS = 1e7
 MAX_LAYERS = 100_000
 MAX_ENTRIES = 64  # models, shards or links per card
+MAX_RESERVATIONS = 16  # KV reservations per shard, and leader ids per reservation
 MAX_LINK_LATENCY_S = 10.0
 MAX_ID_CHARS = 128  # node ids, fingerprints
 MAX_TEXT_CHARS = 256  # addresses, model ids, paths, platform, device
@@ -52,7 +54,10 @@ def shard_to_pb(s: LoadedShard) -> cluster_pb2.LoadedShard:
     return cluster_pb2.LoadedShard(model_id=s.model_id, fingerprint=s.fingerprint, first_layer=s.first_layer,
                                    last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams,
                                    tp_size=s.tp_size, dtype=s.form.dtype, quantization=s.form.quantization,
-                                   batch_invariant=s.form.batch_invariant, kv_reserved_bytes=s.kv_reserved_bytes)
+                                   batch_invariant=s.form.batch_invariant, kv_reserved_bytes=s.kv_reserved_bytes,
+                                   kv_reservations=[cluster_pb2.KVReservation(leader_ids=sorted(r.leader_ids),
+                                                                              bytes=r.bytes)
+                                                    for r in s.kv_reservations])
 
 
 def link_to_pb(link: LinkProbe) -> cluster_pb2.LinkProbe:
@@ -129,7 +134,21 @@ def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
         tp_size=int(_bounded(max(s.tp_size, 1), "tp_size", 1, 1024)),
         form=WeightForm(_text(s.dtype, "shard dtype", MAX_ID_CHARS, required=False),
                         _text(s.quantization, "shard quantization", MAX_ID_CHARS, required=False), s.batch_invariant),
-        kv_reserved_bytes=int(_bounded(s.kv_reserved_bytes, "kv_reserved_bytes", 0, MAX_MEMORY_BYTES)))
+        kv_reserved_bytes=int(_bounded(s.kv_reserved_bytes, "kv_reserved_bytes", 0, MAX_MEMORY_BYTES)),
+        kv_reservations=tuple(_reservation_from_pb(r) for r in _at_most(s.kv_reservations, MAX_RESERVATIONS,
+                                                                          "kv_reservations of a shard")))
+
+
+def _reservation_from_pb(r: cluster_pb2.KVReservation) -> KVReservation:
+    ids = _at_most(r.leader_ids, MAX_RESERVATIONS, "leader_ids of a KV reservation")
+    return KVReservation(frozenset(_text(i, "reservation leader_id", MAX_ID_CHARS) for i in ids),
+                         int(_bounded(r.bytes, "reservation bytes", 0, MAX_MEMORY_BYTES)))
+
+
+def _at_most(items, limit: int, what: str):
+    if len(items) > limit:
+        raise InvalidCard(f"card lists {len(items)} {what}; the limit is {limit}")
+    return items
 
 
 def link_from_pb(k: cluster_pb2.LinkProbe) -> LinkProbe:

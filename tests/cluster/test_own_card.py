@@ -1,5 +1,6 @@
 """This node's card: fresh each build, hooks for shards and API address, always fits the wire."""
 
+import dataclasses
 import logging
 
 from meshllm.cluster.card import LoadedShard, ModelOnDisk, NodeId
@@ -39,3 +40,23 @@ def test_too_many_models_are_trimmed_to_fit_the_wire(caplog):
     assert 10 < len(card.models) < 100 and all(m.path == "" for m in card.models)
     assert "--models" in caplog.text
     assert convert.card_from_pb(convert.card_to_pb(card), 1000.0) == card
+
+
+def test_kv_reservations_by_leader_go_first_when_the_card_must_shrink():
+    from meshllm.cluster.card import KVReservation
+
+    by_leader = tuple(KVReservation(frozenset({f"leader-{i:02d}-" + "x" * 100}), 1 << 20) for i in range(8))
+    shards = tuple(LoadedShard("m", "f" * 64, i, i + 1, kv_reserved_bytes=8 << 20, kv_reservations=by_leader)
+                   for i in range(8))
+    models = (ModelOnDisk("m", "f" * 64, 32, "/srv/models/m"),)
+    own = make(models)
+    own.set_shards_source(lambda: shards)
+    card = own.build()
+    assert convert.card_wire_size(card) <= convert.CARD_MAX_BYTES
+    assert all(s.kv_reservations == () and s.kv_reserved_bytes == 8 << 20 for s in card.shards)  # totals stay
+    assert card.models == models  # with its path: nothing else had to go
+    small = make(models)
+    small.set_shards_source(lambda: (dataclasses.replace(shards[0], kv_reservations=by_leader[:2]),))
+    kept = small.build()
+    assert kept.shards[0].kv_reservations == by_leader[:2]  # it fits: kept
+    assert convert.card_from_pb(convert.card_to_pb(kept), 1000.0) == kept

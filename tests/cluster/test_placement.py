@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshllm.cluster.card import Card, LoadedShard, ModelOnDisk, NodeId, Role, WeightForm
+from meshllm.cluster.card import Card, KVReservation, LoadedShard, ModelOnDisk, NodeId, Role, WeightForm
 from meshllm.cluster.cover import cover_loaded_shards
 from meshllm.cluster.placement import HOP_OVERHEAD_S, PlacementRequest, plan_placement
 from meshllm.cluster.stage_budget import Footprint, split_layers
@@ -123,6 +123,36 @@ def test_a_replan_may_use_the_kv_its_models_plans_reserved_and_no_other_model_ma
     other = [card(n, 4 * layer, num_layers=16, shards=reserved(0, 1, 8 * layer, model="other")) for n in ("a", "b")]
     with pytest.raises(ShardUnavailable):
         plan_placement(req, other)
+
+
+def test_a_leader_counts_as_free_only_the_kv_its_own_plans_reserve():
+    """Two serving processes (leaders) with plans of their own over one range: a re-plan by one takes
+    its own plans' place, not the other's, whose KV stays reserved (the card says whose is whose)."""
+    req = request(SIXTEEN, context_length=4096, max_batch=8)
+    fp = Footprint.of(req)
+    need = 16 * fp.layer_kv + fp.activations(0, 1)
+    free = need - need // 2  # with need // 2 more counted free, exactly what a plan on the shard needs
+
+    def fleet(*reservations: KVReservation) -> list:
+        shard = LoadedShard("m", "fp", 0, 16, kv_reserved_bytes=sum(r.bytes for r in reservations),
+                            kv_reservations=reservations)
+        return [card("a", free, num_layers=16, shards=(shard,))]
+
+    as_a, as_b = dataclasses.replace(req, leader_id="leader-a"), dataclasses.replace(req, leader_id="leader-b")
+    enough, short = need // 2, need // 2 - 1
+    two = fleet(KVReservation(frozenset({"leader-a", "leader-c"}), enough), KVReservation(frozenset({"leader-b"}), short))
+    assert plan_placement(as_a, two).reused_shards  # its lineage (shared with leader-c) reserves enough
+    with pytest.raises(ShardUnavailable):
+        plan_placement(as_b, two)  # its own is a byte short; leader-a's is not its room
+    with pytest.raises(ShardUnavailable):
+        plan_placement(dataclasses.replace(req, leader_id="leader-d"), two)  # none of it is a newcomer's
+    # A planner without an id counts the range's whole reservation as free, as before cards said whose
+    # it is; so does any planner on a card without them (an older node, a card trimmed to fit the wire).
+    assert plan_placement(req, two).reused_shards
+    older = fleet(KVReservation(frozenset({"leader-a"}), short), KVReservation(frozenset({"leader-b"}), 1))
+    older[0] = dataclasses.replace(older[0], shards=tuple(dataclasses.replace(s, kv_reservations=())
+                                                           for s in older[0].shards))
+    assert plan_placement(as_b, older).reused_shards
 
 
 def test_a_shard_loaded_in_another_dtype_is_not_reused_and_the_second_copy_is_budgeted():

@@ -100,6 +100,9 @@ def test_plans_of_independent_leaders_over_one_range_reserve_both_budgets(contro
     # Another serving process plans the same layers for itself: the weights are shared, the KV is not.
     control.load(_request(files, "plan-b", seqs=2 * SEQS, leader="leader-b"))
     assert stages.memory().reserved == _budget(files, 2) + _budget(files, 2, seqs=2 * SEQS)
+    (key,) = stages.kv_reserved()  # one range; the card names each lineage's leaders (node_stage.py)
+    assert sorted(stages.kv_reservations()[key], key=lambda r: sorted(r[0])) == [
+        ({"leader-a"}, _budget(files, 2)), ({"leader-b"}, _budget(files, 2, seqs=2 * SEQS))]
     # leader-a re-plans over the range (failover): its new plan replaces its old, the other stays.
     control.load(_request(files, "plan-c", seqs=3 * SEQS, leader="leader-a"))
     assert stages.memory().reserved == _budget(files, 2, seqs=3 * SEQS) + _budget(files, 2, seqs=2 * SEQS)

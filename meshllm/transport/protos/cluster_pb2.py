@@ -24,41 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x07meshllm\"V\n\x0bModelOnDisk\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x0c\n\x04path\x18\x04 \x01(\t\"\xf1\x01\n\x0bLoadedShard\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x13\n\x0bmax_streams\x18\x06 \x01(\x05\x12\x0f\n\x07tp_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\x12\x19\n\x11kv_reserved_bytes\x18\x0b \x01(\x03\"D\n\tLinkProbe\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x62\x61ndwidth_gbps\x18\x03 \x01(\x01\"d\n\tRoleOffer\x12\x1b\n\x04role\x18\x01 \x01(\x0e\x32\r.meshllm.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05vocab\x18\x03 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\"\xfc\x03\n\x04\x43\x61rd\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x05 \x01(\x03\x12\x19\n\x11memory_free_bytes\x18\x06 \x01(\x03\x12\x1d\n\x15memory_bandwidth_gbps\x18\x07 \x01(\x01\x12\x15\n\rmatmul_gflops\x18\x08 \x01(\x01\x12$\n\x06models\x18\t \x03(\x0b\x32\x14.meshllm.ModelOnDisk\x12$\n\x06shards\x18\n \x03(\x0b\x32\x14.meshllm.LoadedShard\x12\x1c\n\x05roles\x18\x0b \x03(\x0e\x32\r.meshllm.Role\x12 \n\x13\x63ollective_endpoint\x18\x0c \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61pi_address\x18\r \x01(\tH\x01\x88\x01\x01\x12\x14\n\x0c\x61nnounced_at\x18\x0e \x01(\x01\x12\x13\n\x0bttl_seconds\x18\x0f \x01(\x01\x12\"\n\x06offers\x18\x10 \x03(\x0b\x32\x12.meshllm.RoleOffer\x12!\n\x05links\x18\x11 \x03(\x0b\x32\x12.meshllm.LinkProbeB\x16\n\x14_collective_endpointB\x0e\n\x0c_api_address\"/\n\x0f\x45xchangeRequest\x12\x1c\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\r.meshllm.Card\"0\n\x10\x45xchangeResponse\x12\x1c\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\r.meshllm.Card\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\"]\n\x10LinkProbeRequest\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05sizes\x18\x03 \x03(\x03\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x1c\n\x0eLinkProbeReply\x12\n\n\x02ok\x18\x01 \x01(\x08*R\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_STAGE\x10\x01\x12\x11\n\rROLE_VERIFIER\x10\x02\x12\x11\n\rROLE_PROPOSER\x10\x03\x32J\n\x07\x43luster\x12?\n\x08\x45xchange\x12\x18.meshllm.ExchangeRequest\x1a\x19.meshllm.ExchangeResponse2B\n\x06Health\x12\x38\n\x05\x43heck\x12\x16.meshllm.HealthRequest\x1a\x17.meshllm.HealthResponse2M\n\nCollective\x12?\n\tProbeLink\x12\x19.meshllm.LinkProbeRequest\x1a\x17.meshllm.LinkProbeReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x07meshllm\"V\n\x0bModelOnDisk\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x0c\n\x04path\x18\x04 \x01(\t\"\xa2\x02\n\x0bLoadedShard\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0b\x66irst_layer\x18\x03 \x01(\x05\x12\x12\n\nlast_layer\x18\x04 \x01(\x05\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\x05\x12\x13\n\x0bmax_streams\x18\x06 \x01(\x05\x12\x0f\n\x07tp_size\x18\x07 \x01(\x05\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cquantization\x18\t \x01(\t\x12\x17\n\x0f\x62\x61tch_invariant\x18\n \x01(\x08\x12\x19\n\x11kv_reserved_bytes\x18\x0b \x01(\x03\x12/\n\x0fkv_reservations\x18\x0c \x03(\x0b\x32\x16.meshllm.KVReservation\"2\n\rKVReservation\x12\x12\n\nleader_ids\x18\x01 \x03(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"D\n\tLinkProbe\x12\x0c\n\x04peer\x18\x01 \x01(\t\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x16\n\x0e\x62\x61ndwidth_gbps\x18\x03 \x01(\x01\"d\n\tRoleOffer\x12\x1b\n\x04role\x18\x01 \x01(\x0e\x32\r.meshllm.Role\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\r\n\x05vocab\x18\x03 \x01(\t\x12\x19\n\x11tokens_per_second\x18\x04 \x01(\x01\"\xfc\x03\n\x04\x43\x61rd\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x02 \x01(\t\x12\x10\n\x08platform\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x1a\n\x12memory_total_bytes\x18\x05 \x01(\x03\x12\x19\n\x11memory_free_bytes\x18\x06 \x01(\x03\x12\x1d\n\x15memory_bandwidth_gbps\x18\x07 \x01(\x01\x12\x15\n\rmatmul_gflops\x18\x08 \x01(\x01\x12$\n\x06models\x18\t \x03(\x0b\x32\x14.meshllm.ModelOnDisk\x12$\n\x06shards\x18\n \x03(\x0b\x32\x14.meshllm.LoadedShard\x12\x1c\n\x05roles\x18\x0b \x03(\x0e\x32\r.meshllm.Role\x12 \n\x13\x63ollective_endpoint\x18\x0c \x01(\tH\x00\x88\x01\x01\x12\x18\n\x0b\x61pi_address\x18\r \x01(\tH\x01\x88\x01\x01\x12\x14\n\x0c\x61nnounced_at\x18\x0e \x01(\x01\x12\x13\n\x0bttl_seconds\x18\x0f \x01(\x01\x12\"\n\x06offers\x18\x10 \x03(\x0b\x32\x12.meshllm.RoleOffer\x12!\n\x05links\x18\x11 \x03(\x0b\x32\x12.meshllm.LinkProbeB\x16\n\x14_collective_endpointB\x0e\n\x0c_api_address\"/\n\x0f\x45xchangeRequest\x12\x1c\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\r.meshllm.Card\"0\n\x10\x45xchangeResponse\x12\x1c\n\x05\x63\x61rds\x18\x01 \x03(\x0b\x32\r.meshllm.Card\"\x0f\n\rHealthRequest\"2\n\x0eHealthResponse\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07serving\x18\x02 \x01(\x08\"]\n\x10LinkProbeRequest\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\r\n\x05sizes\x18\x03 \x03(\x03\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"\x1c\n\x0eLinkProbeReply\x12\n\n\x02ok\x18\x01 \x01(\x08*R\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x0e\n\nROLE_STAGE\x10\x01\x12\x11\n\rROLE_VERIFIER\x10\x02\x12\x11\n\rROLE_PROPOSER\x10\x03\x32J\n\x07\x43luster\x12?\n\x08\x45xchange\x12\x18.meshllm.ExchangeRequest\x1a\x19.meshllm.ExchangeResponse2B\n\x06Health\x12\x38\n\x05\x43heck\x12\x16.meshllm.HealthRequest\x1a\x17.meshllm.HealthResponse2M\n\nCollective\x12?\n\tProbeLink\x12\x19.meshllm.LinkProbeRequest\x1a\x17.meshllm.LinkProbeReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1334
-  _globals['_ROLE']._serialized_end=1416
+  _globals['_ROLE']._serialized_start=1435
+  _globals['_ROLE']._serialized_end=1517
   _globals['_MODELONDISK']._serialized_start=26
   _globals['_MODELONDISK']._serialized_end=112
   _globals['_LOADEDSHARD']._serialized_start=115
-  _globals['_LOADEDSHARD']._serialized_end=356
-  _globals['_LINKPROBE']._serialized_start=358
-  _globals['_LINKPROBE']._serialized_end=426
-  _globals['_ROLEOFFER']._serialized_start=428
-  _globals['_ROLEOFFER']._serialized_end=528
-  _globals['_CARD']._serialized_start=531
-  _globals['_CARD']._serialized_end=1039
-  _globals['_EXCHANGEREQUEST']._serialized_start=1041
-  _globals['_EXCHANGEREQUEST']._serialized_end=1088
-  _globals['_EXCHANGERESPONSE']._serialized_start=1090
-  _globals['_EXCHANGERESPONSE']._serialized_end=1138
-  _globals['_HEALTHREQUEST']._serialized_start=1140
-  _globals['_HEALTHREQUEST']._serialized_end=1155
-  _globals['_HEALTHRESPONSE']._serialized_start=1157
-  _globals['_HEALTHRESPONSE']._serialized_end=1207
-  _globals['_LINKPROBEREQUEST']._serialized_start=1209
-  _globals['_LINKPROBEREQUEST']._serialized_end=1302
-  _globals['_LINKPROBEREPLY']._serialized_start=1304
-  _globals['_LINKPROBEREPLY']._serialized_end=1332
-  _globals['_CLUSTER']._serialized_start=1418
-  _globals['_CLUSTER']._serialized_end=1492
-  _globals['_HEALTH']._serialized_start=1494
-  _globals['_HEALTH']._serialized_end=1560
-  _globals['_COLLECTIVE']._serialized_start=1562
-  _globals['_COLLECTIVE']._serialized_end=1639
+  _globals['_LOADEDSHARD']._serialized_end=405
+  _globals['_KVRESERVATION']._serialized_start=407
+  _globals['_KVRESERVATION']._serialized_end=457
+  _globals['_LINKPROBE']._serialized_start=459
+  _globals['_LINKPROBE']._serialized_end=527
+  _globals['_ROLEOFFER']._serialized_start=529
+  _globals['_ROLEOFFER']._serialized_end=629
+  _globals['_CARD']._serialized_start=632
+  _globals['_CARD']._serialized_end=1140
+  _globals['_EXCHANGEREQUEST']._serialized_start=1142
+  _globals['_EXCHANGEREQUEST']._serialized_end=1189
+  _globals['_EXCHANGERESPONSE']._serialized_start=1191
+  _globals['_EXCHANGERESPONSE']._serialized_end=1239
+  _globals['_HEALTHREQUEST']._serialized_start=1241
+  _globals['_HEALTHREQUEST']._serialized_end=1256
+  _globals['_HEALTHRESPONSE']._serialized_start=1258
+  _globals['_HEALTHRESPONSE']._serialized_end=1308
+  _globals['_LINKPROBEREQUEST']._serialized_start=1310
+  _globals['_LINKPROBEREQUEST']._serialized_end=1403
+  _globals['_LINKPROBEREPLY']._serialized_start=1405
+  _globals['_LINKPROBEREPLY']._serialized_end=1433
+  _globals['_CLUSTER']._serialized_start=1519
+  _globals['_CLUSTER']._serialized_end=1593
+  _globals['_HEALTH']._serialized_start=1595
+  _globals['_HEALTH']._serialized_end=1661
+  _globals['_COLLECTIVE']._serialized_start=1663
+  _globals['_COLLECTIVE']._serialized_end=1740
 # @@protoc_insertion_point(module_scope)
