@@ -57,7 +57,7 @@ class LoadedShard:
 
 @dataclass(frozen=True, slots=True)
 class KVReservation:
-    leader_ids: frozenset[str]  # empty: plans whose leaders gave no id
+    leader_ids: tuple[str, ...]  # sorted (one text for one set: cards compare and print alike); empty: no ids
     bytes: int
 
 

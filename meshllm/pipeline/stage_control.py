@@ -40,6 +40,7 @@ from meshllm.tp.load_gate import failures_reported
 from meshllm.tp.node_collective import NodeCollective
 from meshllm.tp.stage import join_rank, load_rank
 from meshllm.transport import stage_convert
+from meshllm.transport.convert import MAX_ID_CHARS
 from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class StageControl:
 
     def load(self, request: stage_pb2.LoadRequest) -> stage_pb2.LoadReply:
         stage_convert.limits_from_pb(request)  # BadRequest for invalid limits, before reading any weights
+        _check_leader_id(request.leader_id)
         with self._loading.turn(request.plan_id, request.leader_id) as unloaded:  # a second Load waits, then reuses
             with self._loading.lock:  # ordered against an Unload of the plan by its last other leader
                 if self._closed:
@@ -296,6 +298,14 @@ class StageControl:
 
     def loaded(self) -> list[stage_pb2.LoadRequest]:
         return [s.request for _, s in self._stages.items()]
+
+
+def _check_leader_id(leader_id: str) -> None:
+    """A leader names itself by its node id, which this node's card repeats (its KV reservations say
+    whose they are): one that peers would refuse on a card would take this node out of the fleet."""
+    if len(leader_id) > MAX_ID_CHARS or not leader_id.isprintable() or any(c.isspace() for c in leader_id):
+        raise BadRequest(f"leader_id {leader_id[:40]!r} is not a node id (at most {MAX_ID_CHARS} printable "
+                         f"characters, no spaces)")
 
 
 def same_load(existing: LoadedStage, request: stage_pb2.LoadRequest) -> bool:

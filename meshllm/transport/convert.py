@@ -55,8 +55,7 @@ def shard_to_pb(s: LoadedShard) -> cluster_pb2.LoadedShard:
                                    last_layer=s.last_layer, queue_depth=s.queue_depth, max_streams=s.max_streams,
                                    tp_size=s.tp_size, dtype=s.form.dtype, quantization=s.form.quantization,
                                    batch_invariant=s.form.batch_invariant, kv_reserved_bytes=s.kv_reserved_bytes,
-                                   kv_reservations=[cluster_pb2.KVReservation(leader_ids=sorted(r.leader_ids),
-                                                                              bytes=r.bytes)
+                                   kv_reservations=[cluster_pb2.KVReservation(leader_ids=r.leader_ids, bytes=r.bytes)
                                                     for r in s.kv_reservations])
 
 
@@ -141,7 +140,7 @@ def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
 
 def _reservation_from_pb(r: cluster_pb2.KVReservation) -> KVReservation:
     ids = _at_most(r.leader_ids, MAX_RESERVATIONS, "leader_ids of a KV reservation")
-    return KVReservation(frozenset(_text(i, "reservation leader_id", MAX_ID_CHARS) for i in ids),
+    return KVReservation(tuple(sorted({_text(i, "reservation leader_id", MAX_ID_CHARS) for i in ids})),
                          int(_bounded(r.bytes, "reservation bytes", 0, MAX_MEMORY_BYTES)))
 
 

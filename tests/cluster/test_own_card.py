@@ -45,7 +45,7 @@ def test_too_many_models_are_trimmed_to_fit_the_wire(caplog):
 def test_kv_reservations_by_leader_go_first_when_the_card_must_shrink():
     from meshllm.cluster.card import KVReservation
 
-    by_leader = tuple(KVReservation(frozenset({f"leader-{i:02d}-" + "x" * 100}), 1 << 20) for i in range(8))
+    by_leader = tuple(KVReservation((f"leader-{i:02d}-" + "x" * 100,), 1 << 20) for i in range(8))
     shards = tuple(LoadedShard("m", "f" * 64, i, i + 1, kv_reserved_bytes=8 << 20, kv_reservations=by_leader)
                    for i in range(8))
     models = (ModelOnDisk("m", "f" * 64, 32, "/srv/models/m"),)

@@ -140,7 +140,7 @@ def test_a_leader_counts_as_free_only_the_kv_its_own_plans_reserve():
 
     as_a, as_b = dataclasses.replace(req, leader_id="leader-a"), dataclasses.replace(req, leader_id="leader-b")
     enough, short = need // 2, need // 2 - 1
-    two = fleet(KVReservation(frozenset({"leader-a", "leader-c"}), enough), KVReservation(frozenset({"leader-b"}), short))
+    two = fleet(KVReservation(("leader-a", "leader-c"), enough), KVReservation(("leader-b",), short))
     assert plan_placement(as_a, two).reused_shards  # its lineage (shared with leader-c) reserves enough
     with pytest.raises(ShardUnavailable):
         plan_placement(as_b, two)  # its own is a byte short; leader-a's is not its room
@@ -149,7 +149,7 @@ def test_a_leader_counts_as_free_only_the_kv_its_own_plans_reserve():
     # A planner without an id counts the range's whole reservation as free, as before cards said whose
     # it is; so does any planner on a card without them (an older node, a card trimmed to fit the wire).
     assert plan_placement(req, two).reused_shards
-    older = fleet(KVReservation(frozenset({"leader-a"}), short), KVReservation(frozenset({"leader-b"}), 1))
+    older = fleet(KVReservation(("leader-a",), short), KVReservation(("leader-b",), 1))
     older[0] = dataclasses.replace(older[0], shards=tuple(dataclasses.replace(s, kv_reservations=())
                                                            for s in older[0].shards))
     assert plan_placement(as_b, older).reused_shards

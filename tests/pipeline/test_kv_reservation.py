@@ -21,7 +21,7 @@ from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.step import SeqWork, Step
 from meshllm.engine.step_limits import StepLimits
-from meshllm.errors import ShardUnavailable
+from meshllm.errors import BadRequest, ShardUnavailable
 from meshllm.model.source import open_model
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_control import StageControl
@@ -188,6 +188,13 @@ def test_a_leader_joining_a_plan_whose_sequences_hold_kv_adds_only_its_own_strea
     control.load(_request(files, "plan-a", leader="leader-b"))
     assert stage.leaders == {"leader-a", "leader-b"}
     assert control._stages.memory().reserved == reserved + joining
+
+
+def test_a_leader_id_a_card_could_not_carry_is_refused(control, files):
+    for bad in ("x" * 200, "two words", "tab\there", "nul\x00"):
+        with pytest.raises(BadRequest, match="is not a node id"):
+            control.load(_request(files, "plan-a", leader=bad))
+    assert control._stages.get("plan-a") is None
 
 
 def test_a_load_counts_its_own_kv_and_the_kv_other_plans_reserved(control, files, monkeypatch):

@@ -69,7 +69,7 @@ def test_loading_all_layers_of_the_q4_1_gguf_grows_a_node_by_file_size_plus_kv_p
             assert 0 < shard.kv_reserved_bytes <= budget and budget - shard.kv_reserved_bytes < 16 * MIB, shard
             # and says whose it is: a re-plan by this leader may count it as its own, another's may not
             (reservation,) = shard.kv_reservations
-            assert reservation.leader_ids == {"test-leader"} and reservation.bytes == shard.kv_reserved_bytes
+            assert reservation.leader_ids == ("test-leader",) and reservation.bytes == shard.kv_reserved_bytes
         finally:
             leader.close()
     finally:

@@ -37,8 +37,8 @@ def test_a_shards_weight_form_travels():
 
 def test_kv_reservations_by_leader_travel():
     shard = LoadedShard("m", "f", 0, 4, kv_reserved_bytes=3 << 20,
-                        kv_reservations=(KVReservation(frozenset({"leader-a", "leader-b"}), 1 << 20),
-                                         KVReservation(frozenset(), 2 << 20)))
+                        kv_reservations=(KVReservation(("leader-a", "leader-b"), 1 << 20),
+                                         KVReservation((), 2 << 20)))
     assert convert.card_from_pb(wire(make_card(shards=(shard,), announced_at=NOW)), NOW).shards == (shard,)
 
 
@@ -67,13 +67,13 @@ ABSURD = {
     "empty layer range": dict(shards=(LoadedShard("m", "f", 5, 5),)),
     "negative layer": dict(shards=(LoadedShard("m", "f", -1, 5),)),
     "too many kv reservations": dict(shards=(LoadedShard("m", "f", 0, 5, kv_reservations=tuple(
-        KVReservation(frozenset({f"l{i}"}), 1) for i in range(17))),)),
+        KVReservation((f"l{i}",), 1) for i in range(17))),)),
     "too many leaders in a reservation": dict(shards=(LoadedShard("m", "f", 0, 5, kv_reservations=(
-        KVReservation(frozenset(f"l{i}" for i in range(17)), 1),)),)),
+        KVReservation(tuple(f"l{i:02d}" for i in range(17)), 1),)),)),
     "negative reservation": dict(shards=(LoadedShard("m", "f", 0, 5, kv_reservations=(
-        KVReservation(frozenset({"l"}), -1),)),)),
+        KVReservation(("l",), -1),)),)),
     "overlong reservation leader": dict(shards=(LoadedShard("m", "f", 0, 5, kv_reservations=(
-        KVReservation(frozenset({"l" * 500}), 1),)),)),
+        KVReservation(("l" * 500,), 1),)),)),
     "zero layer model": dict(models=(ModelOnDisk("m", "f", 0),)),
     "too many models": dict(models=tuple(ModelOnDisk(f"m{i}", "f", 1) for i in range(65))),
     "negative link latency": dict(links=(LinkProbe(NodeId("n2"), -1e-4, 1.0),)),
