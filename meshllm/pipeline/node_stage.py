@@ -27,7 +27,8 @@ def attach_stage_service(node, key: bytes) -> StageService:
     # A loaded shard shows in the node's card at once, not at the next gossip round.
     service = StageService(resolve, channels, on_change=lambda: node.registry.update_own(node.card.build()),
                            device=node.config.device, max_streams=node.server.config.max_streams,
-                           collective=node.collective, plan_lease_s=node.config.plan_lease_s)
+                           collective=node.collective, plan_lease_s=node.config.plan_lease_s,
+                           memory_cap=node.config.max_memory_bytes)
 
     def shards() -> tuple[LoadedShard, ...]:
         # One entry per range held, however many plans share its weights. Streams are a node-wide

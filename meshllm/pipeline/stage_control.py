@@ -52,8 +52,12 @@ RETIRE_GRACE_S = 0.5  # how long freeing a tensor-parallel stage waits for its r
 class StageControl:
     def __init__(self, stages: LoadedStages, resolve_model: ModelResolver,
                  on_change: Callable[[], None] = lambda: None, device: str = "cpu",
-                 collective: NodeCollective | None = None, faults: FaultInjector | None = None):
+                 collective: NodeCollective | None = None, faults: FaultInjector | None = None,
+                 memory_cap: int | None = None):
+        """`memory_cap`: the node's --max-memory, the most its plans may take together (what they hold
+        and reserve); None: what the OS has free."""
         self._stages = stages
+        self._memory_cap = memory_cap
         self._faults = faults or FaultInjector(None)  # tests only: see fault_injection.py
         self._device = device  # the node's --device: where loaded weights, KV and compute go
         self._resolve_model = resolve_model
@@ -140,14 +144,22 @@ class StageControl:
         budget = tokens * weights.decoder.kv_layout().bytes_per_token  # the layout its runner gets (put)
         reserved, after = self._stages.reservation_change(weights.key, request.plan_id, leaders, budget, keeps_kv)
         added = after - reserved
-        available = psutil.virtual_memory().available - reserved
+        cap_room = self._cap_room(reserved)
+        available = _available(reserved, cap_room)
         if added > available:
             whose = "another leader's sequences need" if keeps_kv else "the plan's KV needs"
             raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) are loaded here, but "
-                                   f"{whose} {added} more bytes; this node has {available} bytes free (less "
-                                   f"{reserved} its plans' KV may still take). Plan them on another node.",
+                                   f"{whose} {added} more bytes; {_free_words(available, reserved, cap_room)}. "
+                                   f"Plan them on another node.",
                                    missing_bytes=added - available,
                                    part=f"layers {request.first_layer}-{request.last_layer - 1}")
+
+    def _cap_room(self, reserved: int) -> int | None:
+        """Bytes --max-memory leaves for another plan: the cap less what the plans hold and reserve (as
+        node.capped_memory advertises it); None without a cap."""
+        if self._memory_cap is None:
+            return None
+        return self._memory_cap - self._stages.memory().held - reserved
 
     def _open_files(self, request: stage_pb2.LoadRequest) -> tuple[ModelFiles, "torch.dtype"]:
         path = self._resolve_model(request.model_id, request.fingerprint)
@@ -168,7 +180,8 @@ class StageControl:
         dtype = DTYPES.get(request.dtype)
         if dtype is None:
             raise ModelLoadError(f"unknown dtype {request.dtype!r}; use one of {sorted(DTYPES)}")
-        _check_memory(files, request, dtype.itemsize, self._stages.memory().reserved, self._device)
+        reserved = self._stages.memory().reserved
+        _check_memory(files, request, dtype.itemsize, reserved, self._device, self._cap_room(reserved))
         return files, dtype
 
     def _load_weights(self, request: stage_pb2.LoadRequest, key: WeightKey) -> tuple[SharedWeights, int]:
@@ -360,8 +373,20 @@ def _free(stage: LoadedStage) -> None:
     stage.runner.prefix.set_capacity(0)  # its prefix blocks too: no step of the plan can come now
 
 
+def _available(reserved: int, cap_room: int | None) -> int:
+    """Bytes free for another plan: the OS's free memory less what the loaded plans reserve, and no
+    more than --max-memory leaves (`cap_room`, StageControl._cap_room)."""
+    available = psutil.virtual_memory().available - reserved
+    return available if cap_room is None else min(available, cap_room)
+
+
+def _free_words(available: int, reserved: int, cap_room: int | None) -> str:
+    where = "within its --max-memory" if cap_room is not None and cap_room == available else "free"
+    return f"this node has {available} bytes {where} (less {reserved} its plans' KV may still take)"
+
+
 def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes: int, reserved: int,
-                  device: str = "cpu") -> None:
+                  device: str = "cpu", cap_room: int | None = None) -> None:
     """Refuse a range whose weights and KV cannot fit in what the OS has free now, less the KV the
     plans loaded here may still grow into (`reserved`), before reading it: a leader that planned on
     a stale card gets a clear error instead of this node swapping now or running out of memory
@@ -383,10 +408,9 @@ def _check_memory(files: ModelFiles, request: stage_pb2.LoadRequest, dtype_bytes
         need += stage_convert.limits_from_pb(request).kv_tokens() * config.kv_bytes_per_token(
             dtype_bytes, request.last_layer - request.first_layer)
     need //= max(request.tp.size, 1)
-    available = psutil.virtual_memory().available - reserved
+    available = _available(reserved, cap_room)
     if need > available:
         raise ShardUnavailable(f"layers [{request.first_layer}, {request.last_layer}) need {need} bytes of weights "
-                               f"and KV; this node has {available} bytes free (less {reserved} its plans' KV may "
-                               f"still take). Plan them on another node.",
+                               f"and KV; {_free_words(available, reserved, cap_room)}. Plan them on another node.",
                                missing_bytes=need - available, part=f"layers {request.first_layer}-"
                                f"{request.last_layer - 1}")

@@ -32,9 +32,11 @@ MAX_SWEEP_INTERVAL_S = 15.0  # a dead leader's plan goes within its lease plus t
 class StageService(stage_pb2_grpc.StageServicer):
     def __init__(self, resolve_model: ModelResolver, channels: ChannelPool,
                  on_change: Callable[[], None] = lambda: None, max_streams: int = DEFAULT_MAX_STREAMS,
-                 device: str = "cpu", collective: NodeCollective | None = None, *, plan_lease_s: float):
+                 device: str = "cpu", collective: NodeCollective | None = None, *, plan_lease_s: float,
+                 memory_cap: int | None = None):
         """`plan_lease_s`: a plan no leader used this long is dropped (NodeConfig.plan_lease_s). Leaders
-        renew theirs at every step and, between requests, at each idle probe (every 2 s)."""
+        renew theirs at every step and, between requests, at each idle probe (every 2 s). `memory_cap`:
+        the node's --max-memory, which a Load's memory check keeps to (StageControl)."""
         if plan_lease_s <= 0:
             raise ValueError(f"the plan lease must be positive, got {plan_lease_s}")
         self.plan_lease_s = plan_lease_s
@@ -42,7 +44,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self._sweeper: threading.Thread | None = None
         self.stages = LoadedStages()
         faults = FaultInjector.from_env()
-        self.control = StageControl(self.stages, resolve_model, on_change, device, collective, faults)
+        self.control = StageControl(self.stages, resolve_model, on_change, device, collective, faults, memory_cap)
         self.forward = ForwardStreams(self.stages, channels, max_streams, faults)
 
     def Load(self, request, context):

@@ -224,6 +224,32 @@ def test_a_load_counts_its_own_kv_and_the_kv_other_plans_reserved(control, files
     assert control._stages.get("plan-c") is not None
 
 
+def test_loads_keep_to_the_nodes_max_memory_whatever_the_os_has_free(files):
+    """--max-memory bounds what the node's plans take together (weights, KV held and reserved), at
+    Load too: a card a few seconds old, or another leader's plan, must not take the node past it."""
+    control = StageControl(LoadedStages(), lambda model_id, fingerprint: files.path, memory_cap=1)
+    try:  # a 1-byte cap: no plan fits, however much the OS has free
+        with pytest.raises(ShardUnavailable, match="within its --max-memory"):
+            control.load(_request(files, "plan-a"))
+    finally:
+        control.close()
+    probe = StageControl(LoadedStages(), lambda model_id, fingerprint: files.path)
+    try:
+        probe.load(_request(files, "plan-a"))
+        memory = probe._stages.memory()
+        cap = memory.held + memory.reserved  # exactly what plan-a takes: it fits, a second plan's KV does not
+    finally:
+        probe.close()
+    control = StageControl(LoadedStages(), lambda model_id, fingerprint: files.path, memory_cap=cap)
+    try:
+        control.load(_request(files, "plan-a"))
+        with pytest.raises(ShardUnavailable, match="within its --max-memory") as refused:
+            control.load(_request(files, "plan-b", leader="leader-b"))  # shares the weights: KV only
+        assert refused.value.missing_bytes == _budget(files, 2)
+    finally:
+        control.close()
+
+
 def test_a_sequence_never_holds_more_kv_than_the_plans_context(control, files):
     # Caches grow by doubling; they stopped at the model's context, so on a plan whose context is not
     # a power of two a long sequence held up to twice what the plan budgets and the node reserves.
