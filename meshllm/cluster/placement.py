@@ -363,20 +363,19 @@ def _not_enough_memory(request: PlacementRequest, footprint: Footprint, nodes: l
                 for i, c in enumerate(nodes))
     need = fixed + num_layers * footprint.per_layer
     hold = sum(usable_bytes(c, margin) for c in nodes)
-    caps = [footprint.capacity_layers(c, i, num_stages, margin) for i, c in enumerate(nodes)]
+    rooms = [footprint.room_for_layers(c, i, num_stages, margin) for i, c in enumerate(nodes)]
+    caps = [room // footprint.per_layer for room in rooms]
     num_covered = min(num_layers, sum(max(cap, 0) for cap in caps))
     if num_covered < num_layers:
         part = f"layers {num_covered}-{num_layers - 1}"
         # Bytes left over on each node after its whole layers; the best one could take more with less added.
-        leftovers = [usable_bytes(c, margin) - footprint.fixed_weights(i, num_stages, c.device) - footprint.activations(i, num_stages)
-                     - cap * footprint.per_layer for i, (c, cap) in enumerate(zip(nodes, caps)) if cap >= 0]
+        leftovers = [room - cap * footprint.per_layer for room, cap in zip(rooms, caps) if cap >= 0]
         shortfall = (num_layers - num_covered) * footprint.per_layer - max(leftovers, default=0)
     else:
         # Enough in total, but some stage cannot hold its fixed part (embedding, LM head) plus one layer.
         i = min(range(num_stages), key=lambda j: (caps[j], nodes[j].node_id))
         part = f"stage {i} on {nodes[i].node_id} ({footprint.fixed_part_name(i, num_stages, nodes[i].device)} + 1 layer)"
-        shortfall = footprint.fixed_weights(i, num_stages, nodes[i].device) + footprint.activations(i, num_stages) \
-            + footprint.per_layer - usable_bytes(nodes[i], margin)
+        shortfall = footprint.per_layer - rooms[i]
     missing = max(need - hold, shortfall, 1)
     if num_stages < num_candidates:
         which = f"the {num_stages} largest of the fleet's {num_candidates} candidate nodes"

@@ -131,28 +131,31 @@ class Footprint:
     def fixed_weights(self, position: int, num_stages: int, device: str | None = None) -> int:
         """Weights a stage holds besides its layers: embedding first, final norm and LM head last (the
         embedding as embedding_held says, on the node's `device`; unknown, it counts)."""
-        shares_embedding = self.tied and num_stages == 1
-        total = 0
-        if position == 0 and embedding_held(self.embedding_in_file, shares_embedding, device):
-            total += self.embedding
+        total = self.embedding if self._holds_embedding(position, num_stages, device) else 0
         if position == num_stages - 1:
-            total += self.final_norm + (0 if shares_embedding else self.lm_head)
+            total += self.final_norm + (0 if self.tied and num_stages == 1 else self.lm_head)
         return total
+
+    def _holds_embedding(self, position: int, num_stages: int, device: str | None) -> bool:
+        return position == 0 and embedding_held(self.embedding_in_file, self.tied and num_stages == 1, device)
 
     def activations(self, position: int, num_stages: int) -> int:
         return self.step_activation + (self.logits if position == num_stages - 1 else 0)
 
     def fixed_part_name(self, position: int, num_stages: int, device: str | None = None) -> str:
         """What fixed_weights counts, and the activations, in words (a placement error names them)."""
-        embedding = position == 0 and embedding_held(self.embedding_in_file, self.tied and num_stages == 1, device)
-        parts = (["embedding"] if embedding else []) + (["LM head"] if position == num_stages - 1 else [])
+        parts = (["embedding"] if self._holds_embedding(position, num_stages, device) else []) + \
+            (["LM head"] if position == num_stages - 1 else [])
         return " + ".join(parts + ["activations"])
+
+    def room_for_layers(self, card: Card, position: int, num_stages: int, safety_margin_fraction: float) -> int:
+        """Bytes `card` has at this position for layers (weights + KV) after its fixed part and activations."""
+        return usable_bytes(card, safety_margin_fraction) - self.fixed_weights(position, num_stages, card.device) \
+            - self.activations(position, num_stages)
 
     def capacity_layers(self, card: Card, position: int, num_stages: int, safety_margin_fraction: float) -> int:
         """Whole layers (weights + KV) that fit on `card` at this position; negative if not even the fixed part."""
-        room = usable_bytes(card, safety_margin_fraction) - self.fixed_weights(position, num_stages, card.device) \
-            - self.activations(position, num_stages)
-        return room // self.per_layer
+        return self.room_for_layers(card, position, num_stages, safety_margin_fraction) // self.per_layer
 
     def bytes_read_per_step(self, position: int, num_stages: int, num_layers: int) -> int:
         """Memory a stage reads per decode step: its layers' weights and KV, plus the LM head if last.

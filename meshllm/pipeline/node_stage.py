@@ -37,14 +37,14 @@ def attach_stage_service(node, key: bytes) -> StageService:
         lineages = service.stages.kv_reservations()
 
         def shard(r) -> LoadedShard:
-            held = lineages.get(WeightKey.of(r), [])
-            by_leader = tuple(KVReservation(tuple(sorted(leaders)), b) for leaders, b in held if b)
-            if len(by_leader) > MAX_RESERVATIONS or any(len(r.leader_ids) > MAX_RESERVATIONS for r in by_leader):
+            reserved = lineages.get(WeightKey.of(r), [])
+            by_leader = tuple(KVReservation(tuple(sorted(leaders)), b) for leaders, b in reserved if b)
+            if len(by_leader) > MAX_RESERVATIONS or any(len(x.leader_ids) > MAX_RESERVATIONS for x in by_leader):
                 by_leader = ()  # past what peers accept: planners fall back on the total, as for an older node
             return LoadedShard(r.model_id, r.fingerprint, r.first_layer, r.last_layer,
                                queue_depth=streams.num_open, max_streams=streams.max_streams, tp_size=max(r.tp.size, 1),
                                form=WeightForm(r.dtype, r.quantization, r.batch_invariant),
-                               kv_reserved_bytes=sum(b for _, b in held), kv_reservations=by_leader)
+                               kv_reserved_bytes=sum(b for _, b in reserved), kv_reservations=by_leader)
 
         return tuple(dict.fromkeys(shard(r) for r in service.loaded()))
 

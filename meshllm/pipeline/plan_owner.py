@@ -274,6 +274,7 @@ class PlanOwner:
     def _deploy_new_plan(self, failed: NodeId | None, started: float, carry: Mapping[SeqId, int]) -> Deployment:
         previous = self._current
         refused: LoadRefused | None = None
+        limits = self.options.step_limits(context_of(self.files, self.options))
         while True:  # a node that cannot be reached while loading, or refuses it, is excluded: we plan again
             try:
                 plan = self._choose_plan(previous.plan if previous else None, failed)
@@ -282,7 +283,6 @@ class PlanOwner:
                     raise
                 raise refused from None  # the refusing node's own account of what did not fit says more
             plan_s = time.perf_counter() - started
-            limits = self.options.step_limits(context_of(self.files, self.options))
             try:
                 plan_id = deploy(plan, self.channels, self.options.dtype, self.options.batch_invariant,
                                  self.options.quantization, limits, self.leader_id)

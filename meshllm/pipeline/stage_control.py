@@ -28,7 +28,7 @@ import torch
 from meshllm.cluster.stage_budget import embedding_held
 from meshllm.engine.dtypes import DTYPES
 from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
-from meshllm.errors import BadRequest, ModelLoadError, ShardUnavailable, WeightsMismatch
+from meshllm.errors import BadRequest, InvalidCard, ModelLoadError, ShardUnavailable, WeightsMismatch
 from meshllm.model.source import ModelFiles, open_model
 from meshllm.engine.kv_cache import SeqId
 from meshllm.pipeline.kv_parking import adopt
@@ -40,7 +40,7 @@ from meshllm.tp.load_gate import failures_reported
 from meshllm.tp.node_collective import NodeCollective
 from meshllm.tp.stage import join_rank, load_rank
 from meshllm.transport import stage_convert
-from meshllm.transport.convert import MAX_ID_CHARS
+from meshllm.transport.convert import node_id_text
 from meshllm.transport.protos import stage_pb2
 
 log = logging.getLogger(__name__)
@@ -76,19 +76,14 @@ class StageControl:
         _check_leader_id(request.leader_id)
         with self._loading.turn(request.plan_id, request.leader_id) as unloaded:  # a second Load waits, then reuses
             with self._loading.lock:  # ordered against an Unload of the plan by its last other leader
-                if self._closed:
-                    raise ShardUnavailable("this node is stopping; plan its layers on another node")
-                existing = self._stages.use(request.plan_id)
-                joining = existing is not None and same_load(existing, request)
-                if joining and request.leader_id in existing.leaders:  # one of its leaders again: nothing new
+                existing = self._reusable(request)
+                if existing is not None and request.leader_id in existing.leaders:  # one of its leaders again
                     return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
-            if joining:  # another leader, whose sequences may hold as much KV again: checked against other
-                # Loads' checks too (_read_lock, taken first as _put does; it may wait for their reads)
+            if existing is not None:  # another leader, whose sequences may hold as much KV again: checked
+                # against other Loads' checks too (_read_lock, taken first as _put does; it may wait for reads)
                 with self._read_lock, self._loading.lock:
-                    if self._closed:
-                        raise ShardUnavailable("this node is stopping; plan its layers on another node")
-                    existing = self._stages.use(request.plan_id)
-                    if existing is not None and same_load(existing, request):  # not unloaded meanwhile
+                    existing = self._reusable(request)  # not unloaded meanwhile
+                    if existing is not None:
                         if request.leader_id not in existing.leaders:
                             self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id},
                                                  keeps_kv=True)
@@ -131,6 +126,14 @@ class StageControl:
                 raise ShardUnavailable("this node stopped while it loaded the plan; plan its layers on another node")
             raise ModelLoadError(f"plan {request.plan_id} was unloaded while this node loaded it")
         retire(previous)
+
+    def _reusable(self, request: stage_pb2.LoadRequest) -> LoadedStage | None:
+        """The plan's stage when it already serves what `request` asks (its lease renewed). Caller
+        holds _loading.lock."""
+        if self._closed:
+            raise ShardUnavailable("this node is stopping; plan its layers on another node")
+        existing = self._stages.use(request.plan_id)
+        return existing if existing is not None and same_load(existing, request) else None
 
     def _check_added_kv(self, request: stage_pb2.LoadRequest, weights: SharedWeights, leaders: set[str],
                         keeps_kv: bool) -> None:
@@ -315,10 +318,13 @@ class StageControl:
 
 def _check_leader_id(leader_id: str) -> None:
     """A leader names itself by its node id, which this node's card repeats (its KV reservations say
-    whose they are): one that peers would refuse on a card would take this node out of the fleet."""
-    if len(leader_id) > MAX_ID_CHARS or not leader_id.isprintable() or any(c.isspace() for c in leader_id):
-        raise BadRequest(f"leader_id {leader_id[:40]!r} is not a node id (at most {MAX_ID_CHARS} printable "
-                         f"characters, no spaces)")
+    whose they are): one that peers would refuse on a card would take this node out of the fleet.
+    "": a leader that gives no id."""
+    if leader_id:
+        try:
+            node_id_text(leader_id, "leader_id")
+        except InvalidCard as e:
+            raise BadRequest(f"leader_id {leader_id[:40]!r} is not a node id: {e}") from None
 
 
 def same_load(existing: LoadedStage, request: stage_pb2.LoadRequest) -> bool:

@@ -98,6 +98,15 @@ def _text(value: str, what: str, limit: int = MAX_TEXT_CHARS, *, required: bool 
     return value
 
 
+def node_id_text(value: str, what: str) -> str:
+    """A node id as cards carry it (a leader names itself by one): printable, at most MAX_ID_CHARS, no
+    whitespace; InvalidCard otherwise."""
+    node_id = _text(value, what, MAX_ID_CHARS)
+    if any(c.isspace() for c in node_id):
+        raise InvalidCard(f"{what} {node_id!r} contains whitespace")
+    return node_id
+
+
 def _bounded(value: float, what: str, low: float, high: float) -> float:
     if not (math.isfinite(value) and low <= value <= high):
         raise InvalidCard(f"{what}={value} is outside {low}..{high}")
@@ -140,7 +149,7 @@ def shard_from_pb(s: cluster_pb2.LoadedShard) -> LoadedShard:
 
 def _reservation_from_pb(r: cluster_pb2.KVReservation) -> KVReservation:
     ids = _at_most(r.leader_ids, MAX_RESERVATIONS, "leader_ids of a KV reservation")
-    return KVReservation(tuple(sorted({_text(i, "reservation leader_id", MAX_ID_CHARS) for i in ids})),
+    return KVReservation(tuple(sorted({node_id_text(i, "reservation leader_id") for i in ids})),
                          int(_bounded(r.bytes, "reservation bytes", 0, MAX_MEMORY_BYTES)))
 
 
@@ -168,9 +177,7 @@ def card_from_pb(msg: cluster_pb2.Card, now: float) -> Card:
     """Validate and convert one wire card; `now` bounds how far ahead it may be stamped."""
     if msg.ByteSize() > CARD_MAX_BYTES:
         raise InvalidCard(f"card of {msg.ByteSize()} bytes exceeds {CARD_MAX_BYTES}")
-    node_id = _text(msg.node_id, "node_id", MAX_ID_CHARS)
-    if any(c.isspace() for c in node_id):
-        raise InvalidCard(f"node_id {node_id!r} contains whitespace")
+    node_id = node_id_text(msg.node_id, "node_id")
     total = int(_bounded(msg.memory_total_bytes, "memory_total_bytes", 0, MAX_MEMORY_BYTES))
     free = int(_bounded(msg.memory_free_bytes, "memory_free_bytes", 0, total))
     if max(len(msg.models), len(msg.shards), len(msg.offers), len(msg.links)) > MAX_ENTRIES:
