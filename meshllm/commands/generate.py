@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -30,7 +32,10 @@ from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-LEADER_ID = "meshllm-generate"  # who `generate --peer` is to the nodes it calls
+# Who `generate --peer` is to the nodes it calls: this run, by host and pid. Nodes reserve KV per
+# leader (pipeline/loaded_stages.py), so two runs at once, or one while an earlier run's plan is
+# still leased, must be two leaders: under one shared name their reservations overlapped.
+LEADER_ID = f"meshllm-generate-{socket.gethostname()[:64]}-{os.getpid()}"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

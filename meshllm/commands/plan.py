@@ -5,7 +5,8 @@ memory, and the estimated decode tokens/s, or the same as JSON. For a tensor-par
 group (asked with --tp, or chosen by link speed) it prints the cost model's
 prediction: compute per token alone and split, and what the collectives add; when
 deciding by link speed, the best group it did not use and why. The fleet is this
-machine alone, or the view of a running node (--peer).
+machine alone, or the view of a running node (--peer), planned as a new leader would
+plan it: the KV that serving leaders' plans reserve on a node stays reserved.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_transport_arguments(parser)
 
 
+# The dry run plans as a new leader would (a name no serving process has): the KV that running
+# leaders' plans reserve stays reserved, and loaded weights are shared only with KV of its own
+# (cluster/placement.py _reserved_kv_counted_free).
+DRY_RUN_LEADER = "meshllm-plan"
+
+
 def add_tp_argument(parser: argparse.ArgumentParser) -> None:
     """--tp, shared by plan, serve, demo and generate."""
     parser.add_argument("--tp", type=_positive_int, default=None, metavar="N",
@@ -90,7 +97,8 @@ def run(args: argparse.Namespace) -> int:
         model_id=model_id, fingerprint=fingerprint, config=config,
         context_length=args.context or min(DEFAULT_CONTEXT, config.max_position_embeddings),
         max_batch=args.batch, weight_dtype_bytes=args.weight_bytes, kv_dtype_bytes=args.kv_bytes,
-        num_stages=args.stages, tensor_parallel=groups_allowed(args.tp, args.quantize), weight_bytes=held)
+        num_stages=args.stages, tensor_parallel=groups_allowed(args.tp, args.quantize), weight_bytes=held,
+        leader_id=DRY_RUN_LEADER)
     fleet = _peer_view(args) if args.peer else [_local_card(Path(model_path), model_id, fingerprint, config)]
     plan = plan_placement(request, fleet)
     cards = {c.node_id: c for c in fleet}

@@ -12,6 +12,7 @@ from meshllm.pipeline.local_generate import generate_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
+from meshllm.transport.convert import node_id_text
 
 TIMEOUT_S = 120
 
@@ -96,3 +97,14 @@ def test_default_model_answers_through_its_chat_template(smollm2_gguf_path):
     result = _meshllm("--prompt", "What is 2+2? Answer with a number.", "--temperature", "0", "--max-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "4" in result.stdout
+
+
+def test_each_generate_run_is_a_leader_of_its_own():
+    # Nodes reserve KV per leader (pipeline/loaded_stages.py): two `generate --peer` runs at once
+    # under one name would overlap their reservations, so each process names itself.
+    code = "from meshllm.commands.generate import LEADER_ID; print(LEADER_ID)"
+    ids = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          check=True).stdout.strip() for _ in range(2)]
+    assert ids[0] != ids[1] and all(i.startswith("meshllm-generate-") for i in ids)
+    for leader_id in ids:  # a name the nodes accept for a Load's leader and a card's reservation
+        assert node_id_text(leader_id, "leader id") == leader_id

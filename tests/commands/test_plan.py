@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
 from meshllm.cli import main
-from meshllm.cluster.card import Card, LinkProbe, ModelOnDisk, NodeId
+from meshllm.cluster.card import Card, KVReservation, LinkProbe, LoadedShard, ModelOnDisk, NodeId
 from meshllm.cluster.gossip import ClusterServicer, HealthServicer
 from meshllm.cluster.registry import Registry
 from meshllm.engine.ggml_lib import runtime
@@ -167,3 +168,31 @@ def test_a_quantization_tensor_parallel_ranks_cannot_load_is_refused_before_plan
     assert rc == 2 and "--quantize int4 does not run on tensor-parallel stages" in err
     rc, out, _ = run_plan(capsys, "--model", str(aidreams_path), "--quantize", "int4")  # it never groups then
     assert rc == 0 and out
+
+
+def test_a_dry_run_plans_as_a_new_leader_leaving_running_leaders_kv_reserved(capsys, tmp_path, aidreams_path):
+    # node-a serves the model for another leader, whose plans may still grow into 8 MiB of KV
+    # there (its card's free memory leaves that out). The dry run is a new leader: it may share
+    # node-a's weights only with KV of its own, and node-a has 16 KiB left, so the plan goes to
+    # node-b. Counting every reservation free (the old dry run) put it on node-a, as a re-plan of
+    # that leader would, which a node's Load then refuses.
+    key = generate_key()
+    write_key(tmp_path / "cluster.key", key)
+    weights = ModelOnDisk("aidreams-260k", fingerprint(aidreams_path), 4)
+    serving = LoadedShard("aidreams-260k", fingerprint(aidreams_path), 0, 4, kv_reserved_bytes=8 * MIB,
+                          kv_reservations=(KVReservation(("meshllm-serve-elsewhere",), 8 * MIB),))
+    node_a = replace(_card("node-a", 16 * 1024, (weights,)), memory_total_bytes=64 * MIB, shards=(serving,))
+    registry = Registry(node_a)
+    registry.merge([_card("node-b", 64 * MIB, (weights,))])
+    server = NodeServer(ServerConfig(host="127.0.0.1", port=0, key=key, node_id="node-a"))
+    server.add(cluster_pb2_grpc.add_ClusterServicer_to_server, ClusterServicer(registry))
+    server.add(cluster_pb2_grpc.add_HealthServicer_to_server, HealthServicer(registry))
+    server.start()
+    try:
+        rc, out, err = run_plan(capsys, "--model", str(aidreams_path), "--context", "128", "--peer", server.address,
+                                "--key-file", str(tmp_path / "cluster.key"), "--json")
+    finally:
+        server.stop(0)
+    assert rc == 0, err
+    plan = json.loads(out)
+    assert [s["node_id"] for s in plan["stages"]] == ["node-b"] and plan["reused_shards"] is False
