@@ -17,8 +17,12 @@ rows a program and passed the GPU tests as the module's kernel, but was slower w
 0.2-0.9x at 4-16 rows on the large shapes. Read from its compiled form (TTGIR, on a CPU): with R
 rows the leading axis, tl.zeros((R, BLOCK_N, L)) gets warpsPerCTA [8, 1, 1], so at R = 1 its 8
 warps compute the same values, and the tree's one layout change leaves every thread summing all
-L values of its rows, both costs per program, which a short-K, many-row head multiplies. The next
-try: R as a trailing or folded axis, and the tree over a layout-stable axis.
+L values of its rows, both costs per program, which a short-K, many-row head multiplies (at one
+row it was also ~30% slower than the sweep's one-row kernel, which had neither). The next try:
+one [BLOCK_N, L] accumulator per row (up to 8, written out under `if R > i`), each fed the same
+dequantized tile, so every row's code and layout are the R = 1 kernel's whatever R is, and the
+sweep's 3-D tile with tl.sum at a fixed tile (row-invariant by that construction, not
+tile-invariant: no tuning).
 """
 
 from __future__ import annotations
