@@ -32,7 +32,6 @@ from meshllm.model.config import ModelConfig, RopeScaling, yarn_mscale
 from meshllm.model.fused import split_fused
 from meshllm.model.rope_rows import is_qk, rope_rows_to_half, trained_in_pairs
 from meshllm.model.tensor_slice import TensorSlice
-from meshllm.model.tokenizer import without_harmony_end
 from meshllm.model.weights import _fingerprint_cache_get, _fingerprint_cache_put
 
 _FLOAT_TYPES = {GGML.F32: torch.float32, GGML.F16: torch.float16, GGML.BF16: torch.bfloat16}
@@ -825,3 +824,12 @@ def _llama3_divisors(s: RopeScaling, head_dim: int, rope_theta: float) -> torch.
     high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
     return torch.where(wavelen < high_wavelen, torch.ones_like(freqs),
                        torch.where(wavelen > low_wavelen, torch.full_like(freqs, s.factor), mid))
+
+
+def without_harmony_end(ids: list[int], tokens: Sequence[str]) -> list[int]:
+    """Stop ids without <|end|> in an o200k_harmony vocabulary (GPT-OSS's): there <|end|> closes a
+    message, the reasoning's among them, and the reply goes on to <|return|> or <|call|>
+    (llama.cpp drops it from its end-of-generation ids so too, whatever the metadata names)."""
+    if "<|return|>" not in tokens or "<|call|>" not in tokens:
+        return ids
+    return [i for i in ids if not (0 <= i < len(tokens) and tokens[i] == "<|end|>")]

