@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from meshllm.cluster.card import Card, LinkProbe, NodeId
 from meshllm.cluster.discovery import Discovery, is_wildcard, lan_ipv4_addresses
@@ -28,13 +28,15 @@ from meshllm.cluster.own_card import CardIdentity, OwnCard
 from meshllm.cluster.profile import load_or_probe, memory_of, platform_name
 from meshllm.cluster.registry import Registry
 from meshllm.cluster.stage_budget import StageMemory
-from meshllm.tp.node_collective import NodeCollective
 from meshllm.transport.auth import cluster_id
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 from meshllm.transport.convert import MAX_TTL_S
 from meshllm.transport.protos import cluster_pb2_grpc
 from meshllm.transport.server import NodeServer, ServerConfig, join_host_port
 from meshllm.transport.tls import PLAINTEXT, TlsMode
+
+if TYPE_CHECKING:  # torch.distributed comes with it: imported where a node starts its collective
+    from meshllm.tp.node_collective import NodeCollective
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,9 @@ class Node:
                             models=lambda: self.models.models)
         self.collective: NodeCollective | None = None
         if config.collective_port is not None:
-            self.collective = NodeCollective(
+            from meshllm.tp import node_collective
+
+            self.collective = node_collective.NodeCollective(
                 self.node_id, self._advertised_host(), config.collective_port, self._fleet,
                 ChannelPool(ChannelConfig(self.node_id, key, config.tls)), self._publish_links)
             self.card.set_collective_endpoint(self.collective.endpoint)

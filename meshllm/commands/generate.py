@@ -133,7 +133,7 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
                     args: argparse.Namespace, continues: bool) -> Iterator[GenerationEvent]:
     """Plan the model over the fleet the peers see, load the stages, and stream through them."""
     from meshllm.cluster.gossip import fetch_view
-    from meshllm.commands.node import resolve_key
+    from meshllm.commands.cluster_key import resolve_key
     from meshllm.node import default_state_dir
     from meshllm.pipeline.cluster import ServingOptions
     from meshllm.pipeline.plan_owner import PlanOwner

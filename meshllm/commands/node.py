@@ -9,9 +9,9 @@ from meshllm.pipeline.node_stage import attach_stage_service
 from meshllm.spec.factory import DraftOptions
 from meshllm.spec.node_proposer import attach_proposer_service
 from meshllm.node import KEY_FILE_NAME, Node, NodeConfig, default_state_dir, run_until_signalled
+from meshllm.commands.cluster_key import resolve_key
 from meshllm.commands.threads import add_threads_argument, apply_threads
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
-from meshllm.transport.auth import load_key, load_or_create_key
 
 _DEFAULTS = NodeConfig(state_dir=Path("unused"))  # each default lives in NodeConfig
 
@@ -78,20 +78,6 @@ def parse_size(text: str) -> int:
         return int(float(number) * _UNITS[unit])
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 6GiB, 512MiB or 4.5MB") from None
-
-
-def resolve_key(key_file: Path | None, state_dir: Path, *, create: bool) -> bytes:
-    """The cluster key. A node without --key-file creates one on first start and
-    says how to share it; other commands only read it."""
-    path = key_file or state_dir / KEY_FILE_NAME
-    if key_file is not None or not create:
-        return load_key(path)
-    key, created = load_or_create_key(path)
-    if created:
-        print(f"meshllm: generated a new cluster key in {path}\n"
-              f"meshllm: every node of this cluster needs it: copy the file to the other machines and start "
-              f"them with --key-file <copied file>", flush=True)
-    return key
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from meshllm.api.config import MIB, APIConfig, add_api_guard_arguments, api_key_
 from meshllm.api.server import APIServer, listen
 from meshllm.cluster.discovery import is_wildcard
 from meshllm.commands import node as node_command
+from meshllm.commands.cluster_key import resolve_key
 from meshllm.commands.plan import add_tp_argument
 from meshllm.commands.threads import apply_threads
 from meshllm.engine.scheduler import SchedulerConfig
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"meshllm serve: {e}") from None
     sock = listen(api.host, api.port)  # a taken port fails before a key, a node or a plan's weights
-    key = node_command.resolve_key(args.key_file, config.state_dir, create=True)
+    key = resolve_key(args.key_file, config.state_dir, create=True)
     node = Node(config, key)
     attach_stage_service(node, key)
     attach_proposer_service(node, list(args.draft_model), node_command.draft_options(args))

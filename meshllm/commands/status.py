@@ -14,7 +14,7 @@ from pathlib import Path
 
 from meshllm.cluster.card import Card
 from meshllm.cluster.gossip import fetch_view
-from meshllm.commands.node import resolve_key
+from meshllm.commands.cluster_key import resolve_key
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
 from meshllm.node import KEY_FILE_NAME, NodeConfig, default_state_dir
 
