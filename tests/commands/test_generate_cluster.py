@@ -21,11 +21,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 PROMPT = "Once upon a time there was a little robot who"
 
 
-def generate(cluster: LocalCluster, *extra: str) -> subprocess.CompletedProcess:
+def generate(cluster: LocalCluster, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "meshllm.cli", "generate", "--model", str(cluster.model_paths[0]),
             "--prompt", PROMPT, "--raw", "--max-tokens", "32", "--temperature", "0", "--dtype", "fp32",
             "--key-file", str(cluster.key_file), *extra]
-    return subprocess.run(args, capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(args, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
 
 def peers(cluster: LocalCluster) -> list[str]:
@@ -55,5 +56,32 @@ def test_generate_peer_survives_a_crashing_stage_with_the_undisturbed_text(aidre
             assert cluster.processes[int(node.removeprefix("node-"))].wait(timeout=30) == -9  # died mid-answer
         assert "failing over" in disturbed.stderr
         assert disturbed.stdout == undisturbed.stdout and len(undisturbed.stdout.strip()) > 0
+    finally:
+        cluster.stop()
+
+
+def test_generate_runs_one_after_another_reuse_the_plan_as_one_leader(aidreams_path, tmp_path):
+    # A run's plan outlives it by its lease, and the next run reuses it. Both runs must be the same
+    # leader to the node: as two, each run added a context's KV to what the node reserves, until
+    # a node with a memory cap refused the next run.
+    cluster = LocalCluster(1, [aidreams_path], tmp_path, threads_per_node=1)
+    cluster.start(timeout_s=120)
+    state = {"XDG_STATE_HOME": str(tmp_path / "state")}  # this test's leader slots
+    try:
+        key = load_key(cluster.key_file)
+        wait_until(lambda: all(c.models for c in fetch_view(cluster.addresses[0], key)), timeout=60,
+                   message="the node's model in its card")
+        reservations = []
+        for _ in range(2):
+            run = generate(cluster, *peers(cluster), env=state)
+            assert run.returncode == 0 and run.stdout.strip(), run.stderr[-3000:]
+            (card,) = fetch_view(cluster.addresses[0], key)
+            (shard,) = card.shards
+            reservations.append(shard.kv_reservations)
+        # One lineage of one leader, both times: its reservation is one context's KV. (Its bytes are
+        # not compared: a card rebuilt while a run's sequence held KV reserves that much less.)
+        first, second = ([r.leader_ids for r in run] for run in reservations)
+        assert len(first) == 1 and len(first[0]) == 1 and first[0][0].endswith("-0")
+        assert second == first
     finally:
         cluster.stop()

@@ -190,6 +190,22 @@ def test_a_leader_joining_a_plan_whose_sequences_hold_kv_adds_only_its_own_strea
     assert control._stages.memory().reserved == reserved + joining
 
 
+def test_a_card_names_a_joining_leader_at_once(files):
+    # A leader joining a loaded plan changes what the node reserves: its card must say so now (the
+    # node rebuilds it on each change), not at the next gossip round, or a planner reads it stale.
+    changes = []
+    control = StageControl(LoadedStages(), lambda model_id, fingerprint: files.path,
+                           on_change=lambda: changes.append(control._stages.kv_reservations()))
+    try:
+        control.load(_request(files, "plan-a", leader="leader-a"))
+        control.load(_request(files, "plan-a", leader="leader-a"))  # a renewal by the same leader changes nothing
+        control.load(_request(files, "plan-a", leader="leader-b"))
+    finally:
+        control.close()
+    leaders = [[tuple(sorted(ids)) for ids, _ in lineages] for change in changes for lineages in change.values()]
+    assert leaders == [[("leader-a",)], [("leader-a", "leader-b")]]
+
+
 def test_a_leader_id_a_card_could_not_carry_is_refused(control, files):
     for bad in ("x" * 200, "two words", "tab\there", "nul\x00"):
         with pytest.raises(BadRequest, match="is not a node id"):
