@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fcntl
-import os
-import re
-import socket
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from meshllm.commands.leader_slot import leader_slot
 from meshllm.commands.plan import add_tp_argument
 from meshllm.commands.threads import add_threads_argument, apply_threads
 from meshllm.commands.transport_args import add_transport_arguments, tls_from_args
@@ -33,37 +30,10 @@ from meshllm.model.source import ModelFiles, open_model
 from meshllm.pipeline.events import GenerationEvent
 from meshllm.spec.factory import SPECULATIVE_HELP, SpeculativeChoice
 from meshllm.transport.channels import ChannelConfig, ChannelPool
+from meshllm.transport.tls import TlsMode
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-MAX_LEADER_SLOTS = 64  # `generate --peer` runs at once on one host, each a leader of its own
 
-
-def leader_slot(state_dir: Path) -> tuple[str, IO[str] | None]:
-    """Who this `generate --peer` run is to the nodes it calls, and the lock that keeps the name
-    its own: the first free slot of this host, held (flock) until the run's stream ends.
-
-    Nodes reserve KV per leader (pipeline/loaded_stages.py) and a plan outlives the run that
-    loaded it by its lease. One name for every run made two runs at once one leader, whose
-    reservations overlapped; a name per process made a run after another a second leader of the
-    plan it reused, so each run added a context's KV that nothing gave back while runs renewed
-    the plan. With slots, runs one after another are the same leader (slot 0: the plan warm, its
-    KV counted once) and runs at once are different leaders. (A second slot's claim on a plan
-    stays while the first's runs renew it: a node lets claims go with the plan's lease, not by
-    leader.) Without a writable state directory, the process id names the run."""
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]  # a node id's characters
-    try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        for slot in range(MAX_LEADER_SLOTS):
-            lock = open(state_dir / f"generate-leader-{slot}.lock", "a")
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                lock.close()
-                continue
-            return f"meshllm-generate-{host}-{slot}", lock
-    except OSError:
-        pass
-    return f"meshllm-generate-{host}-pid{os.getpid()}", None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,15 +130,25 @@ def _local_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPara
 def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingParams,
                     args: argparse.Namespace, continues: bool) -> Iterator[GenerationEvent]:
     """Plan the model over the fleet the peers see, load the stages, and stream through them."""
-    from meshllm.cluster.gossip import fetch_view
     from meshllm.commands.cluster_key import resolve_key
     from meshllm.node import default_state_dir
-    from meshllm.pipeline.cluster import ServingOptions
-    from meshllm.pipeline.plan_owner import PlanOwner
 
     key = resolve_key(args.key_file, default_state_dir(), create=False)
     tls = tls_from_args(args)
     leader_id, slot_lock = leader_slot(default_state_dir())  # held until the stream ends (_events)
+    try:
+        return _events(_cluster_leader(files, args, key, tls, leader_id), prompt_ids, params, continues, slot_lock)
+    except BaseException:
+        if slot_lock is not None:
+            slot_lock.close()
+        raise
+
+
+def _cluster_leader(files: ModelFiles, args: argparse.Namespace, key: bytes, tls: TlsMode, leader_id: str):
+    """A leader of a plan over the fleet the peers see, its stages loaded, named `leader_id`."""
+    from meshllm.cluster.gossip import fetch_view
+    from meshllm.pipeline.cluster import ServingOptions
+    from meshllm.pipeline.plan_owner import PlanOwner
 
     def fleet_view() -> list:
         # Asked again at each re-plan: the first peer that answers (one may be the node that failed).
@@ -190,14 +170,12 @@ def _cluster_stream(files: ModelFiles, prompt_ids: list[int], params: SamplingPa
     plan = owner.plan
     if plan is None:
         leader.close()
-        if slot_lock is not None:
-            slot_lock.close()
         report = owner.health.report()
         raise ShardUnavailable(report.reason or "no plan fits the fleet", missing_bytes=report.missing_bytes,
                                part=report.missing)
     print("[" + ", ".join(f"{'+'.join(s.node_ids)}: layers {s.first_layer}-{s.last_layer - 1}"
                           for s in plan.stages) + "]", file=sys.stderr)
-    return _events(leader, prompt_ids, params, continues, slot_lock)
+    return leader
 
 
 def _events(leader, prompt_ids: list[int], params: SamplingParams, continues: bool,
@@ -210,9 +188,11 @@ def _events(leader, prompt_ids: list[int], params: SamplingParams, continues: bo
                 raise event.error
             yield event
     finally:
-        leader.close()
-        if slot_lock is not None:
-            slot_lock.close()
+        try:
+            leader.close()
+        finally:
+            if slot_lock is not None:
+                slot_lock.close()
 
 
 def _sampling_params(args: argparse.Namespace, max_tokens: int) -> SamplingParams:

@@ -79,31 +79,34 @@ class StageControl:
                 existing = self._reusable(request)
                 if existing is not None and request.leader_id in existing.leaders:  # one of its leaders again
                     return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
-            if existing is not None and self._join(request):
-                self._on_change()  # the card reserves for the new leader now, not at the next gossip round
-                return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
+            joined = existing is not None and self._join(request)
             started = time.perf_counter()
-            key = WeightKey.of(request)
-            if request.HasField("tp"):
-                num_bytes_read = self._open_rank(request, key, unloaded)
-            else:
-                with self._read_lock:  # and while it checks for weights to share: one plan reads them once
-                    weights, num_bytes_read = self._stages.weights(key), 0
-                    if weights is None:
-                        weights, num_bytes_read = self._load_weights(request, key)
-                        self._faults.after_load()
-                    else:  # no read, so no _check_memory: its KV is all it adds
-                        replaced = self._stages.get(request.plan_id)  # a reload: it serves their leaders too (put)
-                        leaders = (replaced.leaders if replaced is not None else set()) | {request.leader_id}
-                        self._check_added_kv(request, weights, leaders, keeps_kv=False)
-                    self._put(request, weights, None, unloaded)
-            seconds = time.perf_counter() - started
-            log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
-                     request.first_layer, request.last_layer, request.stage_index,
-                     "loaded" if num_bytes_read else "weights shared with another plan", seconds)
-        self._on_change()
+            num_bytes_read = 0 if joined else self._load_new(request, unloaded)
+            seconds = 0.0 if joined else time.perf_counter() - started
+            if not joined:
+                log.info("plan %s: %s layers [%d, %d) as stage %d (%s, %.1fs)", request.plan_id, request.model_id,
+                         request.first_layer, request.last_layer, request.stage_index,
+                         "loaded" if num_bytes_read else "weights shared with another plan", seconds)
+        self._on_change()  # the card shows the plan, or a joining leader's reservation, now: not at the next gossip
         return stage_pb2.LoadReply(plan_id=request.plan_id, num_bytes_read=num_bytes_read, load_seconds=seconds,
                                    reused_weights=not num_bytes_read)
+
+    def _load_new(self, request: stage_pb2.LoadRequest, unloaded: threading.Event) -> int:
+        """Load the plan's stage (its weights read, or shared with another plan's): bytes read."""
+        key = WeightKey.of(request)
+        if request.HasField("tp"):
+            return self._open_rank(request, key, unloaded)
+        with self._read_lock:  # and while it checks for weights to share: one plan reads them once
+            weights, num_bytes_read = self._stages.weights(key), 0
+            if weights is None:
+                weights, num_bytes_read = self._load_weights(request, key)
+                self._faults.after_load()
+            else:  # no read, so no _check_memory: its KV is all it adds
+                replaced = self._stages.get(request.plan_id)  # a reload: it serves their leaders too (put)
+                leaders = (replaced.leaders if replaced is not None else set()) | {request.leader_id}
+                self._check_added_kv(request, weights, leaders, keeps_kv=False)
+            self._put(request, weights, None, unloaded)
+        return num_bytes_read
 
     def _join(self, request: stage_pb2.LoadRequest) -> bool:
         """Add another leader to the loaded plan `request` asks for, whose sequences may hold as much

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
-from meshllm.commands.generate import leader_slot
 from meshllm.pipeline.local_generate import generate_many
 from meshllm.engine.sampler import SamplingParams
 from meshllm.model.loader import load_decoder
 from meshllm.model.source import open_model
-from meshllm.transport.convert import node_id_text
 
 TIMEOUT_S = 120
 
@@ -100,23 +97,3 @@ def test_default_model_answers_through_its_chat_template(smollm2_gguf_path):
     assert result.returncode == 0, result.stderr
     assert "4" in result.stdout
 
-
-def test_generate_runs_at_once_are_different_leaders_and_one_after_another_the_same(tmp_path, monkeypatch):
-    # Nodes reserve KV per leader (pipeline/loaded_stages.py): two `generate --peer` runs at once
-    # under one name overlapped their reservations, and a name per process added one for every
-    # run that reused a leased plan. A run holds the first free slot of the host until it ends.
-    monkeypatch.setattr(socket, "gethostname", lambda: "desk mini\u00e9")  # this machine's is plain
-    first, first_lock = leader_slot(tmp_path)
-    second, second_lock = leader_slot(tmp_path)  # while the first runs
-    assert (first, second) == ("meshllm-generate-desk_mini_-0", "meshllm-generate-desk_mini_-1")
-    first_lock.close()  # the first run ends
-    again, again_lock = leader_slot(tmp_path)
-    assert again == first
-    for leader_id in (first, second):  # names the nodes accept for a Load's leader and a card
-        assert node_id_text(leader_id, "leader id") == leader_id
-    second_lock.close()
-    again_lock.close()
-    # Without a state directory to hold slots in, the run is a leader of its own
-    (tmp_path / "file").write_text("")
-    alone, lock = leader_slot(tmp_path / "file" / "state")
-    assert alone == f"meshllm-generate-desk_mini_-pid{os.getpid()}" and lock is None

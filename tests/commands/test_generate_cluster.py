@@ -21,12 +21,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 PROMPT = "Once upon a time there was a little robot who"
 
 
-def generate(cluster: LocalCluster, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def generate(cluster: LocalCluster, *extra: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "meshllm.cli", "generate", "--model", str(cluster.model_paths[0]),
             "--prompt", PROMPT, "--raw", "--max-tokens", "32", "--temperature", "0", "--dtype", "fp32",
             "--key-file", str(cluster.key_file), *extra]
+    # the runs' leader slots in the cluster's folder, not in this user's state directory
+    state = {"XDG_STATE_HOME": str(cluster.state_dir / "generate-state")}
     return subprocess.run(args, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **state})
 
 
 def peers(cluster: LocalCluster) -> list[str]:
@@ -66,14 +68,13 @@ def test_generate_runs_one_after_another_reuse_the_plan_as_one_leader(aidreams_p
     # a node with a memory cap refused the next run.
     cluster = LocalCluster(1, [aidreams_path], tmp_path, threads_per_node=1)
     cluster.start(timeout_s=120)
-    state = {"XDG_STATE_HOME": str(tmp_path / "state")}  # this test's leader slots
     try:
         key = load_key(cluster.key_file)
         wait_until(lambda: all(c.models for c in fetch_view(cluster.addresses[0], key)), timeout=60,
                    message="the node's model in its card")
         reservations = []
         for _ in range(2):
-            run = generate(cluster, *peers(cluster), env=state)
+            run = generate(cluster, *peers(cluster))
             assert run.returncode == 0 and run.stdout.strip(), run.stderr[-3000:]
             (card,) = fetch_view(cluster.addresses[0], key)
             (shard,) = card.shards
