@@ -35,7 +35,6 @@ from meshllm.transport.tls import TlsMode
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="Hugging Face model folder, .gguf file or Hub id (default: the demo model, "

@@ -362,6 +362,7 @@ _PRE_TOKENIZER_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "ll
                          "command-r": _DIGITS_THEN_GPT2, "codeshell": _DIGITS_THEN_GPT2,
                          "exaone": _DIGITS_THEN_GPT2, "minerva-7b": _DIGITS_THEN_GPT2,
                          "deepseek-coder": _DEEPSEEK_CODER_SPLIT}
+
 # llama.cpp's Llama 3 family of pre-tokenizers (and Mistral's tekken): a word that is a whole token
 # is that token (the BPE "ignore_merges"), and BOS is added unless the file says otherwise.
 _WHOLE_WORD_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "tekken"})

@@ -3,7 +3,7 @@
 import dataclasses
 import logging
 
-from meshllm.cluster.card import LoadedShard, ModelOnDisk, NodeId
+from meshllm.cluster.card import KVReservation, LoadedShard, ModelOnDisk, NodeId
 from meshllm.cluster.own_card import CardIdentity, OwnCard
 from meshllm.cluster.profile import DeviceProfile
 from meshllm.transport import convert
@@ -43,8 +43,6 @@ def test_too_many_models_are_trimmed_to_fit_the_wire(caplog):
 
 
 def test_kv_reservations_by_leader_go_first_when_the_card_must_shrink():
-    from meshllm.cluster.card import KVReservation
-
     by_leader = tuple(KVReservation((f"leader-{i:02d}-" + "x" * 100,), 1 << 20) for i in range(8))
     shards = tuple(LoadedShard("m", "f" * 64, i, i + 1, kv_reserved_bytes=8 << 20, kv_reservations=by_leader)
                    for i in range(8))

@@ -96,4 +96,3 @@ def test_default_model_answers_through_its_chat_template(smollm2_gguf_path):
     result = _meshllm("--prompt", "What is 2+2? Answer with a number.", "--temperature", "0", "--max-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "4" in result.stdout
-
