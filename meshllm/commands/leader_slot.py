@@ -9,8 +9,8 @@ of its state directory (an flock, held while it streams): runs one after another
 leader (slot 0: the plan warm, its KV counted once), runs at once are different leaders. The name
 carries a random token made once per state directory, so two users, or two containers, on one
 host are different leaders too, and the host, as the lock files do (a home shared over NFS).
-(A second slot's claim on a plan stays while the first slot's runs renew it: a node lets claims go
-with the plan's lease, not leader by leader.) Where no slot can be had (no writable state
+(A second slot's claim on a plan lapses a lease after its run ends, though the first slot's runs
+keep the plan: a node leases each leader's claim on its own.) Where no slot can be had (no writable state
 directory, no flock, every slot taken), the process id names the run, as before the slots.
 """
 

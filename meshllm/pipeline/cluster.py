@@ -148,7 +148,7 @@ def deploy_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: S
                      options.step_limits(context_of(files, options)), leader_id=channels.config.node_id)
     first = plan.stages[0]
     return RemotePipeline(channels.get(first.address, first.node_id), plan_id, len(plan.stages),
-                          stage_names_of(plan))
+                          stage_names_of(plan), leader_id=channels.config.node_id)
 
 
 def leader_for_plan(files: ModelFiles, plan: Plan, channels: ChannelPool, options: ServingOptions,

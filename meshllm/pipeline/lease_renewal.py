@@ -51,10 +51,12 @@ class LeaseRenewer:
         self._lock = threading.Lock()
         self._without_renew: set[NodeId] = set()  # logged once each
 
-    def renew(self, address: str, node_id: NodeId, plan_id: str, timeout_s: float) -> Renewal:
+    def renew(self, address: str, node_id: NodeId, plan_id: str, timeout_s: float, leader_id: str = "") -> Renewal:
+        """`leader_id`: the renewing leader's, so the node keeps this leader's claim on the plan
+        (LoadedStages.lapse_leaders) and not only the plan."""
         try:
             reply = stage_pb2_grpc.StageStub(self.channels.get(address, node_id)).Renew(
-                stage_pb2.RenewRequest(plan_id=plan_id), timeout=timeout_s)
+                stage_pb2.RenewRequest(plan_id=plan_id, leader_id=leader_id), timeout=timeout_s)
             return Renewal(Lease.HELD if reply.loaded else Lease.DROPPED)
         except grpc.RpcError as e:
             code = e.code()

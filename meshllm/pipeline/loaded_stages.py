@@ -9,8 +9,11 @@ collectives (tp/layers.py), so their key names the group and no other plan share
 
 A plan is leased: every use by a leader (a step, a Renew, a Release, a Load) renews it, and the
 node's sweeper drops plans unused for its --plan-lease (`pop_idle`), so a leader that is gone for
-good leaves nothing loaded. A tensor-parallel worker rank is not leased: only rank 0 sees the
-steps, and its group ends (dropping every rank) when rank 0's plan goes.
+good leaves nothing loaded. Leaders sharing a plan share its lease, so each one's claim (the KV
+its streams may grow into) is leased on its own as well: steps and Renews name their leader, and
+one that stops naming itself for a lease is let go while the others keep the plan (`lapse_leaders`).
+A tensor-parallel worker rank is not leased: only rank 0 sees the steps, and its group ends
+(dropping every rank) when rank 0's plan goes.
 
 Thread-safe: gRPC runs every call on its own pool thread, and the gossip thread reads
 the list for the node's card. Each plan's stage has its own compute lock, so its
@@ -74,10 +77,19 @@ class LoadedStage:
     # The leaders that loaded the plan ("" for one that gave no id): an Unload by one of them
     # leaves the plan to the others (stage_control.unload).
     leaders: set[str] = field(init=False)
+    # When each of them last renewed the plan naming itself (Renew.leader_id; a leader that never
+    # does, an older one, is not here): one that stops for a lease loses its claim while the
+    # others keep the plan in use (LoadedStages.lapse_leaders).
+    renewed_by: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         self.limits = stage_convert.limits_from_pb(self.request)
         self.leaders = {self.request.leader_id}
+
+    def let_go(self, leader_id: str) -> None:
+        """Drop one leader's claim (its Unload, or its lapse)."""
+        self.leaders.discard(leader_id)
+        self.renewed_by.pop(leader_id, None)
         self.runner.prefix.set_capacity(self.limits.max_prefix_blocks)
 
     @property
@@ -123,12 +135,15 @@ class LoadedStages:
         with self._lock:
             return self._stages.get(plan_id)
 
-    def use(self, plan_id: str) -> LoadedStage | None:
-        """The plan's stage, its lease renewed (a leader named it)."""
+    def use(self, plan_id: str, leader_id: str = "") -> LoadedStage | None:
+        """The plan's stage, its lease renewed (a leader named it; `leader_id`: a Renew naming
+        one of the plan's leaders renews that leader's claim too)."""
         with self._lock:
             stage = self._stages.get(plan_id)
             if stage is not None:
                 stage.last_used = time.monotonic()
+                if leader_id and leader_id in stage.leaders:
+                    stage.renewed_by[leader_id] = stage.last_used
             return stage
 
     def pop_idle(self, lease_s: float) -> list[tuple[str, LoadedStage, int]]:
@@ -139,6 +154,23 @@ class LoadedStages:
             idle = [p for p, s in self._stages.items() if s.leased and s.last_used < idle_since]
             popped = [self._stages.pop(p) for p in idle]
             return [(p, s, self._drop_unused(s.weights.key)) for p, s in zip(idle, popped)]
+
+    def lapse_leaders(self, lease_s: float) -> list[tuple[str, list[str]]]:
+        """Let go of the claims of leaders that renewed a plan naming themselves but not for
+        `lease_s`, while another leader still holds it: (plan id, leaders let go) each. Leaders of one
+        plan share its lease (any step renews it), so without this the claim of a leader that is gone
+        (a finished `generate`, a killed server) would reserve its streams' KV for as long as the
+        others use the plan. A plan's last leader is never let go here: the plan's own lease decides."""
+        idle_since = time.monotonic() - lease_s
+        lapsed = []
+        with self._lock:
+            for plan_id, stage in self._stages.items():
+                gone = sorted(leader for leader, at in stage.renewed_by.items() if at < idle_since)
+                if gone and stage.leased and stage.leaders - set(gone):
+                    for leader in gone:
+                        stage.let_go(leader)
+                    lapsed.append((plan_id, gone))
+        return lapsed
 
     def weights(self, key: WeightKey) -> SharedWeights | None:
         with self._lock:
@@ -157,6 +189,7 @@ class LoadedStages:
             self._stages[plan_id] = stage
             if previous is not None:
                 stage.leaders |= previous.leaders  # a reload (a failed group formed again) serves them all
+                stage.renewed_by = {**previous.renewed_by, **stage.renewed_by}
                 self._drop_unused(previous.weights.key)
         return previous
 

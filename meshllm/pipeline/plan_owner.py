@@ -171,7 +171,8 @@ class PlanOwner:
         # A group's stage is alive while all its ranks are: a hung worker stalls rank 0's collectives.
         members = [(i, node, address) for i, s in enumerate(current.plan.stages) for node, address in _members(s)]
         with ThreadPoolExecutor(max_workers=len(members)) as pool:
-            answers = list(pool.map(lambda m: self._leases.renew(m[2], m[1], current.plan_id, timeout_s), members))
+            answers = list(pool.map(
+                lambda m: self._leases.renew(m[2], m[1], current.plan_id, timeout_s, self.leader_id), members))
         found = {lease: [(i, node, a.detail) for (i, node, _), a in zip(members, answers) if a.lease is lease]
                  for lease in Lease}
         with self._swap:
@@ -328,7 +329,7 @@ class PlanOwner:
                  description, plan_s, load_s)
         first = plan.stages[0]
         transport = RemotePipeline(self.channels.get(first.address, first.node_id), plan_id, len(plan.stages),
-                                   stage_names_of(plan))
+                                   stage_names_of(plan), leader_id=self.leader_id)
         return Deployment(transport, plan_s, load_s, description, sum(carried.values()), carried_by)
 
     def _choose_plan(self, previous: Plan | None, failed: NodeId | None) -> Plan:

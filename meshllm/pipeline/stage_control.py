@@ -251,7 +251,7 @@ class StageControl:
         with self._loading.lock:  # never waits for a Load: see _put for the order of the two
             stage = self._stages.get(request.plan_id)
             if stage is not None and request.leader_id and stage.leaders - {request.leader_id}:
-                stage.leaders.discard(request.leader_id)
+                stage.let_go(request.leader_id)
                 log.info("plan %s: one of its leaders let it go; %d still hold it", request.plan_id,
                          len(stage.leaders))
                 return stage_pb2.UnloadReply(was_loaded=True, held_by_other_leaders=True)
@@ -271,8 +271,12 @@ class StageControl:
         idle = self._stages.pop_idle(lease_s)
         for plan_id, stage, freed in idle:
             self._retire(plan_id, stage, freed, f"unused for its {lease_s:g}s lease; dropped")
-        if idle:
-            self._on_change()
+        lapsed = self._stages.lapse_leaders(lease_s)
+        for plan_id, leaders in lapsed:
+            log.info("plan %s: %d of its leaders stopped renewing it for its %gs lease; their claim lapsed, "
+                     "the others keep the plan", plan_id, len(leaders), lease_s)
+        if idle or lapsed:
+            self._on_change()  # what the node reserves changed
         return [plan_id for plan_id, _, _ in idle]
 
     @staticmethod
@@ -281,7 +285,7 @@ class StageControl:
         retire(stage, lambda: log.info("plan %s %s (%d weight bytes freed)", plan_id, why, freed))
 
     def renew(self, request: stage_pb2.RenewRequest) -> stage_pb2.RenewReply:
-        return stage_pb2.RenewReply(loaded=self._stages.use(request.plan_id) is not None)
+        return stage_pb2.RenewReply(loaded=self._stages.use(request.plan_id, request.leader_id) is not None)
 
     def release(self, request: stage_pb2.ReleaseRequest) -> stage_pb2.ReleaseReply:
         stage = self._stages.use(request.plan_id)

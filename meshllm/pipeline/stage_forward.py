@@ -107,7 +107,7 @@ class ForwardStreams:
                     park = request.end == stage_pb2.END_PARK
                     break
                 received_at = time.time()
-                stage = self._stages.use(request.plan_id)  # renews the plan's lease
+                stage = self._stages.use(request.plan_id, request.leader_id)  # renews the plan's lease, and its leader's
                 if stage is None:
                     if not request.unanswered:
                         replies.put(stage_convert.error_reply(request.step_id, "shard_not_loaded",
@@ -159,7 +159,7 @@ class ForwardStreams:
                 downstream.send(stage_pb2.StepRequest(
                     plan_id=request.plan_id, step_id=request.step_id, seqs=seqs, input=codec.to_pb(out),
                     release=request.release, timings=timings, publish=request.publish, evict=request.evict,
-                    block_size=request.block_size))
+                    block_size=request.block_size, leader_id=request.leader_id))
             else:
                 # The stream ended without a word: closed, or (gRPC may report a peer's death so) the
                 # previous stage died; for a stage, a failure the leader will re-plan around. (Not

@@ -57,8 +57,11 @@ class StepTransport(Protocol):
 class RemotePipeline:
     """One long-lived Forward stream to stage 0 of a plan; stage 0 relays onward."""
 
-    def __init__(self, channel: grpc.Channel, plan_id: str, num_stages: int, stage_names: tuple[str, ...] = ()):
+    def __init__(self, channel: grpc.Channel, plan_id: str, num_stages: int, stage_names: tuple[str, ...] = (),
+                 leader_id: str = ""):
+        """`leader_id`: the leader's id as it loaded the plan; every step names it (StepRequest.leader_id)."""
         self.plan_id = plan_id
+        self.leader_id = leader_id
         self.num_stages = num_stages
         self.stage_names = stage_names or tuple(f"stage {i}" for i in range(num_stages))
         self._stub = stage_pb2_grpc.StageStub(channel)
@@ -75,6 +78,7 @@ class RemotePipeline:
     def submit(self, step: Step) -> Future:
         future: Future = Future()
         message = stage_convert.step_to_pb(self.plan_id, step)
+        message.leader_id = self.leader_id
         with self._lock:
             if self._requests is None:
                 self._open()

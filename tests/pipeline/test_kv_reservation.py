@@ -5,30 +5,44 @@ take later: a second plan placed into that room (another model, another leader's
 node out of memory once the first plan's sequences grow. The node's stages reserve what each
 plan's limits allow (its planner budget); the card leaves that out of its free memory and names
 it per loaded range, a Load counts its own KV and the others' reservations, and a re-plan over a
-loaded range may use the room its own replaced plan reserved. Real StageControl and StageRunner
-on the tiny Llama; the one stand-in is the OS's free-memory reading in the refusal test (this
-machine cannot be made short of memory on demand)."""
+loaded range may use the room its own replaced plan reserved. Each leader's claim on a shared plan
+lapses on its own: one that stops renewing it (a finished `meshllm generate`, a killed server)
+stops reserving its streams' KV after a lease while the others keep the plan; renewals and steps
+name their leader, and one that never names itself (an older leader) keeps its claim until the
+plan lapses. Real StageControl and StageRunner on the tiny Llama, and real stage services on
+loopback gRPC for the steps; the one stand-in is the OS's free-memory reading in the refusal
+test (this machine cannot be made short of memory on demand)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import time
+
 import pytest
 import torch
 
 import meshllm.pipeline.stage_control as stage_control
+from meshllm.cluster.placement import Plan, StageAssignment
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams
 from meshllm.engine.step import SeqWork, Step
 from meshllm.engine.step_limits import StepLimits
 from meshllm.errors import BadRequest, ShardUnavailable
 from meshllm.model.source import open_model
+from meshllm.pipeline.deploy import deploy
 from meshllm.pipeline.loaded_stages import LoadedStages
 from meshllm.pipeline.stage_control import StageControl
-from meshllm.transport import stage_convert
-from meshllm.transport.protos import stage_pb2
+from meshllm.pipeline.stage_service import StageService
+from meshllm.pipeline.transport import RemotePipeline, next_step_id
+from meshllm.transport import auth, stage_convert
+from meshllm.transport.channels import ChannelConfig, ChannelPool
+from meshllm.transport.protos import stage_pb2, stage_pb2_grpc
+from meshllm.transport.server import NodeServer, ServerConfig
 
 CONTEXT, SEQS, BLOCK, BLOCKS = 64, 4, 16, 8
+LIMITS = StepLimits(CONTEXT, SEQS, 32, BLOCK, BLOCKS)
+LEASE_S = 0.4
 
 
 @pytest.fixture
@@ -280,3 +294,98 @@ def test_a_sequence_never_holds_more_kv_than_the_plans_context(control, files):
     assert kv.capacity == context  # not 128
     memory = control._stages.memory()
     assert stage.kv_bytes == stage.kv_budget(1) and memory.reserved == 0
+
+
+def _renew(control, leader: str) -> None:
+    assert control.renew(stage_pb2.RenewRequest(plan_id="plan-a", leader_id=leader)).loaded
+
+
+def test_a_leader_that_stops_renewing_loses_its_claim_and_the_others_keep_the_plan(control, files):
+    changes = []
+    control._on_change = lambda: changes.append(control._stages.memory().reserved)
+    for leader in ("leader-a", "leader-b"):
+        control.load(_request(files, "plan-a", leader=leader))
+        _renew(control, leader)
+    assert control._stages.memory().reserved == _budget(files, 2, leaders=2)
+    time.sleep(LEASE_S + 0.1)
+    _renew(control, "leader-a")  # only leader-a goes on
+    changes.clear()
+    assert control.expire(LEASE_S) == []  # the plan stays: leader-a uses it
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
+    assert control._stages.memory().reserved == _budget(files, 2, leaders=1)
+    assert changes == [_budget(files, 2, leaders=1)]  # the card is rebuilt with the smaller reservation at once
+    time.sleep(LEASE_S + 0.1)
+    assert control.expire(LEASE_S) == ["plan-a"]  # the last leader is never let go alone: the plan lapses
+
+
+def test_a_leader_that_never_names_itself_keeps_its_claim_until_the_plan_lapses(control, files):
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    control.load(_request(files, "plan-a", leader="older-leader"))  # loads naming itself, but its Renews and steps do not
+    _renew(control, "leader-a")
+    assert control.renew(stage_pb2.RenewRequest(plan_id="plan-a")).loaded
+    time.sleep(LEASE_S + 0.1)
+    _renew(control, "leader-a")
+    assert control.expire(LEASE_S) == []
+    assert control._stages.get("plan-a").leaders == {"leader-a", "older-leader"}
+    assert control._stages.memory().reserved == _budget(files, 2, leaders=2)
+
+
+def test_a_renewal_naming_a_leader_the_plan_does_not_have_claims_nothing(control, files):
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    _renew(control, "leader-a")
+    _renew(control, "stranger")  # renews the plan's lease, adds no claim
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
+    assert control._stages.memory().reserved == _budget(files, 2, leaders=1)
+
+
+def test_steps_renew_the_claim_of_the_leader_that_sends_them_on_every_stage(aidreams_path, files):
+    """Three leaders share a 2-stage plan on stage services with a short lease: leader-a only
+    steps, leader-b renews once and goes quiet, leader-c only renews. After some leases, leader-b's
+    claim is gone from both stages and leader-a's stays: its steps named it, and stage 0 passed its
+    name on to stage 1 (had they not, its claim would lapse too)."""
+    key = auth.generate_key()
+    channels = ChannelPool(ChannelConfig("leader", key))
+    services, servers, stream = [], [], None
+    try:
+        for i in range(2):
+            services.append(StageService(lambda model_id, fingerprint: aidreams_path, channels, plan_lease_s=LEASE_S))
+            servers.append(NodeServer(ServerConfig("127.0.0.1", 0, key, node_id=f"stage-{i}")))
+            servers[i].add(stage_pb2_grpc.add_StageServicer_to_server, services[i])
+            servers[i].start()
+            services[i].start()  # its sweeper expires plans and lapses claims every quarter lease
+        n = files.config.num_hidden_layers
+        plan = Plan(files.model_id, files.source.fingerprint(), n, 64, 4, 4, 4,
+                    (StageAssignment("stage-0", servers[0].address, 0, n // 2, 0, 0, 0),
+                     StageAssignment("stage-1", servers[1].address, n // 2, n, 0, 0, 0)), 0.0, False)
+        plan_ids = {deploy(plan, channels, "float32", limits=LIMITS, leader_id=leader)
+                    for leader in ("leader-a", "leader-b", "leader-c")}
+        assert len(plan_ids) == 1
+        plan_id = plan_ids.pop()
+        stubs = [stage_pb2_grpc.StageStub(channels.get(server.address, f"stage-{i}"))
+                 for i, server in enumerate(servers)]
+
+        def renew(leader: str) -> None:
+            for stub in stubs:
+                assert stub.Renew(stage_pb2.RenewRequest(plan_id=plan_id, leader_id=leader), timeout=10).loaded
+
+        for leader in ("leader-a", "leader-b", "leader-c"):
+            renew(leader)
+        stream = RemotePipeline(channels.get(servers[0].address, "stage-0"), plan_id, 2, leader_id="leader-a")
+        deadline = time.monotonic() + 4 * LEASE_S
+        position = 0
+        while time.monotonic() < deadline:
+            start = position % 32  # back to 0 now and then (a rollback): within the plan's context
+            token = torch.tensor([start + 1])
+            assert stream.submit(Step(next_step_id(), (SeqWork(7, start, 1),), token)).result(timeout=30).ok
+            renew("leader-c")
+            position += 1
+            time.sleep(0.02)
+        assert [service.control._stages.get(plan_id).leaders for service in services] == [{"leader-a", "leader-c"}] * 2
+    finally:
+        if stream is not None:
+            stream.close()
+        for service in services:
+            service.stop()
+        channels.close()
+        for server in servers:
+            server.stop(0)
