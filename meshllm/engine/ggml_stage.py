@@ -379,9 +379,11 @@ class GGMLStage:
 
     @staticmethod
     def _remainder_by_block(s: GraphScope, remainder):
-        """A group-major remainder [8, blocks, rows / 8] (ggml_weights.split_q4_1) as [rows, blocks],
-        what ggml_out_prod takes: a copy each step, on the path without meshllm's ops only."""
+        """A group-major remainder [8, blocks, rows / 8] (ggml_weights.split_q4_1) as [rows, blocks]
+        in float32, what ggml_out_prod takes: a copy each step, on the path without meshllm's ops only."""
         g, (eight, blocks, groups) = s.g, tuple(remainder.contents.ne[:3])
+        if remainder.contents.type != g.GGML_TYPE_F32:  # held in float16 (exactly the same values)
+            remainder = g.ggml_cast(s.ctx, remainder, g.GGML_TYPE_F32)
         by_block = g.ggml_cont(s.ctx, g.ggml_permute(s.ctx, remainder, 0, 2, 1, 3))  # [8, groups, blocks]
         return g.ggml_reshape_2d(s.ctx, by_block, eight * groups, blocks)
 

@@ -375,6 +375,38 @@ def test_q4_1_remainder_op_matches_ggmls_own_ops_and_the_torch_path(smollm2_gguf
         torch.testing.assert_close(a, c, rtol=0, atol=1e-3 * scale)
 
 
+def test_a_q4_1_remainder_in_float16_gives_every_path_the_bits_of_float32(smollm2_gguf_path, monkeypatch):
+    """split_q4_1 holds a remainder in float16 where its values are all float16s (118 of the
+    shipped model's 120 Q4_1 matrices): each path (meshllm's few-row op, its remainder op after
+    ggml's product, ggml's own ops, the torch path) reads the same float32 values from it, so its
+    logits are bitwise those of the same model with every remainder held in float32."""
+    from meshllm.engine import ggml_weights
+    from meshllm.engine.kernels.custom_ops import q4_remainder_op
+
+    if runtime() is None or q4_remainder_op() is None:
+        pytest.skip("ggml or the remainder op is not built here")
+    files = open_model(smollm2_gguf_path)
+
+    def every_path() -> list[torch.Tensor]:
+        d = load_stage_decoder(files.source, files.config)
+        out = _run(d, PROMPTS, 2, True)
+        d.fast_path._drop_cached()
+        d.fast_path._quant_few_rows_ops = {}
+        out += _run(d, PROMPTS, 2, True)
+        d.fast_path._drop_cached()
+        d.fast_path._remainder_op = None
+        return out + _run(d, PROMPTS, 2, True) + _run(d, PROMPTS, 2, False)
+
+    halves = every_path()
+    split = ggml_weights.split_q4_1
+    held = []
+    monkeypatch.setattr(ggml_weights, "split_q4_1", lambda m: (lambda q, r: (held.append(r.dtype), (q, r.float()))[1])(
+        *split(m)))
+    singles = every_path()
+    assert held.count(torch.float16) >= 0.9 * len(held)
+    assert all(torch.equal(h, s) for h, s in zip(halves, singles))
+
+
 def test_generated_tokens_recomputed_in_decode_sized_pieces_get_the_kv_bits_they_had(smollm2_gguf_path):
     """What a failover's re-prefill relies on (Scheduler._work_for): in the default kernels the
     prompt in its own chunk, then the generated tokens in pieces of up to 16 rows, write the KV

@@ -145,7 +145,8 @@ def test_bad_shape_is_refused_before_ggml(rt):
 def test_q4_1_held_as_q4_0_plus_remainder_is_exactly_its_weights(rt):
     """ggml has repacked (fast) kernels for Q4_0 and none for Q4_1: a Q4_1 matrix is held as the
     Q4_0 blocks of the same scales and nibbles plus a per-block remainder 8d + m. Those weights are
-    bitwise the Q4_1 ones (gguf's dequantization of both), and the form takes 22 bytes a block."""
+    bitwise the Q4_1 ones (gguf's dequantization of both), and the form takes the 20 bytes a block
+    Q4_1 takes: the remainder in float16, whose values it holds exactly."""
     from meshllm.engine.ggml_weights import remainder_by_block, split_q4_1
 
     blocks = quantize(rt, torch.randn(64, 512, generator=torch.Generator().manual_seed(6)) * 0.05, GGML.Q4_1)
@@ -158,9 +159,27 @@ def test_q4_1_held_as_q4_0_plus_remainder_is_exactly_its_weights(rt):
     assert torch.equal(held, blocks.dequantize())
     matrix = GGMLMatrix(rt, blocks)
     assert matrix.ggml_type == GGML.Q4_1 and matrix.remainder is not None  # this CPU repacks Q4_0
-    assert matrix.num_bytes == blocks.num_bytes * 22 // 20
+    assert matrix.remainder.dtype == torch.float16 and matrix.num_bytes == blocks.num_bytes
     # the plain layout (embedding lookups) keeps Q4_1 as stored
     assert GGMLMatrix(rt, blocks, repack=False).remainder is None
+
+
+def test_a_q4_1_remainder_that_is_not_all_float16s_stays_float32_and_exact(rt):
+    """8d + m can need more than float16's 11 significant bits (d = 1, m = 2^-10: 8 + 2^-10): then
+    the matrix's remainder stays float32 (22 bytes a block), and the weights are still exactly its
+    Q4_1 ones."""
+    from meshllm.engine.ggml_weights import BlockMatrix, remainder_by_block, split_q4_1
+
+    blocks = quantize(rt, torch.randn(16, 64, generator=torch.Generator().manual_seed(7)) * 0.05, GGML.Q4_1)
+    data = blocks.data.clone().reshape(16, 2, 20)
+    data[5, 1, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)  # d
+    data[5, 1, 2:4] = torch.tensor([2.0 ** -10], dtype=torch.float16).view(torch.uint8)  # m
+    odd = BlockMatrix(data.reshape(16, 40), GGML.Q4_1, 64)
+    q4_0, remainder = split_q4_1(odd)
+    assert remainder.dtype == torch.float32 and remainder_by_block(remainder)[1, 5] == 8 + 2.0 ** -10
+    held = q4_0.dequantize() + remainder_by_block(remainder).t().repeat_interleave(32, dim=1)
+    assert torch.equal(held, odd.dequantize())
+    assert GGMLMatrix(rt, odd).num_bytes == odd.num_bytes * 22 // 20
 
 
 def test_ggml_log_lines_go_to_python_logging_not_stderr(rt, caplog, capfd):

@@ -144,6 +144,36 @@ def test_the_q4_1_remainder_is_the_split_matrixs_own(rt):
     torch.testing.assert_close(_op(rt, matrix, x).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_q4_1_remainder_held_in_float16_gives_the_products_of_its_float32_values(rt):
+    """split_q4_1 holds a remainder in float16 where all its values are float16s: both ops read the
+    same float32 values from either form, so every product is bitwise the float32 form's. (Seed
+    16: one of the random matrices whose remainder is all float16s; on Gaussian weights about one
+    value in 3,000 is not, so most such matrices of this size keep float32.)"""
+    blocks = quantize(rt, torch.randn(256, 576, generator=torch.Generator().manual_seed(16)) * 0.05, GGML.Q4_1)
+    half = GGMLMatrix(rt, blocks)
+    assert half.remainder is not None and half.remainder.dtype == torch.float16
+    single = GGMLMatrix(rt, blocks)
+    single.remainder = single.remainder.float()
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(14))
+    for n in (1, 4, 13):
+        assert torch.equal(_op(rt, half, x[:n]), _op(rt, single, x[:n])), n
+    remainder_op = q4_remainder_op()
+    if remainder_op is None:
+        pytest.skip("the remainder op (q4_remainder.c) is not built here")
+
+    def plus_remainder(matrix: GGMLMatrix) -> torch.Tensor:
+        main = torch.randn(13, 256, generator=torch.Generator().manual_seed(15))  # stands in for a Q4_0 product
+        y = torch.empty(13, 256)
+        with GraphScope(rt) as s:
+            args = (ctypes.POINTER(type(matrix.tensor.contents)) * 3)(s.wrap(main), s.wrap(x), s.wrap(matrix.remainder))
+            yt = rt.lib.ggml_custom_4d(s.ctx, 0, 256, 13, 1, 1, args, 3, rt.lib.ggml_custom_op_t(remainder_op), -1, None)
+            s.point(yt, y)
+            s.compute(yt)
+        return y
+
+    assert torch.equal(plus_remainder(half), plus_remainder(single))
+
+
 @pytest.fixture(scope="module")
 def q4_1_decoder(rt, smollm2_gguf_path):
     files = open_model(smollm2_gguf_path)  # SmolLM2 as shipped: Q4_1 layers, a Q8_0 embedding and head

@@ -23,7 +23,8 @@
  *           or Q8_0 [K, N] plain: per row K / 32 blocks of an f16 scale and 32 int8
  *     src1  f32 [K, n] activations, n <= OP_MAX_ROWS for Q8_0, any n for Q4_0
  *     src2  Q4_0 only, optional: a Q4_1 matrix's per-block remainder R (ggml_weights.split_q4_1),
- *           adding sum_b R[b][r] * (x summed over block b); f32 group-major [8, K / 32, N / 8]
+ *           adding sum_b R[b][r] * (x summed over block b); f32 or f16 (the same values where
+ *           all are float16s: 2 bytes a block less to read), group-major [8, K / 32, N / 8]
  *           (R[b][r] at ((r / 8) * (K / 32) + b) * 8 + r % 8), contiguous
  *     dst   f32 [N, n]
  * Built by build.py with -march=native against the pinned ggml's header; without AVX-512 VNNI it
@@ -60,9 +61,10 @@ struct quantized {
     int32_t *offset;
     size_t capacity;
     int64_t rows;
-    /* a Q4_1 product's remainder (src2, group-major; NULL for Q4_0), and the weights' first group
-     * of 8 rows (a pass adds the columns of R of the groups it multiplies) */
-    const float *remainder;
+    /* a Q4_1 product's remainder (src2, group-major; NULL for Q4_0; f32 or, in remainder_f16, f16),
+     * and the weights' first group of 8 rows (a pass adds the columns of R of the groups it multiplies) */
+    const void *remainder;
+    int remainder_f16;
     const uint8_t *groups;
 };
 
@@ -195,8 +197,11 @@ static inline __attribute__((always_inline)) void add_remainder(__m512 acc[], co
     const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
     const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; b++) {
-        const float *r = xq->remainder + r0 * blocks + b * 8; /* R[b][r0 .. r0 + 8) */
-        const __m512 rb = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(_mm256_loadu_ps(r)));
+        const int64_t at = r0 * blocks + b * 8; /* R[b][r0 .. r0 + 8) */
+        const __m256 r8 = xq->remainder_f16
+            ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)xq->remainder + at)))
+            : _mm256_loadu_ps((const float *)xq->remainder + at);
+        const __m512 rb = _mm512_permutexvar_ps(pairs, _mm512_castps256_ps512(r8));
         const float *s = xq->sum + b * xq->rows + m0;
 #pragma GCC unroll 8 /* at least ROWS_PER_PASS / 2, as in accumulate_block */
         for (int m = 0; m + 1 < MX; m += 2) /* lanes 2r / 2r+1: rows m / m+1's block sums */
@@ -241,9 +246,9 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     if (n < 1 || w->type != GGML_TYPE_Q4_0 || N % 8 || K % 32 || x->type != GGML_TYPE_F32
         || x->ne[0] != K || x->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32 || dst->ne[0] != N
         || dst->ne[1] != n || dst->nb[0] != sizeof(float)
-        || (r && (r->type != GGML_TYPE_F32 || r->ne[0] != 8 || r->ne[1] != K / 32 || r->ne[2] != N / 8
-                  || r->nb[0] != sizeof(float) || r->nb[1] != 8 * sizeof(float)
-                  || r->nb[2] != (size_t)(K / 32) * 8 * sizeof(float))))
+        || (r && ((r->type != GGML_TYPE_F32 && r->type != GGML_TYPE_F16) || r->ne[0] != 8 || r->ne[1] != K / 32
+                  || r->ne[2] != N / 8 || r->nb[0] != (r->type == GGML_TYPE_F16 ? 2u : 4u)
+                  || r->nb[1] != 8 * r->nb[0] || r->nb[2] != (size_t)(K / 32) * 8 * r->nb[0])))
         abort();
     int64_t g0, g1;
     share(N / 8, ith, nth, &g0, &g1);
@@ -252,7 +257,8 @@ void meshllm_ggml_q4_0x8_few_rows(struct ggml_tensor *dst, int ith, int nth, voi
     static __thread struct quantized xq;
     quantize_rows(x, n, K, &xq, FOR_Q4_0 | (r ? WITH_SUMS : 0));
     xq.groups = (const uint8_t *)w->data;
-    xq.remainder = r ? (const float *)r->data : NULL;
+    xq.remainder = r ? r->data : NULL;
+    xq.remainder_f16 = r && r->type == GGML_TYPE_F16;
     quantized_groups_times_passes(xq.groups, (K / 32) * GROUP_BYTES, g0, g1, &xq, K, n, group_dispatch, dst);
     release_large(&xq);
 }
