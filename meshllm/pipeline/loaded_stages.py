@@ -75,21 +75,22 @@ class LoadedStage:
     rows_computed: int = 0
     rows_skipped: int = 0
     # The leaders that loaded the plan ("" for one that gave no id): an Unload by one of them
-    # leaves the plan to the others (stage_control.unload).
+    # leaves the plan to the others (stage_control.unload). Changed only under LoadedStages' lock.
     leaders: set[str] = field(init=False)
-    # When each of them last renewed the plan naming itself (Renew.leader_id; a leader that never
-    # does, an older one, is not here): one that stops for a lease loses its claim while the
-    # others keep the plan in use (LoadedStages.lapse_leaders).
+    # When each named leader last loaded the plan or used it naming itself (a step's or a Renew's
+    # leader_id): one that stops for a lease loses its claim while the others keep the plan in use
+    # (LoadedStages.lapse_leaders), and gets it back when it names itself again (`lapsed`).
     renewed_by: dict[str, float] = field(default_factory=dict)
+    lapsed: set[str] = field(default_factory=set)
+    # The last use naming no leader (an older leader's step or Renew, or a step relayed by an older
+    # stage): while there are such uses no claim lapses, since this stage cannot tell whose they are.
+    used_unnamed: float = 0.0
 
     def __post_init__(self):
         self.limits = stage_convert.limits_from_pb(self.request)
         self.leaders = {self.request.leader_id}
-
-    def let_go(self, leader_id: str) -> None:
-        """Drop one leader's claim (its Unload, or its lapse)."""
-        self.leaders.discard(leader_id)
-        self.renewed_by.pop(leader_id, None)
+        if self.request.leader_id:
+            self.renewed_by[self.request.leader_id] = self.last_used
         self.runner.prefix.set_capacity(self.limits.max_prefix_blocks)
 
     @property
@@ -136,15 +137,47 @@ class LoadedStages:
             return self._stages.get(plan_id)
 
     def use(self, plan_id: str, leader_id: str = "") -> LoadedStage | None:
-        """The plan's stage, its lease renewed (a leader named it; `leader_id`: a Renew naming
-        one of the plan's leaders renews that leader's claim too)."""
+        """The plan's stage, its lease renewed (a leader named it; `leader_id`: a step or Renew
+        naming one of the plan's leaders renews that leader's claim too, and gives back one that
+        lapsed: it is using the plan)."""
         with self._lock:
             stage = self._stages.get(plan_id)
             if stage is not None:
                 stage.last_used = time.monotonic()
-                if leader_id and leader_id in stage.leaders:
+                if not leader_id:
+                    stage.used_unnamed = stage.last_used
+                elif leader_id in stage.leaders or leader_id in stage.lapsed:
+                    stage.leaders.add(leader_id)
+                    stage.lapsed.discard(leader_id)
                     stage.renewed_by[leader_id] = stage.last_used
             return stage
+
+    def claim(self, plan_id: str, leader_id: str) -> None:
+        """Another leader loaded the plan (StageControl._join): it holds a claim from now."""
+        with self._lock:
+            stage = self._stages.get(plan_id)
+            if stage is not None:
+                stage.leaders.add(leader_id)
+                stage.lapsed.discard(leader_id)
+                if leader_id:
+                    stage.renewed_by[leader_id] = time.monotonic()
+
+    def let_go(self, plan_id: str, leader_id: str) -> bool:
+        """Drop one leader's claim when another leader still holds the plan (that leader's
+        Unload); False, changing nothing, when it is the last one (then the plan goes)."""
+        with self._lock:
+            stage = self._stages.get(plan_id)
+            if stage is None or not leader_id or not stage.leaders - {leader_id}:
+                return False
+            stage.leaders.discard(leader_id)
+            stage.renewed_by.pop(leader_id, None)
+            return True
+
+    def leaders(self, plan_id: str) -> frozenset[str]:
+        """The leaders holding a claim on the plan now (none when it is not loaded)."""
+        with self._lock:
+            stage = self._stages.get(plan_id)
+            return frozenset(stage.leaders) if stage is not None else frozenset()
 
     def pop_idle(self, lease_s: float) -> list[tuple[str, LoadedStage, int]]:
         """Remove the leased plans no leader used for `lease_s`: (plan id, stage, weight bytes freed) each.
@@ -156,19 +189,26 @@ class LoadedStages:
             return [(p, s, self._drop_unused(s.weights.key)) for p, s in zip(idle, popped)]
 
     def lapse_leaders(self, lease_s: float) -> list[tuple[str, list[str]]]:
-        """Let go of the claims of leaders that renewed a plan naming themselves but not for
-        `lease_s`, while another leader still holds it: (plan id, leaders let go) each. Leaders of one
-        plan share its lease (any step renews it), so without this the claim of a leader that is gone
-        (a finished `generate`, a killed server) would reserve its streams' KV for as long as the
-        others use the plan. A plan's last leader is never let go here: the plan's own lease decides."""
+        """Let go of the claims of named leaders that neither loaded a plan nor used it naming
+        themselves for `lease_s`, while another leader still holds it: (plan id, leaders let go)
+        each. Leaders of one plan share its lease (any step renews it), so without this the claim
+        of a leader that is gone (a finished `generate`, a killed server) would reserve its streams'
+        KV for as long as the others use the plan. A plan's last leader is never let go here (the
+        plan's own lease decides), nor any while the plan has uses naming no leader (an older
+        leader's, or steps an older stage relayed), nor a tensor-parallel worker rank's (it sees
+        no steps; its group ends with rank 0's plan): there, claims go with the plan as before."""
         idle_since = time.monotonic() - lease_s
         lapsed = []
         with self._lock:
             for plan_id, stage in self._stages.items():
+                if not stage.leased or stage.used_unnamed >= idle_since:
+                    continue
                 gone = sorted(leader for leader, at in stage.renewed_by.items() if at < idle_since)
-                if gone and stage.leased and stage.leaders - set(gone):
+                if gone and stage.leaders - set(gone):
                     for leader in gone:
-                        stage.let_go(leader)
+                        stage.leaders.discard(leader)
+                        del stage.renewed_by[leader]
+                    stage.lapsed.update(gone)
                     lapsed.append((plan_id, gone))
         return lapsed
 
@@ -190,6 +230,7 @@ class LoadedStages:
             if previous is not None:
                 stage.leaders |= previous.leaders  # a reload (a failed group formed again) serves them all
                 stage.renewed_by = {**previous.renewed_by, **stage.renewed_by}
+                stage.lapsed = previous.lapsed - stage.leaders
                 self._drop_unused(previous.weights.key)
         return previous
 
@@ -252,10 +293,10 @@ class LoadedStages:
         with self._lock:
             stages = list(self._stages.items())
             weights = sum(w.num_bytes for w in self._weights.values())
+            leaders = [frozenset(s.leaders) for _, s in stages]  # under the lock: a Load or lapse changes them
         plans = []
-        for plan_id, s in stages:
-            leaders = frozenset(s.leaders)  # one reading: a Load may add a leader meanwhile
-            plans.append(_PlanKV(plan_id, s.weights.key, leaders, s.kv_budget(len(leaders)), s.kv_bytes))
+        for (plan_id, s), named in zip(stages, leaders):
+            plans.append(_PlanKV(plan_id, s.weights.key, named, s.kv_budget(len(named)), s.kv_bytes))
         return weights, plans
 
     def items(self) -> list[tuple[str, LoadedStage]]:

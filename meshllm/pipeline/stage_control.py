@@ -77,7 +77,8 @@ class StageControl:
         with self._loading.turn(request.plan_id, request.leader_id) as unloaded:  # a second Load waits, then reuses
             with self._loading.lock:  # ordered against an Unload of the plan by its last other leader
                 existing = self._reusable(request)
-                if existing is not None and request.leader_id in existing.leaders:  # one of its leaders again
+                if existing is not None and request.leader_id in self._stages.leaders(request.plan_id):
+                    # one of its leaders again
                     return stage_pb2.LoadReply(plan_id=request.plan_id, reused_weights=True)
             joined = existing is not None and self._join(request)
             started = time.perf_counter()
@@ -102,8 +103,8 @@ class StageControl:
                 weights, num_bytes_read = self._load_weights(request, key)
                 self._faults.after_load()
             else:  # no read, so no _check_memory: its KV is all it adds
-                replaced = self._stages.get(request.plan_id)  # a reload: it serves their leaders too (put)
-                leaders = (replaced.leaders if replaced is not None else set()) | {request.leader_id}
+                # a reload serves the leaders of the plan it replaces too (put)
+                leaders = set(self._stages.leaders(request.plan_id)) | {request.leader_id}
                 self._check_added_kv(request, weights, leaders, keeps_kv=False)
             self._put(request, weights, None, unloaded)
         return num_bytes_read
@@ -116,9 +117,10 @@ class StageControl:
             existing = self._reusable(request)
             if existing is None:
                 return False
-            if request.leader_id not in existing.leaders:
-                self._check_added_kv(request, existing.weights, existing.leaders | {request.leader_id}, keeps_kv=True)
-            existing.leaders.add(request.leader_id)
+            held = self._stages.leaders(request.plan_id)
+            if request.leader_id not in held:
+                self._check_added_kv(request, existing.weights, set(held) | {request.leader_id}, keeps_kv=True)
+            self._stages.claim(request.plan_id, request.leader_id)
             return True
 
     def _put(self, request: stage_pb2.LoadRequest, weights: SharedWeights, runner, unloaded: threading.Event) -> None:
@@ -141,7 +143,7 @@ class StageControl:
         holds _loading.lock."""
         if self._closed:
             raise ShardUnavailable("this node is stopping; plan its layers on another node")
-        existing = self._stages.use(request.plan_id)
+        existing = self._stages.use(request.plan_id, request.leader_id)
         return existing if existing is not None and same_load(existing, request) else None
 
     def _check_added_kv(self, request: stage_pb2.LoadRequest, weights: SharedWeights, leaders: set[str],
@@ -249,11 +251,9 @@ class StageControl:
         that leader's streams go on (the plan still goes when no leader uses it for its lease).
         An Unload naming no leader is for every leader."""
         with self._loading.lock:  # never waits for a Load: see _put for the order of the two
-            stage = self._stages.get(request.plan_id)
-            if stage is not None and request.leader_id and stage.leaders - {request.leader_id}:
-                stage.let_go(request.leader_id)
+            if self._stages.let_go(request.plan_id, request.leader_id):
                 log.info("plan %s: one of its leaders let it go; %d still hold it", request.plan_id,
-                         len(stage.leaders))
+                         len(self._stages.leaders(request.plan_id)))
                 return stage_pb2.UnloadReply(was_loaded=True, held_by_other_leaders=True)
             self._loading.unload(request.plan_id, request.leader_id)
             stage, freed = self._stages.pop(request.plan_id)

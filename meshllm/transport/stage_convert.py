@@ -96,7 +96,8 @@ def chores_to_pb(msg: stage_pb2.StepRequest) -> stage_pb2.StepRequest | None:
     if not (msg.release or msg.publish or msg.evict):
         return None
     return stage_pb2.StepRequest(plan_id=msg.plan_id, step_id=msg.step_id, input=_NO_INPUT, release=msg.release,
-                                 publish=msg.publish, evict=msg.evict, block_size=msg.block_size, unanswered=True)
+                                 publish=msg.publish, evict=msg.evict, block_size=msg.block_size, unanswered=True,
+                                 leader_id=msg.leader_id)
 
 
 def kept_seqs_to_pb(entries, kept) -> list[stage_pb2.SeqEntry]:

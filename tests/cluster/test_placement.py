@@ -361,8 +361,8 @@ def test_quantized_weight_bytes_replace_parameters_times_dtype_bytes():
 
 def test_held_weight_bytes_of_the_q4_1_gguf_are_what_a_stage_holds(smollm2_gguf_path):
     """About the file's size: the blocks as stored, the Q4_1 layers as Q4_0 blocks plus a per-block
-    remainder (ggml_weights.split_q4_1: in float16, the file's 20 bytes a block, but for 2 of 120
-    matrices held in float32), and within 1% of what a loaded stage holds."""
+    remainder (ggml_weights.split_q4_1), budgeted in float32 (10% over the file's 20 bytes a block),
+    what a loaded stage holds at most: it holds 118 of its 120 matrices' in float16."""
     from meshllm.engine.ggml_lib import runtime
     from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
     from meshllm.model.source import open_model
@@ -375,7 +375,7 @@ def test_held_weight_bytes_of_the_q4_1_gguf_are_what_a_stage_holds(smollm2_gguf_
     assert 0.95 < total / smollm2_gguf_path.stat().st_size < 1.1
     assert held.lm_head == held.embedding  # tied: the same Q8_0 table
     stage = load_stage_decoder(files.source, files.config, dtype=torch.float32)
-    assert abs(decoder_bytes(stage) - total) < 0.01 * total
+    assert 0.9 * total < decoder_bytes(stage) <= total
 
 
 def test_a_cpu_first_stage_that_reads_embedding_rows_from_the_file_is_not_charged_for_the_table():
@@ -415,7 +415,8 @@ def test_a_cpu_first_stage_that_reads_embedding_rows_from_the_file_is_not_charge
 
 def test_a_first_stage_of_the_q4_1_gguf_holds_no_embedding_table(smollm2_gguf_path):
     """What the budget above assumes, on real weights: a first stage of SmolLM2 Q4_1 (its Q8_0 table
-    tied to a head the stage does not hold) holds its layers and none of the table."""
+    tied to a head the stage does not hold) holds its layers and none of the table (the layers
+    budgeted with float32 remainders, held mostly in float16: at most the budget, within 10%)."""
     from meshllm.engine.ggml_lib import runtime
     from meshllm.engine.stage_weights import decoder_bytes, held_weight_bytes, load_stage_decoder
     from meshllm.model.source import open_model
@@ -426,7 +427,7 @@ def test_a_first_stage_of_the_q4_1_gguf_holds_no_embedding_table(smollm2_gguf_pa
     held = held_weight_bytes(files.source, files.config, dtype_bytes=4)
     assert held.embedding_in_file
     stage = load_stage_decoder(files.source, files.config, 0, 10, dtype=torch.float32)
-    assert abs(decoder_bytes(stage) - 10 * held.layer) < 0.02 * 10 * held.layer
+    assert 0.9 * 10 * held.layer < decoder_bytes(stage) <= 10 * held.layer
 
 
 def test_a_cpu_node_checks_a_first_stage_load_without_the_table_it_will_not_hold(smollm2_gguf_path, monkeypatch):

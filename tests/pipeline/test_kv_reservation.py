@@ -314,20 +314,43 @@ def test_a_leader_that_stops_renewing_loses_its_claim_and_the_others_keep_the_pl
     assert control._stages.get("plan-a").leaders == {"leader-a"}
     assert control._stages.memory().reserved == _budget(files, 2, leaders=1)
     assert changes == [_budget(files, 2, leaders=1)]  # the card is rebuilt with the smaller reservation at once
+    _renew(control, "leader-b")  # back (it was only away): using the plan gives its claim back
+    assert control._stages.get("plan-a").leaders == {"leader-a", "leader-b"}
+    assert control._stages.memory().reserved == _budget(files, 2, leaders=2)
     time.sleep(LEASE_S + 0.1)
     assert control.expire(LEASE_S) == ["plan-a"]  # the last leader is never let go alone: the plan lapses
 
 
-def test_a_leader_that_never_names_itself_keeps_its_claim_until_the_plan_lapses(control, files):
+def test_a_leader_that_loaded_and_never_used_the_plan_loses_its_claim(control, files):
     control.load(_request(files, "plan-a", leader="leader-a"))
-    control.load(_request(files, "plan-a", leader="older-leader"))  # loads naming itself, but its Renews and steps do not
-    _renew(control, "leader-a")
-    assert control.renew(stage_pb2.RenewRequest(plan_id="plan-a")).loaded
+    control.load(_request(files, "plan-a", leader="leader-b"))  # then killed before its first step
     time.sleep(LEASE_S + 0.1)
     _renew(control, "leader-a")
+    control.expire(LEASE_S)
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
+
+
+def test_while_a_plan_is_used_naming_no_leader_no_claim_lapses(control, files):
+    """An older leader's steps and Renews name nobody (as do steps an older stage relays): while
+    such uses go on, this stage cannot tell whose they are, so every claim stays; once they stop
+    for a lease, the claims nobody renewed lapse."""
+    control.load(_request(files, "plan-a", leader="leader-a"))
+    control.load(_request(files, "plan-a", leader="older-leader"))  # loads naming itself, but its Renews do not
+    time.sleep(LEASE_S + 0.1)
+    _renew(control, "leader-a")
+    assert control.renew(stage_pb2.RenewRequest(plan_id="plan-a")).loaded
     assert control.expire(LEASE_S) == []
     assert control._stages.get("plan-a").leaders == {"leader-a", "older-leader"}
     assert control._stages.memory().reserved == _budget(files, 2, leaders=2)
+    time.sleep(LEASE_S + 0.1)
+    _renew(control, "leader-a")  # the older leader went away
+    control.expire(LEASE_S)
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
+
+
+def test_a_loaded_stage_keeps_the_prefix_blocks_its_plan_allows(control, files):
+    control.load(_request(files, "plan-a"))
+    assert control._stages.get("plan-a").runner.prefix.capacity_blocks == BLOCKS
 
 
 def test_a_renewal_naming_a_leader_the_plan_does_not_have_claims_nothing(control, files):

@@ -75,8 +75,14 @@ void meshllm_ggml_q4_remainder(struct ggml_tensor *dst, int ith, int nth, void *
             for (int64_t g = g0; g < g1; g++) {
                 const int64_t at = (g * blocks + b) * 8;
                 float rg[8];
-                if (r_size == 2) for (int i = 0; i < 8; i++) rg[i] = half_to_float(((const uint16_t *)r->data)[at + i]);
-                else memcpy(rg, (const float *)r->data + at, sizeof rg);
+                if (r_size == 4) memcpy(rg, (const float *)r->data + at, sizeof rg);
+                else {
+#if defined(__F16C__)
+                    _mm256_storeu_ps(rg, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)r->data + at))));
+#else
+                    for (int i = 0; i < 8; i++) rg[i] = half_to_float(((const uint16_t *)r->data)[at + i]);
+#endif
+                }
                 for (int i = 0; i < 8; i++) out[g * 8 + i] += rg[i] * sum;
             }
         }
