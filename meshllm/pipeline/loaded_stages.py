@@ -136,17 +136,18 @@ class LoadedStages:
         with self._lock:
             return self._stages.get(plan_id)
 
-    def use(self, plan_id: str, leader_id: str = "") -> LoadedStage | None:
-        """The plan's stage, its lease renewed (a leader named it; `leader_id`: a step or Renew
-        naming one of the plan's leaders renews that leader's claim too, and gives back one that
-        lapsed: it is using the plan)."""
+    def use(self, plan_id: str, leader_id: str | None = None) -> LoadedStage | None:
+        """The plan's stage, its lease renewed (a leader named it). `leader_id`, for a step, a Renew
+        or a Load: the leader it names renews its claim too (and gets back one that lapsed: it is
+        using the plan); "" names none (see used_unnamed). None: a call that carries no leader
+        field (Release, Adopt) renews the plan only."""
         with self._lock:
             stage = self._stages.get(plan_id)
             if stage is not None:
                 stage.last_used = time.monotonic()
-                if not leader_id:
+                if leader_id == "":
                     stage.used_unnamed = stage.last_used
-                elif leader_id in stage.leaders or leader_id in stage.lapsed:
+                elif leader_id is not None and (leader_id in stage.leaders or leader_id in stage.lapsed):
                     stage.leaders.add(leader_id)
                     stage.lapsed.discard(leader_id)
                     stage.renewed_by[leader_id] = stage.last_used
