@@ -91,6 +91,8 @@ class LoadedStage:
         self.leaders = {self.request.leader_id}
         if self.request.leader_id:
             self.renewed_by[self.request.leader_id] = self.last_used
+        else:
+            self.used_unnamed = self.last_used
         self.runner.prefix.set_capacity(self.limits.max_prefix_blocks)
 
     @property
@@ -131,27 +133,38 @@ class LoadedStages:
         self._lock = threading.Lock()
         self._stages: dict[str, LoadedStage] = {}
         self._weights: dict[WeightKey, SharedWeights] = {}
+        self._claims_restored = False  # since take_restored: a lapsed leader's use gave its claim back
 
     def get(self, plan_id: str) -> LoadedStage | None:
         with self._lock:
             return self._stages.get(plan_id)
 
-    def use(self, plan_id: str, leader_id: str | None = None) -> LoadedStage | None:
+    def use(self, plan_id: str, leader_id: str | None = None, restore: bool = True) -> LoadedStage | None:
         """The plan's stage, its lease renewed (a leader named it). `leader_id`, for a step, a Renew
-        or a Load: the leader it names renews its claim too (and gets back one that lapsed: it is
-        using the plan); "" names none (see used_unnamed). None: a call that carries no leader
-        field (Release, Adopt) renews the plan only."""
+        or a Load: the leader it names renews its claim too, and with `restore` gets back one that
+        lapsed (it is using the plan; take_restored tells); "" names none (see used_unnamed). None:
+        a call that carries no leader field (Release, Adopt) renews the plan only. A Load does not
+        restore: its leader joins again, through the memory check (StageControl._join)."""
         with self._lock:
             stage = self._stages.get(plan_id)
             if stage is not None:
                 stage.last_used = time.monotonic()
                 if leader_id == "":
                     stage.used_unnamed = stage.last_used
-                elif leader_id is not None and (leader_id in stage.leaders or leader_id in stage.lapsed):
-                    stage.leaders.add(leader_id)
-                    stage.lapsed.discard(leader_id)
+                elif leader_id is not None and (leader_id in stage.leaders or (restore and leader_id in stage.lapsed)):
+                    if leader_id in stage.lapsed:
+                        stage.leaders.add(leader_id)
+                        stage.lapsed.discard(leader_id)
+                        self._claims_restored = True
                     stage.renewed_by[leader_id] = stage.last_used
             return stage
+
+    def take_restored(self) -> bool:
+        """Whether a use gave a lapsed leader its claim back since the last call (the node's card
+        then shows a reservation that grew)."""
+        with self._lock:
+            restored, self._claims_restored = self._claims_restored, False
+            return restored
 
     def claim(self, plan_id: str, leader_id: str) -> None:
         """Another leader loaded the plan (StageControl._join): it holds a claim from now."""
@@ -172,6 +185,7 @@ class LoadedStages:
                 return False
             stage.leaders.discard(leader_id)
             stage.renewed_by.pop(leader_id, None)
+            stage.lapsed.discard(leader_id)
             return True
 
     def leaders(self, plan_id: str) -> frozenset[str]:
@@ -232,6 +246,7 @@ class LoadedStages:
                 stage.leaders |= previous.leaders  # a reload (a failed group formed again) serves them all
                 stage.renewed_by = {**previous.renewed_by, **stage.renewed_by}
                 stage.lapsed = previous.lapsed - stage.leaders
+                stage.used_unnamed = max(stage.used_unnamed, previous.used_unnamed)
                 self._drop_unused(previous.weights.key)
         return previous
 

@@ -143,7 +143,7 @@ class StageControl:
         holds _loading.lock."""
         if self._closed:
             raise ShardUnavailable("this node is stopping; plan its layers on another node")
-        existing = self._stages.use(request.plan_id, request.leader_id)
+        existing = self._stages.use(request.plan_id, request.leader_id, restore=False)
         return existing if existing is not None and same_load(existing, request) else None
 
     def _check_added_kv(self, request: stage_pb2.LoadRequest, weights: SharedWeights, leaders: set[str],
@@ -275,7 +275,8 @@ class StageControl:
         for plan_id, leaders in lapsed:
             log.info("plan %s: %d of its leaders stopped renewing it for its %gs lease; their claim lapsed, "
                      "the others keep the plan", plan_id, len(leaders), lease_s)
-        if idle or lapsed:
+        # A claim a step gave back (stage_forward cannot rebuild the card) shows from this sweep on.
+        if idle or lapsed or self._stages.take_restored():
             self._on_change()  # what the node reserves changed
         return [plan_id for plan_id, _, _ in idle]
 
@@ -285,7 +286,10 @@ class StageControl:
         retire(stage, lambda: log.info("plan %s %s (%d weight bytes freed)", plan_id, why, freed))
 
     def renew(self, request: stage_pb2.RenewRequest) -> stage_pb2.RenewReply:
-        return stage_pb2.RenewReply(loaded=self._stages.use(request.plan_id, request.leader_id) is not None)
+        loaded = self._stages.use(request.plan_id, request.leader_id) is not None
+        if self._stages.take_restored():
+            self._on_change()  # a lapsed leader's claim is back: the card shows it now
+        return stage_pb2.RenewReply(loaded=loaded)
 
     def release(self, request: stage_pb2.ReleaseRequest) -> stage_pb2.ReleaseReply:
         stage = self._stages.use(request.plan_id)

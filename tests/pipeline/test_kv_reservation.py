@@ -317,6 +317,7 @@ def test_a_leader_that_stops_renewing_loses_its_claim_and_the_others_keep_the_pl
     _renew(control, "leader-b")  # back (it was only away): using the plan gives its claim back
     assert control._stages.get("plan-a").leaders == {"leader-a", "leader-b"}
     assert control._stages.memory().reserved == _budget(files, 2, leaders=2)
+    assert changes[-1] == _budget(files, 2, leaders=2)  # and the card says so at once
     time.sleep(LEASE_S + 0.1)
     assert control.expire(LEASE_S) == ["plan-a"]  # the last leader is never let go alone: the plan lapses
 
@@ -412,3 +413,44 @@ def test_steps_renew_the_claim_of_the_leader_that_sends_them_on_every_stage(aidr
         channels.close()
         for server in servers:
             server.stop(0)
+
+
+def _lapse_leader_b(control, files) -> None:
+    """plan-a loaded by leader-a and leader-b, then leader-b quiet for a lease: its claim lapsed."""
+    for leader in ("leader-a", "leader-b"):
+        control.load(_request(files, "plan-a", leader=leader))
+    time.sleep(LEASE_S + 0.1)
+    _renew(control, "leader-a")
+    control.expire(LEASE_S)
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
+
+
+def test_a_lapsed_leader_that_loads_again_joins_through_the_memory_check(control, files, monkeypatch):
+    _lapse_leader_b(control, files)
+    checked, changes = [], []
+    check = control._check_added_kv
+    monkeypatch.setattr(control, "_check_added_kv", lambda *a, **k: (checked.append(a[2]), check(*a, **k))[1])
+    control._on_change = lambda: changes.append(control._stages.memory().reserved)
+    control.load(_request(files, "plan-a", leader="leader-b"))
+    assert checked == [{"leader-a", "leader-b"}]  # its KV counted against free memory again
+    assert changes == [_budget(files, 2, leaders=2)]
+
+
+def test_a_lapsed_leaders_unload_ends_its_claim_for_good(control, files):
+    _lapse_leader_b(control, files)
+    reply = control.unload(stage_pb2.UnloadRequest(plan_id="plan-a", leader_id="leader-b"))
+    assert reply.was_loaded and reply.held_by_other_leaders
+    _renew(control, "leader-b")  # a late Renew (or a step in flight) of the leader that let go
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
+
+
+def test_a_release_renews_the_plan_but_keeps_no_claim_from_lapsing(control, files):
+    """A Release (or an Adopt) carries no leader: it renews the plan, and is not a use naming no
+    leader, which would keep every claim for a lease."""
+    for leader in ("leader-a", "leader-b"):
+        control.load(_request(files, "plan-a", leader=leader))
+    time.sleep(LEASE_S + 0.1)
+    _renew(control, "leader-a")
+    control.release(stage_pb2.ReleaseRequest(plan_id="plan-a"))
+    control.expire(LEASE_S)
+    assert control._stages.get("plan-a").leaders == {"leader-a"}
