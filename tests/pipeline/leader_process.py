@@ -30,16 +30,25 @@ OPTIONS = ServingOptions(context_length=512, max_batch=4, dtype="float32",
                          scheduler=SchedulerConfig(max_batched_tokens=64, prefill_chunk=32, prefix_block_size=16))
 
 
-def main(model: str, key_file: str, max_tokens: int, num_seqs: int, addresses: list[str]) -> None:
-    files = open_model(model)
-    key = load_key(Path(key_file))
-    wait_for_fleet(lambda: fetch_view(addresses[0], key), files.source.fingerprint(), len(addresses), 60)
+LEADER_ID = "killable-leader"
+
+
+def even_plan(files, addresses: list[str]) -> Plan:
+    """The model's layers evenly over the stage nodes (stage i on the i-th address): what this
+    leader loads (with OPTIONS), so another leader can load the same plan."""
     n = files.config.num_hidden_layers
     bounds = [round(k * n / len(addresses)) for k in range(len(addresses) + 1)]
     stages = tuple(StageAssignment(f"node-{k}", a, bounds[k], bounds[k + 1], 0, 0, 0) for k, a in enumerate(addresses))
     context = min(OPTIONS.context_length, files.config.max_position_embeddings)
-    plan = Plan(files.model_id, files.source.fingerprint(), n, context, OPTIONS.max_batch, 4, 4, stages, 0.0, False)
-    leader = leader_for_plan(files, plan, ChannelPool(ChannelConfig("killable-leader", key)), OPTIONS)
+    return Plan(files.model_id, files.source.fingerprint(), n, context, OPTIONS.max_batch, 4, 4, stages, 0.0, False)
+
+
+def main(model: str, key_file: str, max_tokens: int, num_seqs: int, addresses: list[str]) -> None:
+    files = open_model(model)
+    key = load_key(Path(key_file))
+    wait_for_fleet(lambda: fetch_view(addresses[0], key), files.source.fingerprint(), len(addresses), 60)
+    plan = even_plan(files, addresses)
+    leader = leader_for_plan(files, plan, ChannelPool(ChannelConfig(LEADER_ID, key)), OPTIONS)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     events: queue.Queue = queue.Queue()
     prompt = files.tokenizer.encode("Once upon a time, in a small town by the sea,")

@@ -1,8 +1,9 @@
 """Plans are leased on the stages (issue 12): a leader that is gone for good (kill -9, never
 closed) leaves nothing loaded past the node's --plan-lease; a live idle leader keeps its plan
 (its idle probes renew it); a leader that left its plan unused past the lease finds it dropped
-and loads it again, with the same greedy output. A node's proposer releases the sequences no
-leader named for the same lease. Real `meshllm node` processes on loopback."""
+and loads it again, with the same greedy output. Of two leaders sharing a plan, one that stops
+loses its claim after the lease while the other keeps the plan. A node's proposer releases the
+sequences no leader named for the same lease. Real `meshllm node` processes on loopback."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from meshllm.cluster.gossip import fetch_view
 from meshllm.engine.kv_cache import SeqId
 from meshllm.engine.sampler import SamplingParams
-from meshllm.pipeline.cluster import wait_for_fleet
+from meshllm.pipeline.cluster import deploy_plan, wait_for_fleet
 from meshllm.pipeline.failover import FailoverConfig
 from meshllm.pipeline.local_cluster import LocalCluster
 from meshllm.pipeline.plan_owner import PlanOwner
@@ -96,6 +97,48 @@ def test_a_killed_leaders_plan_is_unloaded_within_its_lease(lease_cluster, pipel
         if process.poll() is None:
             process.kill()
             process.wait(timeout=10)
+
+
+def test_a_stopped_leaders_claim_lapses_while_another_leader_keeps_the_shared_plan(lease_cluster, pipeline_models,
+                                                                                 model_files):
+    """Two leaders share one plan: a leader process, stopped (SIGSTOP: hung, or cut off) mid-stream,
+    and one that goes on renewing it naming itself (as its probes do). After the lease each node's
+    card reserves KV for the live leader only, and the plan stays loaded for it."""
+    local = lease_cluster.local
+    process = leader_process.spawn(pipeline_models["aidreams"], local.key_file, 90, 1, local.addresses)
+    channels = ChannelPool(ChannelConfig("leader-b", lease_cluster.key))
+    plan_id = None
+    try:
+        plan_id = json.loads(process.stdout.readline())["plan_id"]
+        process.send_signal(signal.SIGSTOP)  # mid-stream: it neither steps nor renews from now on
+        plan = leader_process.even_plan(model_files["aidreams"], local.addresses)
+        assert deploy_plan(model_files["aidreams"], plan, channels, leader_process.OPTIONS).plan_id == plan_id
+
+        def reserved_for() -> list[set[tuple[str, ...]]]:
+            """Per node, the leader sets its card reserves KV for (itself as it gossips it)."""
+            cards = {c.node_id: c for c in lease_cluster.view()}
+            return [{r.leader_ids for s in cards[n].shards for r in s.kv_reservations} for n in local.node_ids]
+
+        both = {tuple(sorted((leader_process.LEADER_ID, "leader-b")))}
+        wait_until(lambda: reserved_for() == [both, both], timeout=LEASE_S, interval=0.05,
+                   message="the cards to show both leaders' claim")
+
+        def renewed_and_lapsed() -> bool:
+            for a, n in zip(local.addresses, local.node_ids):  # leader-b's probe
+                assert stage_pb2_grpc.StageStub(channels.get(a, n)).Renew(
+                    stage_pb2.RenewRequest(plan_id=plan_id, leader_id="leader-b"), timeout=10).loaded
+            return reserved_for() == [{("leader-b",)}, {("leader-b",)}]
+
+        wait_until(renewed_and_lapsed, timeout=LEASE_S + 8, interval=0.1,
+                   message="the killed leader's claim to lapse on both nodes")
+        assert all(plan_id in held for held in lease_cluster.plans())
+    finally:
+        process.kill()  # a stopped process takes SIGKILL too
+        process.wait(timeout=10)
+        for a, n in zip(local.addresses, local.node_ids) if plan_id else ():
+            stage_pb2_grpc.StageStub(channels.get(a, n)).Unload(
+                stage_pb2.UnloadRequest(plan_id=plan_id, leader_id="leader-b"), timeout=10)
+        channels.close()
 
 
 def test_an_idle_leader_keeps_its_plan_and_one_that_was_away_loads_it_again(lease_cluster, model_files):
