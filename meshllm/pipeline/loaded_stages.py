@@ -151,12 +151,13 @@ class LoadedStages:
                 stage.last_used = time.monotonic()
                 if leader_id == "":
                     stage.used_unnamed = stage.last_used
-                elif leader_id is not None and (leader_id in stage.leaders or (restore and leader_id in stage.lapsed)):
-                    if leader_id in stage.lapsed:
-                        stage.leaders.add(leader_id)
+                elif leader_id is not None:
+                    if restore and leader_id in stage.lapsed:
                         stage.lapsed.discard(leader_id)
+                        stage.leaders.add(leader_id)
                         self._claims_restored = True
-                    stage.renewed_by[leader_id] = stage.last_used
+                    if leader_id in stage.leaders:
+                        stage.renewed_by[leader_id] = stage.last_used
             return stage
 
     def take_restored(self) -> bool:

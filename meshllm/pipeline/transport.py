@@ -77,8 +77,7 @@ class RemotePipeline:
 
     def submit(self, step: Step) -> Future:
         future: Future = Future()
-        message = stage_convert.step_to_pb(self.plan_id, step)
-        message.leader_id = self.leader_id
+        message = stage_convert.step_to_pb(self.plan_id, step, self.leader_id)
         with self._lock:
             if self._requests is None:
                 self._open()

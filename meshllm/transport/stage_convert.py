@@ -73,9 +73,9 @@ def _penalties_from_pb(e: stage_pb2.SeqEntry, limits: StepLimits) -> PenaltyCoun
     return PenaltyCounts(tuple(e.penalty_ids), tuple(e.penalty_counts))
 
 
-def step_to_pb(plan_id: str, step: Step) -> stage_pb2.StepRequest:
+def step_to_pb(plan_id: str, step: Step, leader_id: str = "") -> stage_pb2.StepRequest:
     return stage_pb2.StepRequest(
-        plan_id=plan_id, step_id=step.step_id,
+        plan_id=plan_id, step_id=step.step_id, leader_id=leader_id,
         seqs=[stage_pb2.SeqEntry(seq_id=w.seq_id, start=w.start, num_tokens=w.num_tokens, num_scored=w.num_scored,
                                  sampling=sampling_to_pb(w.sampling) if w.sampling else None, attach=w.attach,
                                  draft=w.draft, penalty_ids=w.penalties.ids, penalty_counts=w.penalties.counts,

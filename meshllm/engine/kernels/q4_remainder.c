@@ -23,11 +23,10 @@
 #include <immintrin.h>
 #endif
 
+#if !defined(__F16C__) /* with F16C the op converts 8 at once */
 /* A float16's value, exactly (every float16 is a float). */
 static inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#elif defined(__aarch64__)
+#if defined(__aarch64__)
     __fp16 f;
     memcpy(&f, &h, sizeof f);
     return f;
@@ -46,6 +45,7 @@ static inline float half_to_float(uint16_t h) {
     return f;
 #endif
 }
+#endif
 
 size_t meshllm_q4_remainder_tensor_size(void) { return sizeof(struct ggml_tensor); }
 
